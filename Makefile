@@ -1,0 +1,29 @@
+# Both entry points create and use a local virtual environment (.venv).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: test demo bench deep-test clean
+
+$(STAMP): pyproject.toml requirements/ci.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/ci.txt -e '.[test]'
+	touch $@
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check globalshard tests examples bench
+	$(PY) -m pytest
+
+# The hypothesis properties with many more examples (minutes to hours).
+deep-test: $(STAMP)
+	HYPOTHESIS_PROFILE=deep $(PY) -m pytest tests -k property
+
+demo: $(STAMP)
+	$(PY) examples/numpy_demo.py
+
+bench: $(STAMP)
+	$(PY) bench/run.py
+
+clean:
+	rm -rf $(VENV) build .pytest_cache .hypothesis

@@ -1,0 +1,65 @@
+"""globalshard: distributed checkpoints stored by global coordinates.
+
+Each rank describes its pieces of every array by where they sit in the global
+array (:class:`ShardedTensor`), :func:`save` stores them once each, and
+:func:`load` fills any other set of pieces, cut under any other parallel
+layout, reading only the bytes each needs. numpy and TensorStore only: no
+torch, no jax (those adapters live in ``backends/``).
+"""
+
+from globalshard.api import load, read_array, read_metadata, save
+from globalshard.comm import Comm, SingleProcessComm
+from globalshard.dtypes import SUPPORTED_DTYPES, is_exact_cast
+from globalshard.errors import (
+    CastError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CommError,
+    GlobalShardError,
+    LayoutError,
+    MetadataError,
+    MismatchError,
+    StorageError,
+)
+from globalshard.geometry import Box, Region, Segment
+from globalshard.layout import ShardedStateDict, ShardedTensor
+from globalshard.metadata import FORMAT_VERSION, Metadata, StoredRegion, TensorMetadata
+from globalshard.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, ShardInfo
+from globalshard.storage import IOStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FORMAT_VERSION",
+    "SUPPORTED_DTYPES",
+    "Box",
+    "CastError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "Comm",
+    "CommError",
+    "GlobalShardError",
+    "IOStats",
+    "LayoutError",
+    "LoadPlan",
+    "LoadPlanner",
+    "Metadata",
+    "MetadataError",
+    "MismatchError",
+    "Region",
+    "SavePlan",
+    "SavePlanner",
+    "Segment",
+    "ShardInfo",
+    "ShardedStateDict",
+    "ShardedTensor",
+    "SingleProcessComm",
+    "StorageError",
+    "StoredRegion",
+    "TensorMetadata",
+    "is_exact_cast",
+    "load",
+    "read_array",
+    "read_metadata",
+    "save",
+]

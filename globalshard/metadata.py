@@ -1,0 +1,405 @@
+"""metadata.json and trainer_state.json: the model, the strict parser, the writer.
+
+``spec/FORMAT.md`` is the normative description; this module follows it. The
+parser trusts nothing: every field is type-checked, every integer must be a
+non-negative JSON integer below 2**63, every dtype name must be known (there is
+no fallback), stored regions of a key must cover its global shape exactly once,
+and every path must stay inside the checkpoint. All problems found are
+reported together, each with its JSON path, in one :class:`MetadataError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from globalshard.dtypes import SUPPORTED_DTYPES, numpy_dtype
+from globalshard.errors import MetadataError, format_problems
+from globalshard.geometry import Box, cover_problems
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "METADATA_FILE",
+    "TRAINER_STATE_FILE",
+    "Metadata",
+    "StoredRegion",
+    "TensorMetadata",
+    "TrainerStateRef",
+    "check_relative_path",
+    "dump_trainer_state",
+    "parse_metadata",
+    "parse_trainer_state",
+]
+
+FORMAT_NAME = "globalshard"
+FORMAT_VERSION = 1
+METADATA_FILE = "metadata.json"
+TRAINER_STATE_FILE = "trainer_state.json"
+_RESERVED = frozenset({METADATA_FILE, TRAINER_STATE_FILE})
+_MAX_INT = 2**63 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class StoredRegion:
+    """One stored array: the global ``box`` it holds and where it lives."""
+
+    box: Box
+    path: str
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMetadata:
+    """Everything stored about one checkpoint key."""
+
+    dtype: str
+    global_shape: tuple[int, ...]
+    regions: tuple[StoredRegion, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerStateRef:
+    """Size and SHA-256 of trainer_state.json, so a stale or edited copy is caught."""
+
+    nbytes: int
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class Metadata:
+    """The parsed metadata.json of a checkpoint.
+
+    ``tensors`` maps checkpoint keys to their :class:`TensorMetadata`.
+    """
+
+    tensors: Mapping[str, TensorMetadata]
+    trainer_state: TrainerStateRef | None = None
+    version: int = FORMAT_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON document, keys and regions in a canonical order."""
+        tensors = {}
+        for key in sorted(self.tensors):
+            t = self.tensors[key]
+            tensors[key] = {
+                "dtype": t.dtype,
+                "global_shape": list(t.global_shape),
+                "regions": [
+                    {"offset": list(r.box.offset), "shape": list(r.box.shape), "path": r.path, "nbytes": r.nbytes}
+                    for r in sorted(t.regions, key=lambda r: r.box.offset)
+                ],
+            }
+        ts = None
+        if self.trainer_state is not None:
+            ts = {"nbytes": self.trainer_state.nbytes, "sha256": self.trainer_state.sha256}
+        return {"format": FORMAT_NAME, "version": self.version, "tensors": tensors, "trainer_state": ts}
+
+    def dumps(self) -> str:
+        """Serialise to the text of metadata.json."""
+        return json.dumps(self.to_json(), separators=(",", ":")) + "\n"
+
+
+# --------------------------------------------------------------------------- JSON
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate object key {k!r}")
+        out[k] = v
+    return out
+
+
+def _loads(data: bytes | str, what: str) -> Any:
+    try:
+        text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data
+        return json.loads(text, object_pairs_hook=_unique_object, parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise MetadataError(f"{what}: not a valid JSON document: {e}") from None
+
+
+def check_relative_path(path: Any) -> str | None:
+    """Why ``path`` may not name stored data inside a checkpoint, or None if it may.
+
+    Paths are relative, ``/``-separated, with no empty, ``.`` or ``..``
+    component, no backslash or control character, and never a reserved file.
+    """
+    if not isinstance(path, str):
+        return f"must be a string, got {type(path).__name__}"
+    if not path or len(path) > 4096:
+        return "must be a non-empty string of at most 4096 characters"
+    if path.startswith("/") or (len(path) > 1 and path[1] == ":"):
+        return f"{path!r} is absolute; paths are relative to the checkpoint"
+    if "\\" in path or any(ord(c) < 32 or ord(c) == 127 for c in path):
+        return f"{path!r} holds a backslash or a control character"
+    parts = path.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        return f"{path!r} has an empty, '.' or '..' component"
+    if parts[0] in _RESERVED:
+        return f"{path!r} would collide with {parts[0]}"
+    return None
+
+
+class _Parser:
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+
+    def bad(self, where: str, what: str) -> None:
+        self.problems.append(f"{where}: {what}")
+
+    def obj(self, value: Any, where: str, required: tuple[str, ...]) -> dict[str, Any] | None:
+        if not isinstance(value, dict):
+            self.bad(where, f"must be an object, got {_json_type(value)}")
+            return None
+        for k in required:
+            if k not in value:
+                self.bad(where, f"missing field {k!r}")
+        for k in value:
+            if k not in required:
+                self.bad(f"{where}.{k}", "unknown field")
+        return value
+
+    def uint(self, value: Any, where: str) -> int | None:
+        if type(value) is not int:
+            self.bad(where, f"must be a non-negative integer, got {_json_type(value)} {_short(value)}")
+            return None
+        if not 0 <= value <= _MAX_INT:
+            self.bad(where, f"{value} is outside [0, 2**63 - 1]")
+            return None
+        return value
+
+    def uints(self, value: Any, where: str, length: int | None = None) -> tuple[int, ...] | None:
+        if not isinstance(value, list):
+            self.bad(where, f"must be an array of integers, got {_json_type(value)}")
+            return None
+        out = [self.uint(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        if any(v is None for v in out):
+            return None
+        if length is not None and len(out) != length:
+            self.bad(where, f"has {len(out)} entries, expected {length}")
+            return None
+        return tuple(v for v in out if v is not None)
+
+
+def _json_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, int):
+        return "integer"
+    if isinstance(v, float):
+        return "number"
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, list):
+        return "array"
+    return "object"
+
+
+def _short(v: Any) -> str:
+    text = json.dumps(v) if not isinstance(v, float) or math.isfinite(v) else repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _path(parent: str, key: str) -> str:
+    return f"{parent}[{json.dumps(key)}]"
+
+
+def parse_metadata(data: bytes | str, *, source: str = METADATA_FILE) -> Metadata:
+    """Parse and validate the text of a metadata.json.
+
+    Raises:
+        MetadataError: listing every problem found, each with its JSON path
+        (``$.tensors["w"].regions[2].offset[0]``).
+    """
+    doc = _loads(data, source)
+    p = _Parser()
+    top = p.obj(doc, "$", ("format", "version", "tensors", "trainer_state"))
+    if top is None:
+        raise MetadataError(format_problems(f"{source} is not a globalshard metadata document", p.problems))
+    if top.get("format") != FORMAT_NAME:
+        p.bad("$.format", f"must be {FORMAT_NAME!r}, got {_short(top.get('format'))}")
+    version = top.get("version")
+    if type(version) is not int or version != FORMAT_VERSION:
+        p.bad("$.version", f"unsupported format version {_short(version)}; this library reads version {FORMAT_VERSION}")
+    if p.problems:
+        raise MetadataError(format_problems(f"{source} is not a globalshard metadata document", p.problems))
+
+    tensors: dict[str, TensorMetadata] = {}
+    raw_tensors = top.get("tensors")
+    if not isinstance(raw_tensors, dict):
+        p.bad("$.tensors", f"must be an object, got {_json_type(raw_tensors)}")
+        raw_tensors = {}
+    all_paths: dict[str, str] = {}
+    for key, raw in raw_tensors.items():
+        where = _path("$.tensors", key)
+        if not key:
+            p.bad(where, "a checkpoint key may not be empty")
+        t = _parse_tensor(p, raw, where, all_paths)
+        if t is not None:
+            tensors[key] = t
+    _check_nesting(p, all_paths)
+
+    ts_ref = None
+    raw_ts = top.get("trainer_state")
+    if raw_ts is not None:
+        o = p.obj(raw_ts, "$.trainer_state", ("nbytes", "sha256"))
+        if o is not None:
+            nbytes = p.uint(o.get("nbytes"), "$.trainer_state.nbytes")
+            digest = o.get("sha256")
+            if not (isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
+                p.bad("$.trainer_state.sha256", "must be 64 lowercase hex digits")
+            elif nbytes is not None:
+                ts_ref = TrainerStateRef(nbytes, digest)
+    if p.problems:
+        raise MetadataError(format_problems(f"{source} is invalid", p.problems))
+    return Metadata(tensors, ts_ref, version)
+
+
+def _parse_tensor(p: _Parser, raw: Any, where: str, all_paths: dict[str, str]) -> TensorMetadata | None:
+    o = p.obj(raw, where, ("dtype", "global_shape", "regions"))
+    if o is None:
+        return None
+    before = len(p.problems)
+    dtype = o.get("dtype")
+    itemsize = None
+    if not isinstance(dtype, str) or dtype not in SUPPORTED_DTYPES:
+        p.bad(f"{where}.dtype", f"unknown dtype {_short(dtype)}; known: {', '.join(SUPPORTED_DTYPES)}")
+    else:
+        itemsize = numpy_dtype(dtype).itemsize
+    gshape = p.uints(o.get("global_shape"), f"{where}.global_shape")
+    raw_regions = o.get("regions")
+    if not isinstance(raw_regions, list):
+        p.bad(f"{where}.regions", f"must be an array, got {_json_type(raw_regions)}")
+        return None
+    if gshape is None:
+        return None
+    bounds = Box.full(gshape)
+    regions: list[StoredRegion] = []
+    region_where: list[str] = []
+    for i, rr in enumerate(raw_regions):
+        rw = f"{where}.regions[{i}]"
+        r = p.obj(rr, rw, ("offset", "shape", "path", "nbytes"))
+        if r is None:
+            continue
+        offset = p.uints(r.get("offset"), f"{rw}.offset", len(gshape))
+        shape = p.uints(r.get("shape"), f"{rw}.shape", len(gshape))
+        nbytes = p.uint(r.get("nbytes"), f"{rw}.nbytes")
+        path = r.get("path")
+        why = check_relative_path(path)
+        if why is not None:
+            p.bad(f"{rw}.path", why)
+        elif path in all_paths:
+            p.bad(f"{rw}.path", f"{path!r} is also used by {all_paths[path]}")
+        else:
+            all_paths[path] = rw
+        if offset is None or shape is None or nbytes is None or why is not None:
+            continue
+        box = Box._trusted(offset, shape)
+        if box.is_empty:
+            p.bad(rw, "a stored region must hold at least one element")
+            continue
+        if not bounds.contains(box):
+            p.bad(rw, f"box {box} is outside the global shape {gshape}")
+            continue
+        if itemsize is not None and nbytes != box.volume * itemsize:
+            p.bad(f"{rw}.nbytes", f"is {nbytes}, but {box.volume} elements of {dtype} take {box.volume * itemsize}")
+        regions.append(StoredRegion(box, path, nbytes))
+        region_where.append(rw)
+    if len(p.problems) > before:
+        return None
+    gaps, overlaps = cover_problems(bounds, [r.box for r in regions])
+    for g in gaps:
+        p.bad(f"{where}.regions", f"global elements {g} are not stored in any region")
+    for i, j in overlaps:
+        p.bad(f"{where}.regions", f"{region_where[i]} {regions[i].box} overlaps {region_where[j]} {regions[j].box}")
+    if gaps or overlaps:
+        return None
+    return TensorMetadata(str(dtype), gshape, tuple(regions))
+
+
+def _check_nesting(p: _Parser, all_paths: dict[str, str]) -> None:
+    # Each stored array is a directory; one may not sit inside another.
+    for path, where in all_paths.items():
+        parts = path.split("/")
+        for k in range(1, len(parts)):
+            parent = "/".join(parts[:k])
+            if parent in all_paths:
+                p.bad(f"{where}.path", f"{path!r} lies inside {parent!r} ({all_paths[parent]})")
+                break
+
+
+# --------------------------------------------------------------------------- trainer state
+
+
+def _check_json_value(value: Any, where: str, problems: list[str]) -> None:
+    if value is None or isinstance(value, (bool, str)):
+        return
+    if isinstance(value, int):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            problems.append(f"{where}: {value!r} is not representable in JSON")
+        return
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_json_value(v, f"{where}[{i}]", problems)
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                problems.append(f"{where}: key {k!r} is a {type(k).__name__}; JSON keys are strings")
+                continue
+            _check_json_value(v, _path(where, k), problems)
+        return
+    hint = " (use a list)" if isinstance(value, tuple) else ""
+    problems.append(f"{where}: {type(value).__name__} is not a JSON type{hint}")
+
+
+def dump_trainer_state(state: Any) -> tuple[bytes, TrainerStateRef]:
+    """The bytes of trainer_state.json for ``state`` and their reference.
+
+    Only what JSON round-trips exactly is accepted: dicts with string keys,
+    lists, strings, finite floats, ints, booleans and None. A tuple, a numpy
+    scalar or an int key would come back as something else, so each is an
+    error naming its JSON path.
+
+    Raises:
+        MetadataError: ``state`` is not a dict of exact JSON values.
+    """
+    if not isinstance(state, dict):
+        raise MetadataError(f"trainer_state must be a dict, got {type(state).__name__}")
+    problems: list[str] = []
+    try:
+        _check_json_value(state, "$", problems)
+    except RecursionError:
+        raise MetadataError("trainer_state is nested too deeply to store as JSON") from None
+    if problems:
+        raise MetadataError(format_problems("trainer_state cannot be stored as JSON exactly", problems))
+    data = (json.dumps(state, indent=1, allow_nan=False) + "\n").encode("utf-8")
+    return data, TrainerStateRef(len(data), hashlib.sha256(data).hexdigest())
+
+
+def parse_trainer_state(data: bytes, ref: TrainerStateRef) -> dict[str, Any]:
+    """Check trainer_state.json against its reference in metadata.json and parse it."""
+    if len(data) != ref.nbytes or hashlib.sha256(data).hexdigest() != ref.sha256:
+        raise MetadataError(
+            f"{TRAINER_STATE_FILE} does not match the size and SHA-256 recorded in "
+            f"{METADATA_FILE} ({len(data)} bytes, expected {ref.nbytes}): it was modified, "
+            "truncated, or belongs to another save"
+        )
+    doc = _loads(data, TRAINER_STATE_FILE)
+    if not isinstance(doc, dict):
+        raise MetadataError(f"{TRAINER_STATE_FILE}: $ must be an object, got {_json_type(doc)}")
+    return doc
