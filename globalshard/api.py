@@ -125,7 +125,7 @@ def save(
         for w in plan.for_rank(comm.rank):
             tensor = entries[w.shard][1]
             local = tensor.regions[w.region].global_to_local(w.box)
-            items.append((w.path, tensor.dtype, tensor.data[local.slices]))
+            items.append((w.path, tensor.dtype, tensor.data[(*local.slices, ...)]))
         location.write_arrays(items, stats)
         if ts_blob:
             location.write_file(TRAINER_STATE_FILE, ts_blob[0][0])

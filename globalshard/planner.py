@@ -319,7 +319,10 @@ class LoadPlan:
 
 def missing_key(key: str, metadata: Metadata) -> str:
     """Why ``key`` cannot be loaded from a checkpoint lacking it, with near misses."""
-    close = difflib.get_close_matches(key, list(metadata.tensors), n=3)
+    folded: dict[str, str] = {}
+    for k in metadata.tensors:
+        folded.setdefault(k.casefold(), k)
+    close = [folded[k] for k in difflib.get_close_matches(key.casefold(), list(folded), n=3)]
     return "no such key in the checkpoint" + (f"; similar keys: {close}" if close else "")
 
 

@@ -208,11 +208,12 @@ class Location:
                 self._kvs().delete_range(ts.KvStore.KeyRange(start, end)).result()
                 return
             target = os.path.join(self.local, name)
-            if tree:
-                if os.path.isdir(target):
-                    shutil.rmtree(target)
-            elif os.path.lexists(target):
+            if tree and os.path.isdir(target):
+                shutil.rmtree(target)
+            elif not tree and os.path.lexists(target):
                 os.unlink(target)
+            else:
+                return
             self._sync_dir()
         except (OSError, ValueError) as e:
             raise StorageError(f"cannot remove {self.describe(name)}: {_error_text(e)}") from None
@@ -330,7 +331,7 @@ class Location:
             try:
                 value = future.result()
                 if data is not None:
-                    cast_into(data[box.slices], value)
+                    cast_into(data[(*box.slices, ...)], value)  # a view, even for 0-d
             except Exception as e:
                 problems.append(f"{self.describe(path)}: {_error_text(e)}")
         if problems:

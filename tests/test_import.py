@@ -1,0 +1,21 @@
+import subprocess
+import sys
+
+
+def test_core_imports_no_framework():
+    code = "import sys, globalshard; print(sorted(m for m in ('torch', 'jax', 'jaxlib') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_public_api_names():
+    import globalshard as gs
+
+    for name in ["Box", "Segment", "Region", "ShardedTensor", "ShardedStateDict", "save", "load", "read_metadata",
+                 "read_array", "GlobalShardError", "MetadataError", "LayoutError", "SavePlanner", "LoadPlanner"]:
+        assert name in gs.__all__ and hasattr(gs, name)
+    assert issubclass(gs.MetadataError, gs.GlobalShardError) and issubclass(gs.MetadataError, ValueError)
+    for name in gs.__all__:
+        obj = getattr(gs, name)
+        if isinstance(obj, type) and issubclass(obj, BaseException):
+            assert issubclass(obj, Exception) and (obj is gs.GlobalShardError or issubclass(obj, gs.GlobalShardError))

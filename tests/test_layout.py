@@ -1,0 +1,111 @@
+import ml_dtypes
+import numpy as np
+import pytest
+
+from globalshard import Box, GlobalShardError, LayoutError, Region, Segment, ShardedStateDict, ShardedTensor
+
+
+def test_from_offset_plain_and_dtype_name():
+    t = ShardedTensor.from_offset("w", np.zeros((2, 3), ml_dtypes.bfloat16), global_shape=(4, 3),
+                                  global_offset=(2, 0))
+    assert t.dtype == "bfloat16"
+    assert t.regions == (Region(Box((0, 0), (2, 3)), Box((2, 0), (2, 3))),)
+    assert t.global_shape == (4, 3) and t.replica_id == 0
+
+
+def test_from_offset_outside_global_needs_padding():
+    data = np.zeros((4, 3), np.float32)
+    with pytest.raises(LayoutError, match="allow_padding"):
+        ShardedTensor.from_offset("emb", data, global_shape=(10, 3), global_offset=(8, 0))
+    t = ShardedTensor.from_offset("emb", data, global_shape=(10, 3), global_offset=(8, 0), allow_padding=True)
+    assert t.regions[0].global_box == Box((8, 0), (2, 3))
+    # A rank whose whole shard is padding holds no region.
+    t = ShardedTensor.from_offset("emb", data, global_shape=(10, 3), global_offset=(12, 0), allow_padding=True)
+    assert t.regions == ()
+
+
+def test_from_segments_qkv_gqa():
+    # 4 q heads, 2 kv heads, head dim 1, TP=2, rank 1: [q1; k1; v1]
+    t = ShardedTensor.from_segments("qkv", np.zeros((4, 5), np.float32), global_shape=(8, 5), axis=0,
+                                    segments=[Segment(0, 2, 2), Segment(2, 5, 1), Segment(3, 7, 1)])
+    assert [str(r.global_box) for r in t.regions] == ["[2:4, 0:5]", "[5:6, 0:5]", "[7:8, 0:5]"]
+    assert [str(r.local_box) for r in t.regions] == ["[0:2, 0:5]", "[2:3, 0:5]", "[3:4, 0:5]"]
+
+
+def test_from_segments_on_axis_1_with_offset_on_axis_0():
+    t = ShardedTensor.from_segments("w", np.zeros((2, 4)), global_shape=(4, 8), axis=1,
+                                    segments=[(0, 6, 2), (2, 0, 2)], global_offset=(2, 0))
+    assert [str(r.global_box) for r in t.regions] == ["[2:4, 6:8]", "[2:4, 0:2]"]
+
+
+@pytest.mark.parametrize("segments,match", [
+    ([(0, 0, 2), (3, 2, 1)], "uncovered"),           # local gap
+    ([(0, 0, 2), (1, 2, 3)], "overlaps"),            # local overlap
+    ([(0, 0, 2), (2, 1, 2)], "overlap globally"),    # global overlap
+    ([(0, 0, 2), (2, 7, 2)], "beyond the global size"),
+    ([(0, 0, 2)], "allow_padding"),                  # local tail not covered
+])
+def test_from_segments_rejects(segments, match):
+    with pytest.raises(LayoutError, match=match):
+        ShardedTensor.from_segments("k", np.zeros((4, 2)), global_shape=(8, 2), axis=0, segments=segments)
+
+
+def test_from_segments_rejects_offset_on_segment_axis_and_bad_axis():
+    with pytest.raises(LayoutError, match="global_offset"):
+        ShardedTensor.from_segments("k", np.zeros((2, 2)), global_shape=(4, 2), axis=0,
+                                    segments=[(0, 0, 2)], global_offset=(1, 0))
+    with pytest.raises(LayoutError, match="axis"):
+        ShardedTensor.from_segments("k", np.zeros((2, 2)), global_shape=(4, 2), axis=2, segments=[(0, 0, 2)])
+
+
+def test_plain_constructor_checks_regions():
+    data = np.zeros((4,))
+    ok = ShardedTensor("k", data, (8,), (Region(Box((0,), (2,)), Box((6,), (2,))),
+                                         Region(Box((2,), (2,)), Box((0,), (2,)))))
+    assert len(ok.regions) == 2
+    with pytest.raises(LayoutError, match="outside the local data shape"):
+        ShardedTensor("k", data, (8,), (Region(Box((3,), (2,)), Box((0,), (2,))),))
+    with pytest.raises(LayoutError, match="outside the global shape"):
+        ShardedTensor("k", data, (8,), (Region(Box((0,), (4,)), Box((6,), (4,))),))
+    with pytest.raises(LayoutError, match="outside every region"):
+        ShardedTensor("k", data, (8,), (Region(Box((0,), (2,)), Box((0,), (2,))),))
+
+
+def test_bad_inputs_are_layout_errors():
+    with pytest.raises(LayoutError, match="numpy array"):
+        ShardedTensor.from_offset("k", [1.0, 2.0], global_shape=(2,), global_offset=(0,))
+    with pytest.raises(LayoutError, match="unsupported dtype"):
+        ShardedTensor.from_offset("k", np.array(["a"]), global_shape=(1,), global_offset=(0,))
+    with pytest.raises(LayoutError, match="non-empty string"):
+        ShardedTensor.from_offset("", np.zeros(1), global_shape=(1,), global_offset=(0,))
+    with pytest.raises(LayoutError, match="replica_id"):
+        ShardedTensor.from_offset("k", np.zeros(1), global_shape=(1,), global_offset=(0,), replica_id=-1)
+    with pytest.raises(LayoutError, match="dims"):
+        ShardedTensor.from_offset("k", np.zeros(1), global_shape=(1, 1), global_offset=(0, 0))
+    assert issubclass(LayoutError, GlobalShardError) and issubclass(LayoutError, ValueError)
+
+
+def test_zero_d_and_zero_size():
+    s = ShardedTensor.from_offset("s", np.array(3.0), global_shape=(), global_offset=())
+    assert s.regions == (Region(Box((), ()), Box((), ())),)
+    e = ShardedTensor.from_offset("e", np.zeros((0, 3)), global_shape=(0, 3), global_offset=(0, 0))
+    assert e.regions == ()
+
+
+def test_sharded_tensor_is_frozen():
+    t = ShardedTensor.from_offset("w", np.zeros(2), global_shape=(2,), global_offset=(0,))
+    with pytest.raises(AttributeError):
+        t.key = "v"  # type: ignore[misc]
+
+
+def test_state_dict_merge_and_validation():
+    a = ShardedStateDict({"a": ShardedTensor.from_offset("w", np.zeros(2), global_shape=(4,), global_offset=(0,))})
+    b = ShardedStateDict({"b": ShardedTensor.from_offset("w", np.zeros(2), global_shape=(4,), global_offset=(2,))})
+    m = a.merge(b)
+    assert list(m) == ["a", "b"] and len(a) == 1
+    with pytest.raises(LayoutError, match="present in both"):
+        m.merge(a)
+    with pytest.raises(LayoutError, match="not a ShardedTensor"):
+        ShardedStateDict({"x": np.zeros(2)})
+    with pytest.raises(LayoutError, match="appears twice"):
+        ShardedStateDict([("a", a["a"]), ("a", a["a"])])

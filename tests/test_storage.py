@@ -1,0 +1,342 @@
+"""What happens to real files: corruption, loss, escapes, failed and concurrent saves."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from threadcomm import ThreadComm, run_ranks
+
+import globalshard as gs
+from globalshard import ShardedTensor
+from globalshard.storage import CHUNK_BYTES, chunk_shape
+
+RNG = np.random.default_rng(7)
+
+
+def shard(key, data, offset, gshape, **kw):
+    return ShardedTensor.from_offset(key, data, global_shape=gshape, global_offset=offset, **kw)
+
+
+def small_checkpoint(path, trainer_state=None):
+    full = RNG.standard_normal((8, 4)).astype(np.float32)
+    state = {f"r{r}": shard("w", full[r * 4:(r + 1) * 4].copy(), (r * 4, 0), (8, 4)) for r in range(2)}
+    gs.save(state, path, trainer_state=trainer_state)
+    return full
+
+
+def target(shape=(8, 4), dtype=np.float32):
+    return {"t": shard("w", np.full(shape, 5, dtype), (0,) * len(shape), shape)}
+
+
+def chunk_files(path):
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(path / "arrays") for f in fs if f != "zarr.json")
+
+
+def test_save_writes_zarr3_with_crc32c(tmp_path):
+    small_checkpoint(tmp_path)
+    for d, _, files in os.walk(tmp_path / "arrays"):
+        if "zarr.json" in files:
+            meta = json.load(open(os.path.join(d, "zarr.json")))
+            assert meta["zarr_format"] == 3
+            assert [c["name"] for c in meta["codecs"]] == ["bytes", "crc32c"]
+
+
+def test_large_regions_are_sharded_into_inner_chunks_and_read_partially(tmp_path):
+    full = RNG.standard_normal((2048, 1024)).astype(np.float32)  # 8 MiB: above CHUNK_BYTES
+    gs.save({"a": shard("big", full, (0, 0), full.shape)}, tmp_path)
+    zarr = json.load(open(tmp_path / "arrays" / "big" / "0" / "zarr.json"))
+    assert zarr["codecs"][0]["name"] == "sharding_indexed"
+    assert zarr["codecs"][0]["configuration"]["chunk_shape"] == list(chunk_shape((2048, 1024), 4))
+    stats = gs.IOStats()
+    part = {"p": shard("big", np.zeros((256, 1024), np.float32), (512, 0), full.shape)}
+    gs.load(part, tmp_path, stats=stats)
+    assert np.array_equal(part["p"].data, full[512:768])
+    assert stats.bytes_needed == 256 * 1024 * 4
+    assert stats.bytes_read <= CHUNK_BYTES  # one inner chunk, not the 8 MiB region
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate", "flip", "empty"])
+def test_damaged_chunk_is_an_error_never_zeros(tmp_path, damage):
+    small_checkpoint(tmp_path)
+    victim = chunk_files(tmp_path)[0]
+    data = open(victim, "rb").read()
+    if damage == "delete":
+        os.remove(victim)
+    elif damage == "truncate":
+        open(victim, "wb").write(data[:-3])
+    elif damage == "flip":
+        open(victim, "wb").write(bytes([data[0] ^ 0x40]) + data[1:])
+    else:
+        open(victim, "wb").write(b"")
+    with pytest.raises(gs.StorageError) as info:
+        gs.load(target(), tmp_path)
+    assert os.path.relpath(os.path.dirname(os.path.dirname(victim)), tmp_path) in str(info.value)
+
+
+def test_damaged_sharded_chunk_is_an_error(tmp_path):
+    full = RNG.standard_normal((1200, 1024)).astype(np.float32)
+    gs.save({"a": shard("big", full, (0, 0), full.shape)}, tmp_path)
+    victim = chunk_files(tmp_path)[0]
+    data = bytearray(open(victim, "rb").read())
+    data[len(data) // 3] ^= 0xFF
+    open(victim, "wb").write(bytes(data))
+    with pytest.raises(gs.StorageError, match="DATA_LOSS|checksum|Digest"):
+        gs.read_array(tmp_path, "big")
+
+
+def test_missing_or_altered_zarr_json(tmp_path):
+    small_checkpoint(tmp_path)
+    meta_file = tmp_path / "arrays" / "w" / "1" / "zarr.json"
+    meta = json.load(open(meta_file))
+    meta["data_type"] = "int32"
+    json.dump(meta, open(meta_file, "w"))
+    with pytest.raises(gs.StorageError, match="arrays/w/1"):
+        gs.load(target(), tmp_path)
+    os.remove(meta_file)
+    with pytest.raises(gs.StorageError, match="arrays/w/1"):
+        gs.load(target(), tmp_path)
+
+
+def test_missing_array_is_found_before_any_target_byte_is_written(tmp_path):
+    small_checkpoint(tmp_path)
+    shutil.rmtree(tmp_path / "arrays" / "w" / "1")
+    t = target()
+    with pytest.raises(gs.StorageError):
+        gs.load(t, tmp_path)
+    assert (t["t"].data == 5).all()
+
+
+def test_trainer_state_tampering(tmp_path):
+    small_checkpoint(tmp_path, trainer_state={"step": 1})
+    p = tmp_path / "trainer_state.json"
+    p.write_text(p.read_text().replace("1", "2"))
+    with pytest.raises(gs.MetadataError, match="SHA-256"):
+        gs.load(target(), tmp_path)
+    p.unlink()
+    with pytest.raises(gs.MetadataError, match="missing"):
+        gs.load(target(), tmp_path)
+
+
+def test_not_a_checkpoint(tmp_path):
+    for where in [tmp_path / "nothing-here", tmp_path]:
+        with pytest.raises(gs.CheckpointNotFoundError, match="no metadata.json"):
+            gs.load(target(), where)
+        with pytest.raises(gs.CheckpointNotFoundError):
+            gs.read_metadata(where)
+        with pytest.raises(gs.CheckpointNotFoundError):
+            gs.read_array(where, "w")
+
+
+def test_symlink_out_of_the_checkpoint_is_refused(tmp_path):
+    small_checkpoint(tmp_path / "ckpt")
+    small_checkpoint(tmp_path / "elsewhere")
+    victim = tmp_path / "ckpt" / "arrays" / "w" / "0"
+    shutil.rmtree(victim)
+    os.symlink(tmp_path / "elsewhere" / "arrays" / "w" / "0", victim)
+    with pytest.raises(gs.MetadataError, match="outside the checkpoint"):
+        gs.load(target(), tmp_path / "ckpt")
+    # A symlinked chunk file deeper down, too.
+    shutil.rmtree(tmp_path / "ckpt")
+    small_checkpoint(tmp_path / "ckpt")
+    chunk = chunk_files(tmp_path / "ckpt")[0]
+    os.remove(chunk)
+    os.symlink(chunk_files(tmp_path / "elsewhere")[0], chunk)
+    with pytest.raises(gs.MetadataError, match="outside the checkpoint"):
+        gs.load(target(), tmp_path / "ckpt")
+
+
+def test_existing_checkpoint_is_not_overwritten_by_accident(tmp_path):
+    full = small_checkpoint(tmp_path, trainer_state={"step": 1})
+    with pytest.raises(gs.CheckpointExistsError, match="overwrite=True"):
+        small_checkpoint(tmp_path)
+    t = target()
+    assert gs.load(t, tmp_path) == {"step": 1}
+    assert np.array_equal(t["t"].data, full)
+    new = RNG.standard_normal((8, 4)).astype(np.float32)
+    gs.save({"a": shard("w", new, (0, 0), (8, 4))}, tmp_path, overwrite=True)
+    t = target()
+    assert gs.load(t, tmp_path) == {}  # the old trainer_state.json went with the old checkpoint
+    assert np.array_equal(t["t"].data, new)
+    assert not (tmp_path / "trainer_state.json").exists()
+
+
+def test_failed_save_leaves_no_checkpoint(tmp_path):
+    # A layout error: found while planning, before anything is written.
+    with pytest.raises(gs.LayoutError, match="held by no main replica"):
+        gs.save({"a": shard("w", np.zeros((2, 2)), (0, 0), (4, 2))}, tmp_path)
+    assert not (tmp_path / "metadata.json").exists()
+    # A bad trainer state: found before anything is written.
+    with pytest.raises(gs.MetadataError, match="JSON"):
+        gs.save({"a": shard("w", np.zeros((4, 2)), (0, 0), (4, 2))}, tmp_path, trainer_state={"x": (1, 2)})
+    assert not (tmp_path / "metadata.json").exists()
+    # A storage error while writing: a file sits where an array directory must go.
+    os.makedirs(tmp_path / "blocked")
+    (tmp_path / "blocked" / "arrays").write_text("not a directory")
+    blocked = {"driver": "file", "path": str(tmp_path / "blocked" / "arrays" / "x")}
+    with pytest.raises(gs.StorageError):
+        gs.save({"a": shard("w", np.zeros((4, 2)), (0, 0), (4, 2))}, blocked)
+    with pytest.raises(gs.CheckpointNotFoundError):
+        gs.read_metadata(tmp_path)
+
+
+def test_replicas_are_written_once_and_mismatched_replicas_rejected(tmp_path):
+    full = RNG.standard_normal((4,)).astype(np.float32)
+    state = {f"dp{d}": shard("norm", full.copy(), (0,), (4,), replica_id=d) for d in range(3)}
+    gs.save(state, tmp_path)
+    assert len(gs.read_metadata(tmp_path).tensors["norm"].regions) == 1
+    bad = {"a": shard("norm", full.copy(), (0,), (4,)), "b": shard("norm", full.copy(), (0,), (4,))}
+    with pytest.raises(gs.LayoutError, match="replica_id > 0"):
+        gs.save(bad, tmp_path / "bad")
+    mixed = {"a": shard("norm", full.copy(), (0,), (4,)), "b": shard("norm", full.astype(np.float64), (0,), (4,),
+                                                                       replica_id=1)}
+    with pytest.raises(gs.LayoutError, match="dtype"):
+        gs.save(mixed, tmp_path / "mixed")
+
+
+def test_missing_key_and_shape_mismatch_report_everything_before_writing(tmp_path):
+    small_checkpoint(tmp_path)
+    targets = {"a": shard("w", np.zeros((4, 4), np.float32), (0, 0), (4, 4)),
+               "b": shard("W", np.zeros((8, 4), np.float32), (0, 0), (8, 4))}
+    with pytest.raises(gs.MismatchError) as info:
+        gs.load(targets, tmp_path)
+    text = str(info.value)
+    assert "'a' (key 'w')" in text and "(4, 4)" in text and "'b' (key 'W')" in text
+    assert "similar keys: ['w']" in text
+
+
+def test_read_only_target_is_refused(tmp_path):
+    small_checkpoint(tmp_path)
+    t = target()
+    t["t"].data.flags.writeable = False
+    with pytest.raises(gs.LayoutError, match="read-only"):
+        gs.load(t, tmp_path)
+
+
+def test_big_endian_and_strided_arrays(tmp_path):
+    full = RNG.standard_normal((6, 4))
+    big = full.astype(">f8")
+    gs.save({"a": shard("w", big, (0, 0), (6, 4))}, tmp_path)
+    strided = np.zeros((6, 8))[:, ::2]
+    t = {"t": shard("w", strided, (0, 0), (6, 4))}
+    gs.load(t, tmp_path)
+    assert np.array_equal(strided, full)
+    be_target = np.zeros((6, 4), ">f8")
+    gs.load({"t": shard("w", be_target, (0, 0), (6, 4))}, tmp_path)
+    assert np.array_equal(be_target, full)
+
+
+@pytest.mark.parametrize("kind", ["memory", "ocdbt", "file-url"])
+def test_other_kvstores(tmp_path, kind):
+    where = {
+        "memory": "memory://ckpt-test/",
+        "ocdbt": {"driver": "ocdbt", "base": f"file://{tmp_path}/ocdbt/"},
+        "file-url": f"file://{tmp_path}/url/",
+    }[kind]
+    full = RNG.standard_normal((8, 4)).astype(np.float32)
+    state = {f"r{r}": shard("w", full[r * 4:(r + 1) * 4].copy(), (r * 4, 0), (8, 4)) for r in range(2)}
+    gs.save(state, where, trainer_state={"kind": kind}, overwrite=True)
+    t = target()
+    assert gs.load(t, where) == {"kind": kind}
+    assert np.array_equal(t["t"].data, full)
+    assert gs.read_metadata(where).tensors["w"].global_shape == (8, 4)
+    with pytest.raises(gs.CheckpointExistsError):
+        gs.save(state, where)
+
+
+def test_unknown_kvstore_is_a_storage_error():
+    with pytest.raises(gs.StorageError):
+        gs.read_metadata({"driver": "no-such-driver"})
+
+
+# ----------------------------------------------------------------------- several ranks
+
+
+def tp_dp_shards(rank, full, tp, dp):
+    """Rank = dp_rank * tp + tp_rank; columns split over TP, DP ranks are replicas."""
+    tp_rank, dp_rank = rank % tp, rank // tp
+    n = full.shape[0] // tp
+    out = {}
+    for k in range(4):  # four parameters, so writers can spread over DP
+        out[f"p{k}"] = shard(f"layer{k}.w", (full[tp_rank * n:(tp_rank + 1) * n] + k).copy(), (tp_rank * n, 0),
+                             full.shape, replica_id=dp_rank)
+    return out
+
+
+def test_multi_rank_save_all_ranks_write_then_load_elsewhere(tmp_path):
+    full = RNG.standard_normal((8, 6)).astype(np.float32)
+    tp, dp = 2, 2
+    stats = [gs.IOStats() for _ in range(tp * dp)]
+
+    def save(comm: ThreadComm):
+        gs.save(tp_dp_shards(comm.rank, full, tp, dp), tmp_path, comm=comm, trainer_state={"step": 5},
+                stats=stats[comm.rank])
+        return comm.gathers
+
+    results = run_ranks(tp * dp, save)
+    assert all(isinstance(r, int) for r in results), results
+    assert all(s.bytes_written > 0 for s in stats), [s.bytes_written for s in stats]  # DP replicas write too
+    assert sum(s.bytes_written for s in stats) == 4 * full.nbytes  # each region exactly once
+
+    def load(comm: ThreadComm):
+        # TP=3 over rows would not divide 8: load at TP=1 on each of 3 ranks instead.
+        t = {f"p{k}": shard(f"layer{k}.w", np.zeros_like(full), (0, 0), full.shape) for k in range(4)}
+        ts = gs.load(t, tmp_path, comm=comm)
+        return ts, [t[f"p{k}"].data for k in range(4)]
+
+    for ts, datas in run_ranks(3, load):
+        assert ts == {"step": 5}
+        for k in range(4):
+            assert np.array_equal(datas[k], full + k)
+
+
+def test_a_rank_failing_mid_save_fails_every_rank_and_commits_nothing(tmp_path):
+    full = RNG.standard_normal((8, 6)).astype(np.float32)
+
+    class Saboteur(ThreadComm):
+        """Rank 1, after planning, finds a file where its array directory must go."""
+
+        def all_gather(self, obj):
+            out = super().all_gather(obj)
+            if self.gathers == 1:
+                os.makedirs(tmp_path / "arrays", exist_ok=True)
+                (tmp_path / "arrays" / "only.on.rank1").write_text("in the way")
+            return out
+
+    def save(comm: ThreadComm):
+        if comm.rank == 1:
+            comm.__class__ = Saboteur
+        state = tp_dp_shards(comm.rank, full, 2, 1)
+        if comm.rank == 1:
+            state["mine"] = shard("only.on.rank1", np.ones(3, np.float32), (0,), (3,))
+        gs.save(state, tmp_path, comm=comm)
+
+    results = run_ranks(2, save)
+    assert isinstance(results[1], gs.StorageError), results
+    assert isinstance(results[0], gs.CommError) and "rank(s) [1]" in str(results[0])
+    assert not (tmp_path / "metadata.json").exists()
+    with pytest.raises(gs.CheckpointNotFoundError):
+        gs.load(target(), tmp_path)
+
+
+def test_inconsistent_ranks_fail_planning_on_every_rank(tmp_path):
+    def save(comm: ThreadComm):
+        dtype = np.float32 if comm.rank == 0 else np.float64
+        gs.save({"w": shard("w", np.zeros((2, 2), dtype), (comm.rank * 2, 0), (4, 2))}, tmp_path, comm=comm)
+
+    results = run_ranks(2, save)
+    assert all(isinstance(r, gs.LayoutError) and "rank 1 has dtype float64" in str(r) for r in results), results
+    assert not (tmp_path / "metadata.json").exists()
+
+
+def test_a_rank_failing_to_load_fails_every_rank(tmp_path):
+    small_checkpoint(tmp_path)
+
+    def load(comm: ThreadComm):
+        key = "w" if comm.rank == 0 else "nope"
+        gs.load({"t": shard(key, np.zeros((8, 4), np.float32), (0, 0), (8, 4))}, tmp_path, comm=comm)
+
+    results = run_ranks(2, load)
+    assert isinstance(results[1], gs.MismatchError)
+    assert isinstance(results[0], gs.CommError)

@@ -1,0 +1,59 @@
+"""A real communicator between threads of one process, for multi-rank tests
+of the core (the torch adapter brings torch.distributed). Objects go through
+JSON on the way, as they would between processes."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+class ThreadGroup:
+    def __init__(self, world_size: int, timeout: float = 60.0) -> None:
+        self.world_size = world_size
+        self._barrier = threading.Barrier(world_size, timeout=timeout)
+        self._slots: list[Any] = [None] * world_size
+
+    def comm(self, rank: int) -> ThreadComm:
+        return ThreadComm(self, rank)
+
+
+class ThreadComm:
+    def __init__(self, group: ThreadGroup, rank: int) -> None:
+        self._group = group
+        self.rank = rank
+        self.world_size = group.world_size
+        self.gathers = 0
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        g = self._group
+        g._slots[self.rank] = json.loads(json.dumps(obj))
+        g._barrier.wait()
+        out = list(g._slots)
+        g._barrier.wait()
+        self.gathers += 1
+        return out
+
+    def barrier(self) -> None:
+        self._group._barrier.wait()
+
+
+def run_ranks(world_size: int, fn: Callable[[ThreadComm], Any]) -> list[Any]:
+    """Run ``fn(comm)`` on one thread per rank; each result or raised exception, by rank."""
+    group = ThreadGroup(world_size)
+    results: list[Any] = [None] * world_size
+
+    def main(rank: int) -> None:
+        try:
+            results[rank] = fn(group.comm(rank))
+        except BaseException as e:
+            results[rank] = e
+
+    threads = [threading.Thread(target=main, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return results
