@@ -17,7 +17,7 @@ test: $(STAMP)
 
 # The hypothesis properties with many more examples (minutes to hours).
 deep-test: $(STAMP)
-	HYPOTHESIS_PROFILE=deep $(PY) -m pytest tests -k property
+	HYPOTHESIS_PROFILE=deep $(PY) -m pytest tests
 
 demo: $(STAMP)
 	$(PY) examples/numpy_demo.py

@@ -22,7 +22,7 @@ from globalshard.errors import (
     StorageError,
 )
 from globalshard.geometry import Box, Region, Segment
-from globalshard.layout import ShardedStateDict, ShardedTensor
+from globalshard.layout import ShardedStateDict, ShardedTensor, shards_from_flat_range
 from globalshard.metadata import FORMAT_VERSION, Metadata, StoredRegion, TensorMetadata
 from globalshard.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, ShardInfo
 from globalshard.storage import IOStats
@@ -62,4 +62,5 @@ __all__ = [
     "read_array",
     "read_metadata",
     "save",
+    "shards_from_flat_range",
 ]

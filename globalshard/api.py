@@ -110,7 +110,10 @@ def save(
                 # something that looks like a checkpoint.
                 location.remove(METADATA_FILE)
             location.remove(TRAINER_STATE_FILE)
-            location.remove(_ARRAYS, tree=True)  # arrays of a replaced or failed save
+            # TODO(limitation): the arrays of a failed save stay on storage (never
+            # mistaken for a checkpoint: no metadata.json) until the next save to
+            # the same path removes them here.
+            location.remove(_ARRAYS, tree=True)
         return [i.to_json() for i in infos]
 
     _, gathered = run_collectively(comm, "save: planning", prepare)
@@ -141,6 +144,8 @@ def save(
 
 
 def _read_metadata(location: Location) -> Metadata:
+    # TODO(limitation): every rank reads and parses metadata.json itself (about
+    # 100 bytes per stored region); rank 0 could parse once and broadcast.
     data = location.read_file(METADATA_FILE)
     if data is None:
         raise CheckpointNotFoundError(

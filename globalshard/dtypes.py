@@ -183,9 +183,12 @@ def cast_into(out: np.ndarray, value: np.ndarray) -> None:
     other ml_dtypes types; those go through float32, which holds every
     ml_dtypes value exactly, so the only rounding is the final one.
     """
-    try:
-        out[...] = value
-    except (TypeError, ValueError):
-        if value.dtype.name not in _ML_DTYPES:
-            raise
-        out[...] = value.astype(np.float32)
+    # Only reached for exact casts or ones the caller allowed to round: NaN to
+    # int or overflow is their choice, not a warning.
+    with np.errstate(invalid="ignore", over="ignore"):
+        try:
+            out[...] = value
+        except (TypeError, ValueError):
+            if value.dtype.name not in _ML_DTYPES:
+                raise
+            out[...] = value.astype(np.float32)

@@ -13,7 +13,7 @@ without comparing all pairs:
   over one axis at a time cuts the bound into slabs where the set of crossing
   boxes is constant, and recurses on the next axis inside each slab.
 * :class:`BoxIndex`: which boxes intersect this one? Boxes sorted by their
-  start on the most discriminating axis, found by bisection.
+  start on the two most fragmented axes, found by bisection.
 
 >>> a = Box((0, 0), (4, 6))
 >>> a.intersect(Box((2, 4), (4, 4)))
@@ -292,9 +292,11 @@ def cover_problems(
 class BoxIndex:
     """Finds the boxes of a fixed set that intersect a query box.
 
-    Boxes are sorted by their start on the axis with the most distinct starts;
-    a query bisects for the candidates whose start lies in
-    ``(query.start - longest + 1, query.stop)`` on that axis and tests each.
+    Boxes are grouped by their start on the axis with the most distinct starts
+    (the primary axis), and sorted within each group by their start on the
+    next most fragmented axis. A query bisects twice: for the groups whose
+    start lies in ``(query.start - longest + 1, query.stop)`` on the primary
+    axis, then for the same window on the secondary axis inside each group.
     For the disjoint, grid-like sets of a checkpoint a query costs
     O(log n + hits); it is correct for any set.
 
@@ -303,37 +305,54 @@ class BoxIndex:
     [0, 1]
     """
 
-    __slots__ = ("_axis", "_boxes", "_longest", "_order", "_starts")
+    __slots__ = ("_all", "_boxes", "_groups", "_longest", "_primary", "_secondary", "_starts")
 
     def __init__(self, boxes: Sequence[Box]) -> None:
         self._boxes = list(boxes)
         live = [i for i, b in enumerate(self._boxes) if not b.is_empty]
+        self._all = live
         ndim = self._boxes[0].ndim if self._boxes else 0
+        self._primary = self._secondary = -1
+        self._starts: list[int] = []
+        self._groups: list[tuple[list[int], list[int], int]] = []
+        self._longest = 0
         if ndim == 0:
-            self._axis = -1
-            self._order = live
-            self._starts: list[int] = []
-            self._longest = 0
             return
         distinct = [len({self._boxes[i].offset[a] for i in live}) for a in range(ndim)]
-        self._axis = max(range(ndim), key=lambda a: (distinct[a], -a))
-        ax = self._axis
-        self._order = sorted(live, key=lambda i: self._boxes[i].offset[ax])
-        self._starts = [self._boxes[i].offset[ax] for i in self._order]
-        self._longest = max((self._boxes[i].shape[ax] for i in live), default=0)
+        by_distinct = sorted(range(ndim), key=lambda a: (-distinct[a], a))
+        p = self._primary = by_distinct[0]
+        sec = self._secondary = by_distinct[1] if ndim > 1 else -1
+        groups: dict[int, list[int]] = defaultdict(list)
+        for i in live:
+            groups[self._boxes[i].offset[p]].append(i)
+        for start in sorted(groups):
+            members = groups[start]
+            if sec >= 0:
+                members.sort(key=lambda i: self._boxes[i].offset[sec])
+                sec_starts = [self._boxes[i].offset[sec] for i in members]
+                longest = max(self._boxes[i].shape[sec] for i in members)
+            else:
+                sec_starts, longest = [], 0
+            self._starts.append(start)
+            self._groups.append((sec_starts, members, longest))
+        self._longest = max((self._boxes[i].shape[p] for i in live), default=0)
 
     def query(self, box: Box) -> list[int]:
         """Indices (ascending) of the boxes sharing at least one element with ``box``."""
         if box.is_empty:
             return []
-        if self._axis < 0:
-            return list(self._order)
-        ax = self._axis
-        first = bisect.bisect_left(self._starts, box.offset[ax] - self._longest + 1)
-        last = bisect.bisect_left(self._starts, box.offset[ax] + box.shape[ax])
-        hits = [
-            i for i in self._order[first:last] if self._boxes[i].intersect(box) is not None
-        ]
+        if self._primary < 0:
+            return list(self._all)
+        p, sec = self._primary, self._secondary
+        first = bisect.bisect_left(self._starts, box.offset[p] - self._longest + 1)
+        last = bisect.bisect_left(self._starts, box.offset[p] + box.shape[p])
+        hits = []
+        for sec_starts, members, longest in self._groups[first:last]:
+            if sec >= 0:
+                lo = bisect.bisect_left(sec_starts, box.offset[sec] - longest + 1)
+                hi = bisect.bisect_left(sec_starts, box.offset[sec] + box.shape[sec])
+                members = members[lo:hi]
+            hits += [i for i in members if self._boxes[i].intersect(box) is not None]
         hits.sort()
         return hits
 

@@ -9,6 +9,8 @@ which global box each local box holds. Every parallel layout is such a list:
 * packed layouts (fused QKV with grouped-query attention, fused SwiGLU
   gate/up, packed LoRA-B): one region per segment along the packed axis
   (:meth:`ShardedTensor.from_segments`);
+* ZeRO-style flat partitions (a rank owns flat elements ``[start, stop)`` of a
+  parameter): :func:`shards_from_flat_range`, one shard per contiguous box;
 * padding (vocabulary rows beyond the true vocabulary): local elements outside
   every region, allowed only with ``allow_padding=True``, never saved and
   zero-filled on load.
@@ -33,9 +35,9 @@ import numpy as np
 
 from globalshard.dtypes import canonical_name
 from globalshard.errors import LayoutError, format_problems
-from globalshard.geometry import Box, Region, Segment, _int_tuple, cover_problems
+from globalshard.geometry import Box, Region, Segment, _int_tuple, cover_problems, flat_range_boxes
 
-__all__ = ["ShardedStateDict", "ShardedTensor"]
+__all__ = ["ShardedStateDict", "ShardedTensor", "shards_from_flat_range"]
 
 
 def _as_array(key: str, data: Any) -> np.ndarray:
@@ -325,3 +327,36 @@ class ShardedStateDict(Mapping[str, ShardedTensor]):
         if common:
             raise LayoutError(f"cannot merge state dicts: names present in both: {common}")
         return ShardedStateDict([*self._entries.items(), *other.items()])
+
+
+def shards_from_flat_range(
+    key: str,
+    flat: np.ndarray,
+    *,
+    global_shape: Sequence[int],
+    start: int,
+    replica_id: int = 0,
+) -> list[ShardedTensor]:
+    """Shards for a 1-D ``flat`` array holding C-order elements ``[start, start +
+    len(flat))`` of the global array, as ZeRO / distributed optimizers keep them.
+
+    The range splits into at most ``2 * ndim - 1`` boxes, each a contiguous run
+    of ``flat``; each shard's data is a reshaped *view* of ``flat``, so a load
+    fills ``flat`` in place.
+
+    >>> import numpy as np
+    >>> flat = np.arange(2, 10, dtype=np.float32)        # elements 2..9 of a (3, 4) array
+    >>> [str(t.regions[0].global_box) for t in shards_from_flat_range("w", flat, global_shape=(3, 4), start=2)]
+    ['[0:1, 2:4]', '[1:2, 0:4]', '[2:3, 0:2]']
+    """
+    flat = _as_array(key, flat)
+    if flat.ndim != 1 or not flat.flags.c_contiguous:
+        raise LayoutError(f"{key!r}: a flat range must be a contiguous 1-D array, got shape {flat.shape}")
+    gshape = _int_tuple(global_shape, f"{key!r} global_shape")
+    out, pos = [], 0
+    for box in flat_range_boxes(gshape, start, start + flat.size):
+        view = flat[pos:pos + box.volume].reshape(box.shape)
+        out.append(ShardedTensor(key, view, gshape, (Region(Box.full(box.shape), box),), replica_id))
+        pos += box.volume
+    return out
+

@@ -240,21 +240,23 @@ class SavePlanner:
             return None
         itemsize = numpy_dtype(first.dtype).itemsize
         # Every holder (main or replica) whose box contains a stored box may write it.
-        exact: dict[Box, list[_Holder]] = defaultdict(list)
+        # Replicas mostly repeat the same boxes: index each distinct box once.
+        by_box: dict[Box, list[_Holder]] = defaultdict(list)
         for h in holders:
-            exact[h.box].append(h)
-        index = BoxIndex([h.box for h in holders])
+            by_box[h.box].append(h)
+        distinct = list(by_box)
         stored = sorted({h.box for h in main}, key=lambda b: b.offset)
+        # Main boxes are disjoint: when replicas repeat them exactly (the usual
+        # data-parallel case), only identical boxes can contain a stored one.
+        index = BoxIndex(distinct) if len(distinct) > len(stored) else None
         regions = []
         for n, box in enumerate(stored):
-            able = list(exact[box])
-            if len(able) < len(holders):
-                seen = {id(h) for h in able}
-                able += [
-                    holders[i] for i in index.query(box)
-                    if id(holders[i]) not in seen and holders[i].box.contains(box)
+            if index is None:
+                candidates[(key, box)] = by_box[box]
+            else:
+                candidates[(key, box)] = [
+                    h for i in index.query(box) if distinct[i].contains(box) for h in by_box[distinct[i]]
                 ]
-            candidates[(key, box)] = able
             regions.append(StoredRegion(box, f"arrays/{directory}/{n}", box.volume * itemsize))
         return TensorMetadata(first.dtype, first.global_shape, tuple(regions))
 

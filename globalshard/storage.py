@@ -33,10 +33,14 @@ from globalshard.errors import MetadataError, StorageError, format_problems
 from globalshard.geometry import Box
 from globalshard.planner import LoadPlan
 
-__all__ = ["CHUNK_BYTES", "IOStats", "Location", "chunk_shape"]
+__all__ = ["CHUNK_BYTES", "WRITE_WINDOW_BYTES", "IOStats", "Location", "chunk_shape"]
 
 #: Upper bound on the bytes of one (inner) chunk: the unit a load reads.
-CHUNK_BYTES = 1 << 22
+CHUNK_BYTES = 1 << 20
+
+#: Bytes of writes in flight at once. TensorStore copies what it is given to
+#: write, so this bounds the extra memory a save needs.
+WRITE_WINDOW_BYTES = 1 << 30
 
 # One context for the process: the memory kvstore persists across calls, and
 # the chunk cache is off (every byte is read once, straight into its target).
@@ -59,16 +63,17 @@ class IOStats:
     seconds: float = 0.0
 
 
-def chunk_shape(shape: Sequence[int], itemsize: int, limit: int = CHUNK_BYTES) -> tuple[int, ...]:
+def chunk_shape(shape: Sequence[int], itemsize: int, limit: int | None = None) -> tuple[int, ...]:
     """The inner chunk shape for a stored region: halve the longest axis
     until a chunk holds at most ``limit`` bytes. Near-cubic chunks keep the
     waste small whichever axis the loading layout cuts.
 
     >>> chunk_shape((4096, 4096), 4)
-    (1024, 1024)
+    (512, 512)
     >>> chunk_shape((10, 3), 4)
     (10, 3)
     """
+    limit = CHUNK_BYTES if limit is None else limit
     chunk = list(shape)
     while chunk and int(np.prod(chunk)) * itemsize > limit and max(chunk) > 1:
         axis = chunk.index(max(chunk))
@@ -81,6 +86,7 @@ _BYTES = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "cr
 
 def _create_spec(kvstore: dict[str, Any], dtype: str, shape: tuple[int, ...]) -> dict[str, Any]:
     inner = chunk_shape(shape, numpy_dtype(dtype).itemsize)
+    # TODO(limitation): no compression codec; zarr3 allows zstd/blosc before crc32c.
     if inner == tuple(shape):
         grid, codecs = list(shape), _BYTES
     else:
@@ -131,6 +137,8 @@ class Location:
                 ts.KvStore.Spec(spec)
             except Exception as e:
                 raise StorageError(f"not a checkpoint location: {where!r}: {_error_text(e)}") from None
+            # TODO(limitation): OCDBT written by several processes needs TensorStore's
+            # coordinator configured by the caller in the spec; it is not set up here.
             path = spec.get("path", "")
             if path and not path.endswith("/"):
                 spec["path"] = path + "/"
@@ -257,20 +265,31 @@ class Location:
         for path, dtype, array in items:
             spec = _create_spec(self.array_kvstore(path), dtype, tuple(array.shape))
             opened.append((path, array, ts.open(spec, create=True, delete_existing=True, context=_CONTEXT)))
-        pending, problems = [], []
+        pending: list[tuple[str, Any, int]] = []
+        problems: list[str] = []
+        in_flight = 0
+
+        def settle(path: str, future: Any) -> None:
+            try:
+                future.result()
+            except Exception as e:
+                problems.append(f"{self.describe(path)}: {_error_text(e)}")
+
         for path, array, future in opened:
             try:
                 store = future.result()
                 if not array.dtype.isnative:
                     array = array.astype(array.dtype.newbyteorder("="))
-                pending.append((path, store.write(array)))
+                pending.append((path, store.write(array), array.nbytes))
+                in_flight += array.nbytes
             except Exception as e:
                 problems.append(f"{self.describe(path)}: {_error_text(e)}")
-        for path, future in pending:
-            try:
-                future.result()
-            except Exception as e:
-                problems.append(f"{self.describe(path)}: {_error_text(e)}")
+            while in_flight > WRITE_WINDOW_BYTES and pending:
+                done_path, done, nbytes = pending.pop(0)
+                settle(done_path, done)
+                in_flight -= nbytes
+        for path, future, _ in pending:
+            settle(path, future)
         if problems:
             raise StorageError(format_problems("cannot write the checkpoint's arrays", problems))
         if stats is not None:

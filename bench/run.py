@@ -1,0 +1,263 @@
+"""Benchmarks behind every figure in the README.
+
+    make bench                 (or: .venv/bin/python bench/run.py [--quick])
+
+Writes build/bench/report.json and prints a Markdown summary. Machines here
+are shared and noisy, so speed is reported as ratios between things measured
+in the same run (globalshard against plain numpy file I/O of the same bytes;
+the sweep-line check against the pairwise one), next to absolute seconds.
+
+1. Planning at scale: 1024 simulated ranks x 1000 tensors, described and
+   planned in one process (TP=8 x DP=128; and every tensor cut 1024 ways).
+2. Coverage check: sweep line vs all-pairs on the same boxes.
+3. I/O: save at TP=4, load at TP=4/2/1/3/8 and a cut on the other axis;
+   time vs np.save/np.load of the same bytes, and bytes read vs bytes needed
+   (whole chunks touched: TensorStore verifies a chunk's crc32c, so it reads
+   all of every chunk it touches), for two inner-chunk sizes.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+import globalshard as gs
+from globalshard import Box, Region, ShardInfo
+from globalshard.geometry import cover_problems
+
+QUICK = "--quick" in sys.argv
+
+
+def timed(fn: Any) -> tuple[Any, float]:
+    gc.collect()
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- 1. planning
+
+
+def plan_tp_dp(ranks: int, tensors: int, tp: int) -> dict[str, Any]:
+    dp = ranks // tp
+    rows, cols = 4096, 4096
+
+    def describe() -> list[list[ShardInfo]]:
+        per_rank = []
+        n = rows // tp
+        region_of = [Region(Box((0, 0), (n, cols)), Box((r * n, 0), (n, cols))) for r in range(tp)]
+        for rank in range(ranks):
+            t, d = rank % tp, rank // tp
+            per_rank.append([ShardInfo(f"layers.{k}.w", "bfloat16", (rows, cols), (n, cols), (region_of[t],), d)
+                             for k in range(tensors)])
+        return per_rank
+
+    per_rank, t_describe = timed(describe)
+    plan, t_plan = timed(lambda: gs.SavePlanner().plan(per_rank))
+    md_text = plan.metadata.dumps()
+    loads = plan.bytes_per_rank()
+    # A target rank of another layout (TP=16) plans its load.
+    n16 = rows // 16
+    target = [ShardInfo(f"layers.{k}.w", "float32", (rows, cols), (n16, cols),
+                        (Region(Box((0, 0), (n16, cols)), Box((3 * n16, 0), (n16, cols))),)) for k in range(tensors)]
+    _, t_load = timed(lambda: gs.LoadPlanner().plan(plan.metadata, target))
+    _, t_parse = timed(lambda: gs.metadata.parse_metadata(md_text))
+    return {
+        "case": f"{ranks} ranks (TP={tp} x DP={dp}) x {tensors} tensors",
+        "shards": ranks * tensors, "stored_regions": len(plan.writes),
+        "describe_s": t_describe, "save_plan_s": t_plan, "load_plan_one_rank_s": t_load,
+        "metadata_bytes": len(md_text), "metadata_parse_s": t_parse,
+        "writer_bytes_max_over_mean": max(loads) / (sum(loads) / len(loads)),
+        "ranks_writing": sum(1 for b in loads if b),
+    }
+
+
+def plan_fragmented(ranks: int, tensors: int) -> dict[str, Any]:
+    side = round(ranks ** 0.5)
+    rows = cols = side * 64
+
+    def describe() -> list[list[ShardInfo]]:
+        per_rank = []
+        for rank in range(ranks):
+            i, j = divmod(rank, side)
+            reg = Region(Box((0, 0), (64, 64)), Box((i * 64, j * 64), (64, 64)))
+            per_rank.append([ShardInfo(f"t{k}", "float32", (rows, cols), (64, 64), (reg,)) for k in range(tensors)])
+        return per_rank
+
+    per_rank, t_describe = timed(describe)
+    plan, t_plan = timed(lambda: gs.SavePlanner().plan(per_rank))
+    md_text = plan.metadata.dumps()
+    _, t_parse = timed(lambda: gs.metadata.parse_metadata(md_text))
+    return {
+        "case": f"{ranks} ranks x {tensors} tensors, each cut {side}x{side} (2-D)",
+        "shards": ranks * tensors, "stored_regions": len(plan.writes),
+        "describe_s": t_describe, "save_plan_s": t_plan,
+        "metadata_bytes": len(md_text), "metadata_parse_s": t_parse,
+    }
+
+
+# --------------------------------------------------------------------------- 2. coverage
+
+
+def pairwise_overlaps(boxes: list[Box]) -> int:
+    return sum(1 for i in range(len(boxes)) for j in range(i + 1, len(boxes))
+               if boxes[i].intersect(boxes[j]) is not None)
+
+
+def coverage(side: int) -> dict[str, Any]:
+    boxes = [Box((i * 4, j * 4), (4, 4)) for i in range(side) for j in range(side)]
+    bounds = Box.full((side * 4, side * 4))
+    result, t_sweep = timed(lambda: cover_problems(bounds, boxes))
+    assert result == ([], [])
+    overlaps, t_pairs = timed(lambda: pairwise_overlaps(boxes))
+    assert overlaps == 0
+    return {"boxes": len(boxes), "sweep_s": t_sweep, "pairwise_s": t_pairs, "pairwise_over_sweep": t_pairs / t_sweep}
+
+
+# --------------------------------------------------------------------------- 3. I/O
+
+
+def best_of(n: int, fn: Any) -> float:
+    return min(timed(fn)[1] for _ in range(n))
+
+
+def io_bench(root: str) -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    layers = 2 if QUICK else 8
+    # Per layer: a column-parallel (rows split) and a row-parallel (cols split) fp32 weight, 16 MiB each.
+    full = {}
+    for i in range(layers):
+        full[f"layers.{i}.fc1"] = rng.standard_normal((4096, 1024), dtype=np.float32)
+        full[f"layers.{i}.fc2"] = rng.standard_normal((1024, 4096), dtype=np.float32)
+    total = sum(v.nbytes for v in full.values())
+
+    def axis_of(name: str) -> int:
+        return 0 if name.endswith("fc1") else 1
+
+    def state(tp: int, fill: bool, axis_override: int | None = None) -> dict[str, gs.ShardedTensor]:
+        out = {}
+        for name, value in full.items():
+            axis = axis_of(name) if axis_override is None else axis_override
+            n = -(-value.shape[axis] // tp)
+            for r in range(tp):
+                lo, hi = r * n, min((r + 1) * n, value.shape[axis])
+                sl = tuple(slice(lo, hi) if d == axis else slice(None) for d in range(2))
+                data = value[sl].copy() if fill else np.empty(value[sl].shape, np.float32)
+                off = tuple(lo if d == axis else 0 for d in range(2))
+                out[f"{name}@{r}"] = gs.ShardedTensor.from_offset(name, data, global_shape=value.shape,
+                                                                  global_offset=off)
+        return out
+
+    source = state(4, True)
+    # Baseline: the same shards with np.save, one file each, fsynced like ours.
+    base = os.path.join(root, "npy")
+    os.makedirs(base)
+
+    def np_save() -> None:
+        for i, t in enumerate(source.values()):
+            with open(os.path.join(base, f"{i}.npy"), "wb") as f:
+                np.save(f, t.data)
+                f.flush()
+                os.fsync(f.fileno())
+
+    def np_load_all() -> None:
+        for i in range(len(source)):
+            np.load(os.path.join(base, f"{i}.npy"))
+
+    t_npsave = best_of(3, np_save)
+    t_npload = best_of(3, np_load_all)
+    out: dict[str, Any] = {"bytes": total, "np_save_s": t_npsave, "np_load_everything_s": t_npload, "chunks": []}
+    for chunk_mib in (4, 1):
+        gs.storage.CHUNK_BYTES = chunk_mib << 20
+        ckpt = os.path.join(root, f"ckpt{chunk_mib}")
+        save_stats = gs.IOStats()
+
+        def save(ckpt: str = ckpt, save_stats: gs.IOStats = save_stats) -> None:
+            gs.save(source, ckpt, stats=save_stats, overwrite=True)
+
+        t_save = best_of(3, save)
+        rows = []
+        gs.load(state(4, False), ckpt)  # warm-up: first TensorStore use, page cache
+        for label, tp, swap in [("TP=4 -> 4 (same)", 4, False), ("TP=4 -> 2", 2, False), ("TP=4 -> 1", 1, False),
+                                ("TP=4 -> 3 (uneven)", 3, False), ("TP=4 -> 8", 8, False),
+                                ("TP=4, cut on the other axis", 4, True)]:
+            if swap:
+                targets = {k: v for name in full
+                           for k, v in state(tp, False, 1 - axis_of(name)).items() if k.startswith(name + "@")}
+            else:
+                targets = state(tp, False)
+            stats = gs.IOStats()
+            gs.load(targets, ckpt, stats=stats)
+            for t in targets.values():
+                if not np.array_equal(t.data, full[t.key][t.regions[0].global_box.slices]):
+                    raise SystemExit(f"bench: wrong data for {t.key} in {label}")
+            seconds = best_of(3, lambda targets=targets, ckpt=ckpt: gs.load(targets, ckpt))
+            rows.append({
+                "load": label, "seconds": seconds, "over_np_load_of_everything": seconds / t_npload,
+                "bytes_needed": stats.bytes_needed, "bytes_read_chunks": stats.bytes_read,
+                "read_over_needed": stats.bytes_read / stats.bytes_needed,
+            })
+        out["chunks"].append({"chunk_mib": chunk_mib, "arrays": save_stats.arrays // 3, "save_s": t_save,
+                              "save_over_np_save": t_save / t_npsave, "loads": rows})
+    gs.storage.CHUNK_BYTES = 1 << 20
+    return out
+
+
+def main() -> None:
+    out_dir = os.path.join("build", "bench")
+    os.makedirs(out_dir, exist_ok=True)
+    report: dict[str, Any] = {"quick": QUICK, "python": sys.version.split()[0], "cpus": os.cpu_count()}
+    tensors = 100 if QUICK else 1000
+    print("planning ...", flush=True)
+    report["planning"] = [plan_tp_dp(1024, tensors, 8), plan_fragmented(1024, tensors // 10 if QUICK else 100)]
+    print("coverage ...", flush=True)
+    report["coverage"] = coverage(32 if QUICK else 64)
+    print("I/O ...", flush=True)
+    root = tempfile.mkdtemp(prefix="globalshard-bench-", dir=out_dir)
+    try:
+        report["io"] = io_bench(root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    with open(os.path.join(out_dir, "report.json"), "w") as f:
+        json.dump(report, f, indent=1)
+
+    print("\n### Planning (pure, one process)\n")
+    print("| case | shards | stored regions | describe s | save plan s | load plan s (1 rank) "
+          "| metadata MB | parse s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for p in report["planning"]:
+        print(f"| {p['case']} | {p['shards']:,} | {p['stored_regions']:,} | {p['describe_s']:.1f} | "
+              f"{p['save_plan_s']:.1f} | {p.get('load_plan_one_rank_s', float('nan')):.2f} | "
+              f"{p['metadata_bytes'] / 1e6:.1f} | {p['metadata_parse_s']:.1f} |")
+    p = report["planning"][0]
+    print(f"\nWriters: {p['ranks_writing']} of 1024 ranks write; max/mean bytes per rank "
+          f"{p['writer_bytes_max_over_mean']:.2f}.")
+    c = report["coverage"]
+    print(f"\n### Coverage check\n\n{c['boxes']:,} boxes: sweep {c['sweep_s'] * 1e3:.1f} ms, all pairs "
+          f"{c['pairwise_s']:.1f} s: pairwise is {c['pairwise_over_sweep']:.0f}x slower.")
+    io = report["io"]
+    print(f"\n### I/O ({io['bytes'] / 2**20:.0f} MiB fp32 in 16 MiB tensors, saved at TP=4; best of 3)\n")
+    print(f"Baselines: np.save of the same shards {io['np_save_s']:.2f} s (fsynced), np.load of all of them "
+          f"{io['np_load_everything_s']:.3f} s.\n")
+    for c in io["chunks"]:
+        print(f"Inner chunks of at most {c['chunk_mib']} MiB: save {c['save_s']:.2f} s = "
+              f"{c['save_over_np_save']:.2f}x np.save.\n")
+        print("| load | s | time / np.load of every shard | bytes read / needed |")
+        print("| --- | --- | --- | --- |")
+        for r in c["loads"]:
+            print(f"| {r['load']} | {r['seconds']:.3f} | {r['over_np_load_of_everything']:.2f} | "
+                  f"{r['read_over_needed']:.3f} |")
+        print()
+    print(f"\nfull report: {os.path.join(out_dir, 'report.json')}")
+
+
+if __name__ == "__main__":
+    main()
