@@ -19,7 +19,9 @@ from globalshard.errors import (
     LayoutError,
     MetadataError,
     MismatchError,
+    MissingKeyError,
     StorageError,
+    TrainerStateError,
 )
 from globalshard.geometry import Box, Region, Segment
 from globalshard.layout import ShardedStateDict, ShardedTensor, shards_from_flat_range
@@ -46,6 +48,7 @@ __all__ = [
     "Metadata",
     "MetadataError",
     "MismatchError",
+    "MissingKeyError",
     "Region",
     "SavePlan",
     "SavePlanner",
@@ -55,6 +58,7 @@ __all__ = [
     "ShardedTensor",
     "SingleProcessComm",
     "StorageError",
+    "TrainerStateError",
     "StoredRegion",
     "TensorMetadata",
     "is_exact_cast",

@@ -22,6 +22,7 @@ from globalshard.errors import (
     LayoutError,
     MetadataError,
     MismatchError,
+    MissingKeyError,
 )
 from globalshard.geometry import Box, Region
 from globalshard.layout import ShardedTensor
@@ -268,7 +269,7 @@ def read_array(
     metadata = _read_metadata(location)
     stored = metadata.tensors.get(key)
     if stored is None:
-        raise MismatchError(f"{key!r}: {missing_key(key, metadata)}")
+        raise MissingKeyError(f"{key!r}: {missing_key(key, metadata)}")
     want = _as_box(box, stored.global_shape, key)
     if not Box.full(stored.global_shape).contains(want):
         raise MismatchError(f"{key!r}: box {want} is outside the global shape {stored.global_shape}")

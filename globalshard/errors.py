@@ -20,7 +20,9 @@ __all__ = [
     "LayoutError",
     "MetadataError",
     "MismatchError",
+    "MissingKeyError",
     "StorageError",
+    "TrainerStateError",
 ]
 
 # How many problems one exception lists before summarising the rest.
@@ -35,12 +37,22 @@ class MetadataError(GlobalShardError, ValueError):
     """metadata.json or trainer_state.json is malformed or inconsistent."""
 
 
+class TrainerStateError(MetadataError, TypeError):
+    """A trainer state holds values that JSON would not give back unchanged."""
+
+
 class LayoutError(GlobalShardError, ValueError):
     """Shards are inconsistent: gaps, overlaps, shapes or dtypes that disagree."""
 
 
 class MismatchError(GlobalShardError, ValueError):
     """What a load asks for does not match the checkpoint (key, shape, dtype)."""
+
+
+class MissingKeyError(MismatchError, KeyError):
+    """A key asked for is not in the checkpoint."""
+
+    __str__ = Exception.__str__  # KeyError would print the message quoted
 
 
 class CastError(MismatchError, TypeError):
@@ -51,8 +63,8 @@ class StorageError(GlobalShardError, OSError):
     """Stored data is missing, truncated, corrupted or cannot be written."""
 
 
-class CheckpointNotFoundError(GlobalShardError, FileNotFoundError):
-    """The path holds no committed checkpoint (no valid metadata.json)."""
+class CheckpointNotFoundError(MetadataError, FileNotFoundError):
+    """The path holds no committed checkpoint: there is no metadata.json."""
 
 
 class CheckpointExistsError(GlobalShardError, FileExistsError):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from globalshard.dtypes import SUPPORTED_DTYPES, numpy_dtype
-from globalshard.errors import MetadataError, format_problems
+from globalshard.errors import MetadataError, TrainerStateError, format_problems
 from globalshard.geometry import Box, cover_problems
 
 __all__ = [
@@ -376,17 +376,18 @@ def dump_trainer_state(state: Any) -> tuple[bytes, TrainerStateRef]:
     error naming its JSON path.
 
     Raises:
-        MetadataError: ``state`` is not a dict of exact JSON values.
+        TrainerStateError: (a MetadataError and a TypeError) ``state`` is not a
+        dict of exact JSON values.
     """
     if not isinstance(state, dict):
-        raise MetadataError(f"trainer_state must be a dict, got {type(state).__name__}")
+        raise TrainerStateError(f"trainer_state must be a dict, got {type(state).__name__}")
     problems: list[str] = []
     try:
         _check_json_value(state, "$", problems)
     except RecursionError:
-        raise MetadataError("trainer_state is nested too deeply to store as JSON") from None
+        raise TrainerStateError("trainer_state is nested too deeply to store as JSON") from None
     if problems:
-        raise MetadataError(format_problems("trainer_state cannot be stored as JSON exactly", problems))
+        raise TrainerStateError(format_problems("trainer_state cannot be stored as JSON exactly", problems))
     data = (json.dumps(state, indent=1, allow_nan=False) + "\n").encode("utf-8")
     return data, TrainerStateRef(len(data), hashlib.sha256(data).hexdigest())
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from globalshard.dtypes import is_exact_cast, numpy_dtype
-from globalshard.errors import CastError, LayoutError, MismatchError, format_problems
+from globalshard.errors import CastError, LayoutError, MismatchError, MissingKeyError, format_problems
 from globalshard.geometry import Box, BoxIndex, Region, cover_problems
 from globalshard.layout import ShardedTensor
 from globalshard.metadata import Metadata, StoredRegion, TensorMetadata
@@ -344,11 +344,14 @@ class LoadPlanner:
         """Plan the reads for ``targets`` (``names`` label them in messages).
 
         Raises:
-            MismatchError: keys missing, shapes differing (with every problem).
+            MissingKeyError: some key is missing (a MismatchError and a KeyError;
+                the message lists every problem found).
+            MismatchError: shapes differ (with every problem).
             CastError: only dtype conversions are refused.
         """
         problems: list[str] = []
         cast_problems: list[str] = []
+        missing = False
         indexes: dict[str, BoxIndex] = {}
         plans = []
         arrays: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -357,6 +360,7 @@ class LoadPlanner:
             stored = metadata.tensors.get(info.key)
             if stored is None:
                 problems.append(f"{label}: {missing_key(info.key, metadata)}")
+                missing = True
                 continue
             if stored.global_shape != info.global_shape:
                 problems.append(
@@ -393,9 +397,9 @@ class LoadPlanner:
             )
             plans.append(TargetPlan(t_idx, info.key, stored.dtype, tuple(reads), tuple(padding)))
         if problems:
-            raise MismatchError(
-                format_problems("cannot load: the targets do not match the checkpoint", problems + cast_problems)
-            )
+            error = MissingKeyError if missing else MismatchError
+            summary = "cannot load: the targets do not match the checkpoint"
+            raise error(format_problems(summary, problems + cast_problems))
         if cast_problems:
             raise CastError(format_problems("cannot load: lossy dtype conversions", cast_problems))
         return LoadPlan(tuple(plans), arrays)

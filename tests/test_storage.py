@@ -349,3 +349,19 @@ def test_write_window_smaller_than_the_state(tmp_path, monkeypatch):
     state = {f"r{r}": shard("w", full[r * 2:(r + 1) * 2].copy(), (r * 2, 0), (16, 8)) for r in range(8)}
     gs.save(state, tmp_path)
     assert np.array_equal(gs.read_array(tmp_path, "w"), full)
+
+
+def test_error_classes_also_match_the_builtin_a_caller_would_catch(tmp_path):
+    small_checkpoint(tmp_path)
+    with pytest.raises(KeyError):
+        gs.load({"t": shard("nope", np.zeros(2, np.float32), (0,), (2,))}, tmp_path)
+    with pytest.raises(KeyError):
+        gs.read_array(tmp_path, "nope")
+    with pytest.raises(TypeError):
+        gs.save({"a": shard("w", np.zeros(2), (0,), (2,))}, tmp_path / "x", trainer_state={"t": (1,)})
+    with pytest.raises(TypeError):
+        gs.load(target(dtype=np.float16), tmp_path)  # CastError
+    with pytest.raises(FileNotFoundError):
+        gs.read_metadata(tmp_path / "x")
+    with pytest.raises(gs.MetadataError):  # no metadata.json: not a checkpoint
+        gs.read_metadata(tmp_path / "x")
