@@ -12,7 +12,8 @@ $(STAMP): pyproject.toml requirements/ci.txt
 	touch $@
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check globalshard tests examples bench
+	$(VENV)/bin/ruff check globalshard tests examples bench spec
+	$(VENV)/bin/mypy globalshard
 	$(PY) -m pytest
 
 # The hypothesis properties with many more examples (minutes to hours).

@@ -129,7 +129,7 @@ def save(
         for w in plan.for_rank(comm.rank):
             tensor = entries[w.shard][1]
             local = tensor.regions[w.region].global_to_local(w.box)
-            items.append((w.path, tensor.dtype, tensor.data[(*local.slices, ...)]))
+            items.append((w.path, tensor.dtype, local.view(tensor.data)))
         location.write_arrays(items, stats)
         if ts_blob:
             location.write_file(TRAINER_STATE_FILE, ts_blob[0][0])
@@ -242,7 +242,7 @@ def _as_box(box: Any, global_shape: tuple[int, ...], key: str) -> Box:
                 raise MismatchError(f"{key!r}: slices with a step are not supported, got {s}")
             offset.append(start)
             shape.append(max(0, stop - start))
-        return Box(offset, shape)
+        return Box(tuple(offset), tuple(shape))
     raise MismatchError(f"{key!r}: box must be a Box or a tuple of slices, got {box!r}")
 
 

@@ -29,6 +29,7 @@ import itertools
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from globalshard.errors import LayoutError
 
@@ -111,6 +112,11 @@ class Box:
     def slices(self) -> tuple[slice, ...]:
         """Index a numpy array with these to get the box's elements."""
         return tuple(slice(o, o + s) for o, s in zip(self.offset, self.shape))
+
+    def view(self, array: Any) -> Any:
+        """``array[self.slices]`` as a view, also for a 0-d box (where plain
+        indexing with ``()`` would return a scalar)."""
+        return array[(*self.slices, Ellipsis)]
 
     def intersect(self, other: Box) -> Box | None:
         """The common part of two boxes, or None when it holds no element."""

@@ -264,7 +264,7 @@ def parse_metadata(data: bytes | str, *, source: str = METADATA_FILE) -> Metadat
                 ts_ref = TrainerStateRef(nbytes, digest)
     if p.problems:
         raise MetadataError(format_problems(f"{source} is invalid", p.problems))
-    return Metadata(tensors, ts_ref, version)
+    return Metadata(tensors, ts_ref, FORMAT_VERSION)
 
 
 def _parse_tensor(p: _Parser, raw: Any, where: str, all_paths: dict[str, str]) -> TensorMetadata | None:
@@ -296,8 +296,9 @@ def _parse_tensor(p: _Parser, raw: Any, where: str, all_paths: dict[str, str]) -
         offset = p.uints(r.get("offset"), f"{rw}.offset", len(gshape))
         shape = p.uints(r.get("shape"), f"{rw}.shape", len(gshape))
         nbytes = p.uint(r.get("nbytes"), f"{rw}.nbytes")
-        path = r.get("path")
-        why = check_relative_path(path)
+        raw_path = r.get("path")
+        why = check_relative_path(raw_path)
+        path = raw_path if isinstance(raw_path, str) else ""
         if why is not None:
             p.bad(f"{rw}.path", why)
         elif path in all_paths:

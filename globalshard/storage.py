@@ -346,11 +346,11 @@ class Location:
                     pending.append((r.path, _at(view, r.target_box).write(src), None, r.target_box))
                 else:
                     pending.append((r.path, src.read(), data, r.target_box))
-        for path, future, data, box in pending:
+        for path, future, staged_into, box in pending:
             try:
                 value = future.result()
-                if data is not None:
-                    cast_into(data[(*box.slices, ...)], value)  # a view, even for 0-d
+                if staged_into is not None:
+                    cast_into(box.view(staged_into), value)
             except Exception as e:
                 problems.append(f"{self.describe(path)}: {_error_text(e)}")
         if problems:
