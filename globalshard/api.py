@@ -98,31 +98,34 @@ def save(
     infos = [ShardInfo.of(t) for _, t in entries]
     ts_blob: list[tuple[bytes, TrainerStateRef]] = []
 
-    def prepare() -> list[Any]:
+    def describe() -> list[Any]:
+        # Everything checkable is checked before anything on storage changes.
         if comm.rank == 0:
             if trainer_state is not None:
                 ts_blob.append(dump_trainer_state(trainer_state))
-            if location.read_file(METADATA_FILE) is not None:
-                if not overwrite:
-                    raise CheckpointExistsError(
-                        f"{location} already holds a checkpoint; pass overwrite=True to replace it"
-                    )
-                # Un-publish first: a crash from here on must not leave
-                # something that looks like a checkpoint.
-                location.remove(METADATA_FILE)
-            location.remove(TRAINER_STATE_FILE)
-            # TODO(limitation): the arrays of a failed save stay on storage (never
-            # mistaken for a checkpoint: no metadata.json) until the next save to
-            # the same path removes them here.
-            location.remove(_ARRAYS, tree=True)
+            if not overwrite and location.read_file(METADATA_FILE) is not None:
+                raise CheckpointExistsError(f"{location} already holds a checkpoint; pass overwrite=True to replace it")
         return [i.to_json() for i in infos]
 
-    _, gathered = run_collectively(comm, "save: planning", prepare)
+    _, gathered = run_collectively(comm, "save: planning", describe)
     if comm.world_size == 1:
         per_rank = [infos]
     else:
         per_rank = [[ShardInfo.from_json(j) for j in rank_infos] for rank_infos in gathered]
     plan = SavePlanner().plan(per_rank)  # pure: raises identically on every rank
+
+    def clear() -> None:
+        if comm.rank == 0:
+            # Un-publish first: a crash from here on must not leave something
+            # that looks like a checkpoint.
+            location.remove(METADATA_FILE)
+            location.remove(TRAINER_STATE_FILE)
+            # TODO(limitation): the arrays of a failed save stay on storage (never
+            # mistaken for a checkpoint: no metadata.json) until the next save to
+            # the same path removes them here.
+            location.remove(_ARRAYS, tree=True)
+
+    run_collectively(comm, "save: clearing the old checkpoint", clear)
 
     def write() -> None:
         items = []
@@ -146,7 +149,7 @@ def save(
 
 def _read_metadata(location: Location) -> Metadata:
     # TODO(limitation): every rank reads and parses metadata.json itself (about
-    # 100 bytes per stored region); rank 0 could parse once and broadcast.
+    # 80 bytes per stored region); rank 0 could parse once and broadcast.
     data = location.read_file(METADATA_FILE)
     if data is None:
         raise CheckpointNotFoundError(

@@ -295,11 +295,11 @@ def test_a_rank_failing_mid_save_fails_every_rank_and_commits_nothing(tmp_path):
     full = RNG.standard_normal((8, 6)).astype(np.float32)
 
     class Saboteur(ThreadComm):
-        """Rank 1, after planning, finds a file where its array directory must go."""
+        """Rank 1, once the old arrays are cleared, finds a file where its array directory must go."""
 
         def all_gather(self, obj):
             out = super().all_gather(obj)
-            if self.gathers == 1:
+            if self.gathers == 2:  # 1: planning, 2: clearing (every rank is past it), 3: writing
                 os.makedirs(tmp_path / "arrays", exist_ok=True)
                 (tmp_path / "arrays" / "only.on.rank1").write_text("in the way")
             return out
@@ -365,3 +365,12 @@ def test_error_classes_also_match_the_builtin_a_caller_would_catch(tmp_path):
         gs.read_metadata(tmp_path / "x")
     with pytest.raises(gs.MetadataError):  # no metadata.json: not a checkpoint
         gs.read_metadata(tmp_path / "x")
+
+
+def test_rejected_overwrite_keeps_the_old_checkpoint(tmp_path):
+    full = small_checkpoint(tmp_path, trainer_state={"step": 1})
+    with pytest.raises(gs.LayoutError):  # a gap: refused while planning
+        gs.save({"a": shard("w", np.zeros((2, 4), np.float32), (0, 0), (8, 4))}, tmp_path, overwrite=True)
+    t = target()
+    assert gs.load(t, tmp_path) == {"step": 1}
+    assert np.array_equal(t["t"].data, full)
