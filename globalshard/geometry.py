@@ -132,9 +132,16 @@ class Box:
             shape.append(hi - lo)
         return Box._trusted(tuple(offset), tuple(shape))
 
-    def contains(self, other: Box) -> bool:
-        """Whether every element of ``other`` lies in this box (empty boxes too,
-        if their offset lies within the closed box)."""
+    def contains(self, other: Box | Sequence[int]) -> bool:
+        """Whether every element of ``other`` (a Box, or one index tuple) lies in
+        this box. An empty box is contained if its offset lies in the closed box.
+
+        >>> Box((0, 0), (2, 3)).contains((1, 2)), Box((0, 0), (2, 3)).contains((2, 0))
+        (True, False)
+        """
+        if not isinstance(other, Box):
+            point = _int_tuple(other, "point")
+            return len(point) == self.ndim and all(o <= p < o + s for o, s, p in zip(self.offset, self.shape, point))
         if len(other.shape) != len(self.shape):
             return False
         return all(

@@ -143,6 +143,10 @@ class Location:
             if path and not path.endswith("/"):
                 spec["path"] = path + "/"
             self.kvstore = spec
+            if spec.get("driver") == "file" and set(spec) <= {"driver", "path"}:
+                # A plain local directory, however it was named: use the
+                # filesystem directly (atomic rename, symlink containment).
+                self.local = os.path.abspath(spec["path"])
         self._kv: Any = None
 
     def __str__(self) -> str:
@@ -176,7 +180,7 @@ class Location:
                     return f.read()
             r = self._kvs().read(name).result()
             return None if r.state == "missing" else bytes(r.value)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
         except (OSError, ValueError) as e:
             raise StorageError(f"cannot read {self.describe(name)}: {_error_text(e)}") from None

@@ -374,3 +374,19 @@ def test_rejected_overwrite_keeps_the_old_checkpoint(tmp_path):
     t = target()
     assert gs.load(t, tmp_path) == {"step": 1}
     assert np.array_equal(t["t"].data, full)
+
+
+def test_file_url_roots_get_the_local_checks(tmp_path):
+    small_checkpoint(tmp_path / "ckpt")
+    small_checkpoint(tmp_path / "elsewhere")
+    victim = tmp_path / "ckpt" / "arrays" / "w" / "0"
+    shutil.rmtree(victim)
+    os.symlink(tmp_path / "elsewhere" / "arrays" / "w" / "0", victim)
+    with pytest.raises(gs.MetadataError, match="outside the checkpoint"):
+        gs.load(target(), f"file://{tmp_path}/ckpt/")
+
+
+def test_a_file_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "plain").write_text("hello")
+    with pytest.raises(gs.CheckpointNotFoundError):
+        gs.read_metadata(tmp_path / "plain")
