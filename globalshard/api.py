@@ -61,6 +61,7 @@ def save(
     trainer_state: dict[str, Any] | None = None,
     comm: Comm | None = None,
     overwrite: bool = False,
+    kvstore: Any = None,
     stats: IOStats | None = None,
 ) -> None:
     """Save this rank's shards as (part of) one checkpoint.
@@ -73,12 +74,15 @@ def save(
 
     Args:
         state: local names -> :class:`ShardedTensor` (a ShardedStateDict or dict).
-        path: a directory, a kvstore URL or a TensorStore kvstore spec dict.
+        path: a directory, a kvstore URL or a TensorStore kvstore spec dict;
+            with ``kvstore``, a relative path inside that kvstore.
         trainer_state: a dict of exact JSON values for trainer_state.json
             (rank 0's is written).
         comm: the communicator; None for a single process.
         overwrite: replace a committed checkpoint at ``path`` (it is
             un-published first, so a crash mid-save leaves no checkpoint).
+        kvstore: a TensorStore kvstore spec (dict or URL: S3, GCS, OCDBT, ...)
+            holding the checkpoint at ``path``.
         stats: an :class:`IOStats` to fill with this rank's figures.
 
     Raises:
@@ -93,7 +97,7 @@ def save(
     array([[3., 4., 5.]], dtype=float32)
     """
     comm = comm if comm is not None else SingleProcessComm()
-    location = Location(path)
+    location = Location(path, kvstore)
     entries = _entries(state)
     infos = [ShardInfo.of(t) for _, t in entries]
     ts_blob: list[tuple[bytes, TrainerStateRef]] = []
@@ -170,14 +174,14 @@ def _read_trainer_state(location: Location, metadata: Metadata) -> dict[str, Any
     return parse_trainer_state(data, metadata.trainer_state)
 
 
-def read_metadata(path: Any) -> Metadata:
+def read_metadata(path: Any, *, kvstore: Any = None) -> Metadata:
     """The parsed, validated metadata.json of the checkpoint at ``path``.
 
     Raises:
         CheckpointNotFoundError: there is no metadata.json.
         MetadataError: it is malformed (the message names the JSON path).
     """
-    return _read_metadata(Location(path))
+    return _read_metadata(Location(path, kvstore))
 
 
 def load(
@@ -186,6 +190,7 @@ def load(
     *,
     comm: Comm | None = None,
     allow_lossy_cast: bool = False,
+    kvstore: Any = None,
     stats: IOStats | None = None,
 ) -> dict[str, Any]:
     """Fill each ShardedTensor's ``data`` in place from the checkpoint at ``path``.
@@ -199,6 +204,8 @@ def load(
     written: the checkpoint's metadata and trainer state, missing keys,
     global shapes, dtype conversions, and that every stored array opens.
 
+    ``path`` and ``kvstore`` name the checkpoint as for :func:`save`.
+
     Returns:
         The trainer state saved with the checkpoint (an empty dict if none).
 
@@ -207,7 +214,7 @@ def load(
         StorageError, CommError.
     """
     comm = comm if comm is not None else SingleProcessComm()
-    location = Location(path)
+    location = Location(path, kvstore)
     entries = _entries(state)
     trainer: list[dict[str, Any]] = []
 
@@ -256,6 +263,7 @@ def read_array(
     *,
     dtype: Any = None,
     allow_lossy_cast: bool = False,
+    kvstore: Any = None,
 ) -> np.ndarray:
     """Any global box of one tensor, consolidated into a new numpy array.
 
@@ -268,7 +276,7 @@ def read_array(
         dtype: the dtype of the result (default: the stored dtype); a lossy
             conversion needs ``allow_lossy_cast=True``.
     """
-    location = Location(path)
+    location = Location(path, kvstore)
     metadata = _read_metadata(location)
     stored = metadata.tensors.get(key)
     if stored is None:

@@ -70,7 +70,10 @@ def run_collectively(comm: Comm, step: str, fn: Callable[[], T]) -> tuple[T, lis
         error = e
         kind = type(e).__name__ if isinstance(e, GlobalShardError) else f"{type(e).__module__}.{type(e).__name__}"
         outcome = {"ok": False, "error": f"{kind}: {e}"}
-    gathered = comm.all_gather(outcome)
+    try:
+        gathered = comm.all_gather(outcome)
+    except Exception as e:
+        raise CommError(f"{step}: the all-gather between ranks failed: {type(e).__name__}: {e}") from e
     if error is not None:
         raise error
     failed = [(r, o["error"]) for r, o in enumerate(gathered) if not o["ok"]]

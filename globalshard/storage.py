@@ -30,6 +30,7 @@ import tensorstore as ts
 
 from globalshard.dtypes import cast_into, numpy_dtype
 from globalshard.errors import MetadataError, StorageError, format_problems
+from globalshard.metadata import check_relative_path
 from globalshard.geometry import Box
 from globalshard.planner import LoadPlan
 
@@ -124,10 +125,18 @@ class Location:
         where: a filesystem path; a kvstore URL (``"memory://"``,
             ``"gs://bucket/run/"``, ``"file:///abs/dir/"``); or a kvstore spec
             dict (``{"driver": "ocdbt", "base": "file:///abs/dir/"}``).
+        kvstore: a kvstore spec or URL to resolve ``where`` in: the root is
+            then ``where``, a relative path, inside that kvstore.
     """
 
-    def __init__(self, where: Any) -> None:
+    def __init__(self, where: Any, kvstore: Any = None) -> None:
         self.local: str | None = None
+        if kvstore is not None:
+            base = Location(kvstore)
+            relative = os.fspath(where).strip("/") if isinstance(where, (str, os.PathLike)) else None
+            if not relative or check_relative_path(relative) is not None:
+                raise StorageError(f"with kvstore=, the path must be relative inside it, got {where!r}")
+            where = base.array_kvstore(relative)
         if isinstance(where, os.PathLike) or (isinstance(where, str) and "://" not in where):
             self.local = os.path.abspath(os.fspath(where))
             self.kvstore: dict[str, Any] = {"driver": "file", "path": self.local.rstrip("/") + "/"}
@@ -266,11 +275,14 @@ class Location:
         """
         start = time.perf_counter()
         opened = []
+        problems: list[str] = []
         for path, dtype, array in items:
             spec = _create_spec(self.array_kvstore(path), dtype, tuple(array.shape))
-            opened.append((path, array, ts.open(spec, create=True, delete_existing=True, context=_CONTEXT)))
+            try:
+                opened.append((path, array, ts.open(spec, create=True, delete_existing=True, context=_CONTEXT)))
+            except Exception as e:
+                problems.append(f"{self.describe(path)}: {_error_text(e)}")
         pending: list[tuple[str, Any, int]] = []
-        problems: list[str] = []
         in_flight = 0
 
         def settle(path: str, future: Any) -> None:
@@ -315,13 +327,14 @@ class Location:
         problems = self.check_contained(sorted(plan.arrays))
         if problems:
             raise MetadataError(format_problems("checkpoint paths escape the checkpoint", problems))
-        futures = {
-            path: ts.open(
-                {"driver": "zarr3", "kvstore": self.array_kvstore(path), "fill_missing_data_reads": False},
-                open=True, read=True, dtype=ts.dtype(dtype), shape=shape, context=_CONTEXT,
-            )
-            for path, (dtype, shape) in plan.arrays.items()
-        }
+        futures = {}
+        for path, (dtype, shape) in plan.arrays.items():
+            spec = {"driver": "zarr3", "kvstore": self.array_kvstore(path), "fill_missing_data_reads": False}
+            try:
+                futures[path] = ts.open(spec, open=True, read=True, dtype=ts.dtype(dtype), shape=shape,
+                                        context=_CONTEXT)
+            except Exception as e:
+                problems.append(f"{self.describe(path)}: {_error_text(e)}")
         stores: dict[str, Any] = {}
         for path, future in futures.items():
             try:

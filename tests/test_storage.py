@@ -390,3 +390,32 @@ def test_a_file_is_not_a_checkpoint(tmp_path):
     (tmp_path / "plain").write_text("hello")
     with pytest.raises(gs.CheckpointNotFoundError):
         gs.read_metadata(tmp_path / "plain")
+
+
+@pytest.mark.parametrize("kvstore", ["memory://kv-option/", {"driver": "ocdbt", "base": "memory://kv-ocdbt/"}])
+def test_kvstore_option_resolves_the_path_inside_it(kvstore):
+    full = RNG.standard_normal((8, 4)).astype(np.float32)
+    state = {f"r{r}": shard("w", full[r * 4:(r + 1) * 4].copy(), (r * 4, 0), (8, 4)) for r in range(2)}
+    gs.save(state, "run1/iter_0000100", kvstore=kvstore, trainer_state={"step": 100}, overwrite=True)
+    t = target()
+    assert gs.load(t, "run1/iter_0000100", kvstore=kvstore) == {"step": 100}
+    assert np.array_equal(t["t"].data, full)
+    assert np.array_equal(gs.read_array("run1/iter_0000100", "w", kvstore=kvstore), full)
+    with pytest.raises(gs.CheckpointNotFoundError):
+        gs.read_metadata("run1/iter_0000200", kvstore=kvstore)
+    with pytest.raises(gs.StorageError, match="relative"):
+        gs.read_metadata("../escape", kvstore=kvstore)
+
+
+def test_a_broken_communicator_is_a_comm_error(tmp_path):
+    class Broken:
+        rank, world_size = 0, 2
+
+        def all_gather(self, obj):
+            raise TimeoutError("peer gone")
+
+        def barrier(self):
+            pass
+
+    with pytest.raises(gs.CommError, match="peer gone"):
+        gs.save({"a": shard("w", np.zeros(2), (0,), (2,))}, tmp_path, comm=Broken())
