@@ -30,8 +30,8 @@ import tensorstore as ts
 
 from globalshard.dtypes import cast_into, numpy_dtype
 from globalshard.errors import MetadataError, StorageError, format_problems
-from globalshard.metadata import check_relative_path
 from globalshard.geometry import Box
+from globalshard.metadata import check_relative_path
 from globalshard.planner import LoadPlan
 
 __all__ = ["CHUNK_BYTES", "WRITE_WINDOW_BYTES", "IOStats", "Location", "chunk_shape"]
