@@ -8,12 +8,12 @@ STAMP  := $(VENV)/.installed
 
 $(STAMP): pyproject.toml requirements/ci.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/ci.txt -e '.[test]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/ci.txt -e '.[test,torch]'
 	touch $@
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check globalshard tests examples bench spec
-	$(VENV)/bin/mypy globalshard
+	$(VENV)/bin/ruff check globalshard backends tests examples bench spec
+	$(VENV)/bin/mypy globalshard backends/globalshard_torch
 	$(PY) -m pytest
 
 # The hypothesis properties with many more examples (minutes to hours).

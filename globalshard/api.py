@@ -38,7 +38,7 @@ from globalshard.metadata import (
 from globalshard.planner import LoadPlanner, SavePlanner, ShardInfo, missing_key
 from globalshard.storage import IOStats, Location
 
-__all__ = ["load", "read_array", "read_metadata", "save"]
+__all__ = ["load", "read_array", "read_metadata", "read_trainer_state", "save"]
 
 _ARRAYS = "arrays"
 
@@ -182,6 +182,13 @@ def read_metadata(path: Any, *, kvstore: Any = None) -> Metadata:
         MetadataError: it is malformed (the message names the JSON path).
     """
     return _read_metadata(Location(path, kvstore))
+
+
+def read_trainer_state(path: Any, *, kvstore: Any = None) -> dict[str, Any]:
+    """The trainer state saved with the checkpoint at ``path`` (empty if none),
+    checked against the size and SHA-256 recorded in metadata.json."""
+    location = Location(path, kvstore)
+    return _read_trainer_state(location, _read_metadata(location))
 
 
 def load(

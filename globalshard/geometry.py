@@ -154,6 +154,8 @@ class Box:
         return Box(tuple(o + d for o, d in zip(self.offset, delta, strict=True)), self.shape)
 
     def __str__(self) -> str:
+        if not self.shape:
+            return "[scalar]"
         return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offset, self.shape)) + "]"
 
 

@@ -1,0 +1,61 @@
+"""globalshard for torch trainers: TP/PP/VPP/DP layouts, Megatron-style sharding
+rules, DTensor parameters, Adam/AdamW state, torch.distributed, and a
+checkpoint manager, over the framework-neutral globalshard core.
+
+Save on one topology and load on another with one call each::
+
+    layout = ParallelLayout(tp_rank=..., tp_size=2, pp_rank=..., pp_size=2, num_layers=24)
+    save_checkpoint(path, model=chunks, layout=layout, rules=rules, optimizer=opt, scheduler=sched,
+                    trainer_state={"step": step, "consumed_samples": n})
+    result = load_checkpoint(path, model=chunks, layout=other_layout, rules=rules, optimizer=opt,
+                             scheduler=sched)
+"""
+
+from globalshard_torch.checkpoint import CheckpointManager, LoadResult, load_checkpoint, save_checkpoint
+from globalshard_torch.comm import TorchComm, default_comm
+from globalshard_torch.model import Entry, model_entries
+from globalshard_torch.parallel import ParallelLayout
+from globalshard_torch.rules import (
+    ColumnParallel,
+    PackedQKV,
+    PackedSwiGLU,
+    Placement,
+    Replicated,
+    RowParallel,
+    Rule,
+    ShardingRules,
+    Split,
+    Tied,
+    VocabParallel,
+)
+from globalshard_torch.state import jsonable, rng_state, set_rng_state
+from globalshard_torch.tensors import HostStaging, numpy_view, torch_dtype
+
+__all__ = [
+    "CheckpointManager",
+    "ColumnParallel",
+    "Entry",
+    "HostStaging",
+    "LoadResult",
+    "PackedQKV",
+    "PackedSwiGLU",
+    "ParallelLayout",
+    "Placement",
+    "Replicated",
+    "RowParallel",
+    "Rule",
+    "ShardingRules",
+    "Split",
+    "Tied",
+    "TorchComm",
+    "VocabParallel",
+    "default_comm",
+    "jsonable",
+    "load_checkpoint",
+    "model_entries",
+    "numpy_view",
+    "rng_state",
+    "save_checkpoint",
+    "set_rng_state",
+    "torch_dtype",
+]

@@ -1,0 +1,390 @@
+"""One call to save, one to load: model, optimizer, LR scheduler and trainer state.
+
+Every rank calls :func:`save_checkpoint` / :func:`load_checkpoint` with its own
+model chunks and optimizer; the layouts at save and at load may differ in
+every way (TP, PP, VPP, DP). Parameters are placed by the model's
+:class:`~globalshard_torch.rules.ShardingRules` (or by their DTensor
+placements); Adam/AdamW moments share their parameter's place with their own
+dtype; ``step`` is a replicated scalar. Optimizer state is matched to
+parameters by checkpoint key, never by position.
+
+Keys in the checkpoint::
+
+    <param key>                          the parameter (global layer index)
+    optimizer.<item>.<param key>         optimizer state item (exp_avg, exp_avg_sq, step, ...)
+    optimizer.master.<param key>         the fp32 master copy, with master_params
+
+trainer_state.json holds the caller's ``trainer_state`` plus
+``parallel_config``, ``lr_scheduler``, ``optimizer`` (hyper-parameters and
+group membership by key) and ``rng`` (every rank's RNG states).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+import globalshard as gs
+from globalshard.comm import Comm, SingleProcessComm, run_collectively
+from globalshard.errors import LayoutError, MetadataError, MismatchError, format_problems
+from globalshard_torch.comm import default_comm
+from globalshard_torch.model import Entry, model_entries
+from globalshard_torch.parallel import ParallelLayout
+from globalshard_torch.rules import ShardingRules
+from globalshard_torch.state import jsonable, rng_state, set_rng_state
+from globalshard_torch.tensors import HostStaging, numpy_view, torch_dtype
+
+__all__ = ["CheckpointManager", "LoadResult", "load_checkpoint", "save_checkpoint"]
+
+_RESERVED = ("parallel_config", "lr_scheduler", "optimizer", "rng")
+_OPT = "optimizer."
+
+
+@dataclass
+class LoadResult:
+    """What :func:`load_checkpoint` restored."""
+
+    trainer_state: dict[str, Any]
+    rng_restored: bool
+    stats: gs.IOStats = field(default_factory=gs.IOStats)
+
+
+def _optimizer_params(
+    optimizer: torch.optim.Optimizer, entries: list[Entry], master_params: Mapping[str, torch.Tensor] | None
+) -> list[tuple[int, torch.Tensor, Entry, bool]]:
+    """(group index, optimizer parameter, its entry, is a master copy) for every optimizer parameter."""
+    by_id = {id(e.param): e for e in entries}
+    by_name = {e.name: e for e in entries}
+    masters: dict[int, Entry] = {}
+    for name, master in (master_params or {}).items():
+        if name not in by_name:
+            raise LayoutError(f"master_params names {name!r}, which is not a model tensor")
+        masters[id(master)] = by_name[name]
+    out, problems = [], []
+    for g, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) in masters:
+                out.append((g, p, masters[id(p)], True))
+            elif id(p) in by_id:
+                out.append((g, p, by_id[id(p)], False))
+            else:
+                problems.append(f"group {g}: a parameter of shape {tuple(p.shape)} is not a tensor of the model "
+                                "(pass master_params for optimizer-owned copies)")
+    if problems:
+        raise LayoutError(format_problems("cannot map the optimizer's parameters to checkpoint keys", problems))
+    return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _scalar_shard(key: str, data: Any, main: bool) -> gs.ShardedTensor:
+    return gs.ShardedTensor.from_offset(key, data, global_shape=(), global_offset=(), replica_id=0 if main else 1)
+
+
+def save_checkpoint(
+    path: Any,
+    *,
+    model: nn.Module | Sequence[nn.Module],
+    layout: ParallelLayout,
+    rules: ShardingRules | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    trainer_state: dict[str, Any] | None = None,
+    master_params: Mapping[str, torch.Tensor] | None = None,
+    comm: Comm | None = None,
+    overwrite: bool = False,
+    kvstore: Any = None,
+    stats: gs.IOStats | None = None,
+) -> None:
+    """Save this rank's part of the model, optimizer, scheduler and trainer state.
+
+    Call on every rank. ``model`` is this rank's module, or its virtual
+    pipeline chunks in local order. ``master_params`` maps model tensor names
+    to the fp32 copies the optimizer holds, when it holds copies. A failure on
+    any rank raises on every rank and commits nothing.
+    """
+    comm = comm if comm is not None else (default_comm() or SingleProcessComm())
+    user = dict(trainer_state or {})
+    clash = [k for k in _RESERVED if k in user]
+    if clash:
+        raise MetadataError(f"trainer_state keys {clash} are reserved for the adapter")
+    shards: dict[str, gs.ShardedTensor] = {}
+    staging = HostStaging()
+
+    def describe() -> dict[str, Any]:
+        entries = model_entries(model, layout, rules)
+        for e in entries:
+            shards[f"model/{e.name}"] = e.shard(e.key, numpy_view(staging.host(e.tensor, for_save=True)))
+        membership: dict[str, int] = {}
+        if optimizer is not None:
+            for g, p, e, is_master in _optimizer_params(optimizer, entries, master_params):
+                membership[e.key] = g
+                if is_master:
+                    host = staging.host(_local(p), for_save=True)
+                    shards[f"master/{e.name}"] = e.shard(f"{_OPT}master.{e.key}", numpy_view(host))
+                for item, value in optimizer.state.get(p, {}).items():
+                    key = f"{_OPT}{item}.{e.key}"
+                    if not torch.is_tensor(value):
+                        raise LayoutError(f"optimizer state {item!r} of {e.key!r} is a {type(value).__name__}, "
+                                          "not a tensor")
+                    local = staging.host(_local(value), for_save=True)
+                    if local.ndim == 0:
+                        shards[f"opt/{item}/{e.name}"] = _scalar_shard(key, numpy_view(local).copy(), e.scalar_main)
+                    else:
+                        shards[f"opt/{item}/{e.name}"] = e.shard(key, numpy_view(local))
+        staging.ready()
+        return {"rng": rng_state(), "membership": membership}
+
+    _, gathered = run_collectively(comm, "save_checkpoint: describing", describe)
+    state = dict(user)
+    state["parallel_config"] = layout.config_json()
+    state["lr_scheduler"] = jsonable(scheduler.state_dict(), "$.lr_scheduler") if scheduler is not None else None
+    if optimizer is not None:
+        membership: dict[str, int] = {}
+        for g in gathered:
+            membership.update(g["membership"])
+        groups = [jsonable({k: v for k, v in group.items() if k != "params"}, f"$.optimizer.param_groups[{i}]")
+                  for i, group in enumerate(optimizer.param_groups)]
+        state["optimizer"] = {"class": type(optimizer).__name__, "param_groups": groups, "membership": membership}
+    else:
+        state["optimizer"] = None
+    state["rng"] = {"world_size": comm.world_size, "parallel_config": layout.config_json(),
+                    "ranks": [g["rng"] for g in gathered]}
+    gs.save(shards, path, trainer_state=state, comm=comm, overwrite=overwrite, kvstore=kvstore, stats=stats)
+
+
+def load_checkpoint(
+    path: Any,
+    *,
+    model: nn.Module | Sequence[nn.Module],
+    layout: ParallelLayout,
+    rules: ShardingRules | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    master_params: Mapping[str, torch.Tensor] | None = None,
+    comm: Comm | None = None,
+    allow_lossy_cast: bool = False,
+    restore_rng: bool = True,
+    kvstore: Any = None,
+) -> LoadResult:
+    """Load a checkpoint saved under any layout into this rank's model, optimizer
+    and scheduler (in place). Call on every rank.
+
+    Optimizer state is created for every parameter the checkpoint has state
+    for, in the dtype the optimizer's parameter has (exact widening is
+    automatic; narrowing needs ``allow_lossy_cast``). RNG states are restored
+    only when the layout and world size are the ones that saved them.
+
+    Raises:
+        the core's errors (MismatchError, CastError, MetadataError, ...) and
+        LayoutError when the model or optimizer does not fit the checkpoint.
+    """
+    comm = comm if comm is not None else (default_comm() or SingleProcessComm())
+    staging = HostStaging()
+    targets: dict[str, gs.ShardedTensor] = {}
+    new_state: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
+    saved: list[dict[str, Any]] = []
+
+    def prepare() -> None:
+        metadata = gs.read_metadata(path, kvstore=kvstore)
+        ts = gs.read_trainer_state(path, kvstore=kvstore)
+        saved.append(ts)
+        entries = model_entries(model, layout, rules)
+        for e in entries:
+            targets[f"model/{e.name}"] = e.shard(e.key, numpy_view(staging.host(e.tensor, for_save=False)))
+        if optimizer is None:
+            return
+        items: dict[str, list[str]] = {}
+        for k in metadata.tensors:
+            if k.startswith(_OPT):
+                item, _, key = k[len(_OPT):].partition(".")
+                items.setdefault(key, []).append(item)
+        _check_groups(optimizer, ts.get("optimizer"))
+        membership = (ts.get("optimizer") or {}).get("membership", {})
+        problems = []
+        for g, p, e, is_master in _optimizer_params(optimizer, entries, master_params):
+            if e.key in membership and membership[e.key] != g:
+                problems.append(f"{e.key!r} is in param group {g}, it was saved in group {membership[e.key]}")
+            if is_master:
+                if "master" not in items.get(e.key, []):
+                    problems.append(f"{e.key!r}: the checkpoint holds no fp32 master copy")
+                    continue
+                targets[f"master/{e.name}"] = e.shard(
+                    f"{_OPT}master.{e.key}", numpy_view(staging.host(_local(p), for_save=False)))
+            st: dict[str, torch.Tensor] = {}
+            for item in items.get(e.key, []):
+                if item == "master":
+                    continue
+                stored = metadata.tensors[f"{_OPT}{item}.{e.key}"]
+                local = _local(p)
+                if stored.global_shape == ():
+                    t = torch.zeros((), dtype=torch_dtype(stored.dtype))
+                    targets[f"opt/{item}/{e.name}"] = _scalar_shard(f"{_OPT}{item}.{e.key}", numpy_view(t),
+                                                                    e.scalar_main)
+                else:
+                    t = torch.zeros_like(local)
+                    targets[f"opt/{item}/{e.name}"] = e.shard(
+                        f"{_OPT}{item}.{e.key}", numpy_view(staging.host(t, for_save=False)))
+                st[item] = t
+            if st:
+                new_state.append((p, st))
+        if problems:
+            raise MismatchError(format_problems("the optimizer does not match the checkpoint", problems))
+
+    run_collectively(comm, "load_checkpoint: planning", prepare)
+    stats = gs.IOStats()
+    trainer = gs.load(targets, path, comm=comm, allow_lossy_cast=allow_lossy_cast, kvstore=kvstore, stats=stats)
+    staging.finish_load()
+    if optimizer is not None:
+        for p, st in new_state:
+            optimizer.state[p] = {k: _like_param(p, v) for k, v in st.items()}
+        for group, saved_group in zip(optimizer.param_groups, (trainer.get("optimizer") or {}).get("param_groups", [])):
+            for k, v in saved_group.items():
+                group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
+    if scheduler is not None and trainer.get("lr_scheduler") is not None:
+        scheduler.load_state_dict(trainer["lr_scheduler"])
+    restored = False
+    rng = trainer.get("rng")
+    if restore_rng and rng and rng.get("world_size") == comm.world_size \
+            and rng.get("parallel_config") == layout.config_json():
+        set_rng_state(rng["ranks"][comm.rank])
+        restored = True
+    return LoadResult(trainer, restored, stats)
+
+
+def _like_param(p: Any, local: torch.Tensor) -> torch.Tensor:
+    """Optimizer state for ``p``: a DTensor with p's placements when p is one."""
+    if local.ndim == 0 or not hasattr(p, "to_local"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+
+
+def _check_groups(optimizer: torch.optim.Optimizer, saved: dict[str, Any] | None) -> None:
+    if saved is None:
+        return
+    if saved.get("class") != type(optimizer).__name__:
+        raise MismatchError(f"the checkpoint holds {saved.get('class')} state; the optimizer is "
+                            f"{type(optimizer).__name__}")
+    n_saved, n_now = len(saved.get("param_groups", [])), len(optimizer.param_groups)
+    if n_saved != n_now:
+        raise MismatchError(f"the checkpoint has {n_saved} optimizer param groups, the optimizer {n_now}")
+
+
+# --------------------------------------------------------------------------- manager
+
+_ITER = re.compile(r"iter_(\d{7,})")
+
+
+class CheckpointManager:
+    """``iter_0000100``-style checkpoints under one local root directory.
+
+    ``latest`` (a small JSON file, replaced atomically after each commit)
+    points at the newest complete checkpoint; :meth:`latest` falls back to the
+    newest directory with a valid metadata.json when the pointer is missing,
+    stale or points at an incomplete save. ``keep_last`` prunes older
+    complete checkpoints after each save.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None, comm: Comm | None = None):
+        # TODO(limitation): the manager works on local directories only; the
+        # core save/load accept any kvstore.
+        self.root = os.path.abspath(os.fspath(root))
+        if keep_last is not None and keep_last < 1:
+            raise ValueError("keep_last must be at least 1")
+        self.keep_last = keep_last
+        self._comm = comm
+
+    def path(self, step: int) -> str:
+        return os.path.join(self.root, f"iter_{step:07d}")
+
+    def _rank(self) -> int:
+        comm = self._comm if self._comm is not None else default_comm()
+        return comm.rank if comm is not None else 0
+
+    def save(self, step: int, **kwargs: Any) -> str:
+        """:func:`save_checkpoint` into ``iter_<step>``, then move the pointer and prune."""
+        path = self.path(step)
+        trainer_state = dict(kwargs.pop("trainer_state", None) or {})
+        trainer_state.setdefault("step", step)
+        save_checkpoint(path, trainer_state=trainer_state, comm=self._comm, **kwargs)
+        if self._rank() == 0:
+            self._write_pointer(step)
+            self._prune()
+        comm = self._comm if self._comm is not None else default_comm()
+        if comm is not None:
+            comm.barrier()
+        return path
+
+    def _write_pointer(self, step: int) -> None:
+        tmp = os.path.join(self.root, f".latest.tmp-{uuid.uuid4().hex}")
+        with open(tmp, "w") as f:
+            json.dump({"step": step, "path": os.path.basename(self.path(step))}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(self.root, "latest"))
+        fd = os.open(self.root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def complete(self) -> list[tuple[int, str]]:
+        """(step, path) of every complete checkpoint, oldest first."""
+        out = []
+        for name in os.listdir(self.root) if os.path.isdir(self.root) else []:
+            m = _ITER.fullmatch(name)
+            if m and _is_complete(os.path.join(self.root, name)):
+                out.append((int(m.group(1)), os.path.join(self.root, name)))
+        return sorted(out)
+
+    def latest(self) -> tuple[int, str] | None:
+        """(step, path) of the newest complete checkpoint, or None."""
+        try:
+            with open(os.path.join(self.root, "latest")) as f:
+                pointer = json.load(f)
+            candidate = os.path.join(self.root, pointer["path"])
+            if _ITER.fullmatch(pointer["path"]) and _is_complete(candidate):
+                newer = [c for c in self.complete() if c[0] > int(pointer["step"])]
+                if not newer:
+                    return int(pointer["step"]), candidate
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        done = self.complete()
+        return done[-1] if done else None
+
+    def load_latest(self, **kwargs: Any) -> LoadResult | None:
+        """:func:`load_checkpoint` from :meth:`latest`; None when there is none."""
+        found = self.latest()
+        if found is None:
+            return None
+        return load_checkpoint(found[1], comm=self._comm, **kwargs)
+
+    def _prune(self) -> None:
+        if self.keep_last is None:
+            return
+        done = self.complete()
+        for _, path in done[: max(0, len(done) - self.keep_last)]:
+            # Un-publish before deleting: a crash mid-delete leaves no half checkpoint.
+            os.unlink(os.path.join(path, "metadata.json"))
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _is_complete(path: str) -> bool:
+    try:
+        gs.read_metadata(path)
+        return True
+    except gs.GlobalShardError:
+        return False

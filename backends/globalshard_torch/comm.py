@@ -1,0 +1,62 @@
+"""The core's communicator over torch.distributed.
+
+Objects travel as JSON in uint8 tensors over a dedicated gloo group (so it
+works whatever backend the training uses, and nothing is unpickled), with a
+timeout: a rank that died makes the others fail instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["TorchComm", "default_comm"]
+
+
+class TorchComm:
+    """:class:`globalshard.Comm` over ``torch.distributed`` (call on every rank).
+
+    Args:
+        timeout: how long a collective waits for the other ranks.
+        ranks: the ranks of the group (default: all); every rank of the world
+            must construct it, as for ``torch.distributed.new_group``.
+    """
+
+    def __init__(self, timeout: timedelta = timedelta(minutes=10), ranks: list[int] | None = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized")
+        self._group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        self.rank = dist.get_rank(self._group)
+        self.world_size = dist.get_world_size(self._group)
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        data = json.dumps(obj, separators=(",", ":")).encode("utf-8")
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size, group=self._group)
+        longest = max(int(s.item()) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        if data:
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.all_gather(out, mine, group=self._group)
+        return [json.loads(bytes(t[: int(s.item())].numpy()).decode("utf-8")) for t, s in zip(out, sizes)]
+
+    def barrier(self) -> None:
+        dist.barrier(group=self._group)
+
+
+_DEFAULT: list[TorchComm] = []
+
+
+def default_comm() -> TorchComm | None:
+    """One TorchComm over the whole world, made on first use; None without torch.distributed."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    if not _DEFAULT:
+        _DEFAULT.append(TorchComm())
+    return _DEFAULT[0]

@@ -1,0 +1,213 @@
+"""Sharding rules: how each Megatron-style parameter is cut across TP ranks.
+
+Rules are declared once per model, by regular expressions on parameter names
+(with global layer indices), and turn a rank's local tensor into the place it
+holds in the global array:
+
+==========================  ==================================================
+rule                        local tensor on TP rank r of T
+==========================  ==================================================
+``ColumnParallel()``        rows ``[r*n, (r+1)*n)`` (weight and bias split on the output axis)
+``RowParallel()``           columns ``[r*n, (r+1)*n)`` (weight split on the input axis)
+``Split(axis)``             the same on any axis
+``VocabParallel(vocab)``    rows of a vocabulary padded to a multiple of T; only the true vocabulary is stored
+``Replicated()``            the whole tensor (norms, row-parallel biases, LoRA A of column-parallel layers)
+``PackedQKV(heads, kv)``    ``[q_r; k_r; v_r]`` of a global ``[Q; K; V]``, grouped-query attention allowed
+``PackedSwiGLU()``          ``[gate_r; up_r]`` of a global ``[gate; up]``
+``Tied("embedding.weight")`` a copy of another parameter (tied input/output embeddings), stored once under its key
+==========================  ==================================================
+
+LoRA adapters use the same rules: B of a column-parallel layer is
+``ColumnParallel`` (of QKV: ``PackedQKV``; of SwiGLU: ``PackedSwiGLU``), A of
+a row-parallel layer is ``RowParallel``, the other factor ``Replicated``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from globalshard import Segment
+from globalshard.errors import LayoutError
+from globalshard_torch.parallel import ParallelLayout
+
+__all__ = [
+    "ColumnParallel",
+    "PackedQKV",
+    "PackedSwiGLU",
+    "Placement",
+    "Replicated",
+    "RowParallel",
+    "Rule",
+    "ShardingRules",
+    "Split",
+    "Tied",
+    "VocabParallel",
+]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a local tensor sits in its global array (what a ShardedTensor needs)."""
+
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    segments: tuple[Segment, ...] | None = None  # along axis 0 when set
+    allow_padding: bool = False
+    tp_main: bool = True  # False on TP ranks that hold a copy of another rank's values
+
+
+class Rule:
+    """Base of the rules: map a local shape on a layout to a Placement."""
+
+    def place(self, local_shape: tuple[int, ...], layout: ParallelLayout) -> Placement:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Replicated(Rule):
+    """Every TP rank holds the whole tensor; TP rank 0's copy is the main one."""
+
+    def place(self, local_shape: tuple[int, ...], layout: ParallelLayout) -> Placement:
+        return Placement(local_shape, (0,) * len(local_shape), tp_main=layout.tp_rank == 0)
+
+
+@dataclass(frozen=True)
+class Split(Rule):
+    """Evenly split on ``axis`` across TP ranks, in rank order."""
+
+    axis: int = 0
+
+    def place(self, local_shape: tuple[int, ...], layout: ParallelLayout) -> Placement:
+        axis = _axis(self.axis, local_shape)
+        n = local_shape[axis]
+        gshape = tuple(s * layout.tp_size if d == axis else s for d, s in enumerate(local_shape))
+        offset = tuple(layout.tp_rank * n if d == axis else 0 for d in range(len(local_shape)))
+        return Placement(gshape, offset)
+
+
+@dataclass(frozen=True)
+class ColumnParallel(Split):
+    """Split on the output axis (0): column-parallel weights and their biases."""
+
+    axis: int = 0
+
+
+@dataclass(frozen=True)
+class RowParallel(Split):
+    """Split on the input axis (1): row-parallel weights (their bias is Replicated)."""
+
+    axis: int = 1
+
+
+@dataclass(frozen=True)
+class VocabParallel(Rule):
+    """Vocabulary rows split across TP ranks after padding the vocabulary to a
+    multiple of the TP size (so the padded size depends on TP). Only the first
+    ``vocab_size`` rows are stored; the padding is zero-filled on load."""
+
+    vocab_size: int
+    axis: int = 0
+
+    def place(self, local_shape: tuple[int, ...], layout: ParallelLayout) -> Placement:
+        axis = _axis(self.axis, local_shape)
+        n = local_shape[axis]
+        if n * layout.tp_size < self.vocab_size:
+            raise LayoutError(
+                f"vocabulary shard of {n} rows x TP {layout.tp_size} cannot hold a vocabulary of {self.vocab_size}"
+            )
+        gshape = tuple(self.vocab_size if d == axis else s for d, s in enumerate(local_shape))
+        offset = tuple(layout.tp_rank * n if d == axis else 0 for d in range(len(local_shape)))
+        return Placement(gshape, offset, allow_padding=True)
+
+
+@dataclass(frozen=True)
+class PackedQKV(Rule):
+    """Fused QKV: global rows ``[Q; K; V]`` with ``num_heads`` query heads and
+    ``num_kv_heads`` key/value heads of equal size; TP rank r holds
+    ``[q_r; k_r; v_r]``. Grouped-query attention: ``num_kv_heads < num_heads``."""
+
+    num_heads: int
+    num_kv_heads: int
+
+    def place(self, local_shape: tuple[int, ...], layout: ParallelLayout) -> Placement:
+        tp, r = layout.tp_size, layout.tp_rank
+        heads = self.num_heads + 2 * self.num_kv_heads
+        rows = local_shape[0] * tp
+        if rows % heads or self.num_heads % tp or self.num_kv_heads % tp:
+            # TODO(limitation): TP larger than the number of kv heads (Megatron
+            # then replicates kv heads across TP ranks) is not mapped.
+            raise LayoutError(
+                f"fused QKV of {local_shape[0]} local rows at TP={tp} does not fit {self.num_heads} query and "
+                f"{self.num_kv_heads} key/value heads (each head count must divide by TP)"
+            )
+        hd = rows // heads
+        q, kv = self.num_heads * hd // tp, self.num_kv_heads * hd // tp
+        qh, kh = self.num_heads * hd, self.num_kv_heads * hd
+        segments = (Segment(0, r * q, q), Segment(q, qh + r * kv, kv), Segment(q + kv, qh + kh + r * kv, kv))
+        return Placement((rows, *local_shape[1:]), (0,) * len(local_shape), segments)
+
+
+@dataclass(frozen=True)
+class PackedSwiGLU(Rule):
+    """Fused SwiGLU input projection: global rows ``[gate; up]``, TP rank r
+    holds ``[gate_r; up_r]``."""
+
+    def place(self, local_shape: tuple[int, ...], layout: ParallelLayout) -> Placement:
+        tp, r = layout.tp_size, layout.tp_rank
+        if local_shape[0] % 2:
+            raise LayoutError(f"fused gate/up of {local_shape[0]} local rows is not [gate_r; up_r]")
+        f = local_shape[0] // 2
+        rows = local_shape[0] * tp
+        segments = (Segment(0, r * f, f), Segment(f, tp * f + r * f, f))
+        return Placement((rows, *local_shape[1:]), (0,) * len(local_shape), segments)
+
+
+@dataclass(frozen=True)
+class Tied(Rule):
+    """This parameter holds the same values as ``canonical`` (tied embeddings):
+    stored once, under ``canonical``'s key and with its rule, this copy being a
+    replica. On load both are filled from the same stored values."""
+
+    canonical: str
+
+
+def _axis(axis: int, shape: tuple[int, ...]) -> int:
+    if not -len(shape) <= axis < len(shape):
+        raise LayoutError(f"axis {axis} does not exist in a tensor of shape {shape}")
+    return axis % len(shape)
+
+
+class ShardingRules:
+    """Ordered ``(regex, rule)`` pairs; a name takes the first rule whose regex
+    matches it entirely. A name that no rule matches is an error, never a guess.
+
+    >>> rules = ShardingRules([(r"embedding\\.weight", VocabParallel(1003)), (r".*norm.*", Replicated())])
+    >>> rules.resolve("final_norm.weight")
+    ('final_norm.weight', Replicated(), False)
+    """
+
+    def __init__(self, rules: Sequence[tuple[str, Rule]]) -> None:
+        self._rules = [(re.compile(p), r) for p, r in rules]
+        for pattern, rule in rules:
+            if not isinstance(rule, Rule):
+                raise LayoutError(f"rule for {pattern!r} is not a Rule: {rule!r}")
+
+    def rule_for(self, name: str) -> Rule | None:
+        for pattern, rule in self._rules:
+            if pattern.fullmatch(name):
+                return rule
+        return None
+
+    def resolve(self, name: str) -> tuple[str, Rule, bool]:
+        """``(checkpoint key, rule giving the layout, is a tied copy)`` for a global name."""
+        rule = self.rule_for(name)
+        if rule is None:
+            raise LayoutError(f"no sharding rule matches parameter {name!r}")
+        if isinstance(rule, Tied):
+            target = self.rule_for(rule.canonical)
+            if target is None or isinstance(target, Tied):
+                raise LayoutError(f"{name!r} is tied to {rule.canonical!r}, which has no (untied) rule")
+            return rule.canonical, target, True
+        return name, rule, False

@@ -1,0 +1,465 @@
+"""A small Megatron-style model and the multi-process runs of the torch adapter tests.
+
+The model holds every layout the adapter must map: vocabulary-parallel tied
+embeddings with a vocabulary no TP size divides, fused QKV with grouped-query
+attention, row-parallel projections with replicated biases, fused SwiGLU,
+LoRA on QKV, the attention output and SwiGLU, replicated norms.
+
+Expected values come from ``local_slice``, written here by hand and
+independent of the adapter's rules: a rank's tensor is a slice of a global
+reference array, and the test compares every tensor after a load with that
+slice of the global array the saving job held.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import traceback
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+import globalshard_torch as gt
+import ml_dtypes
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LORA_R, LAYERS = 13, 16, 8, 4, 2, 16, 2, 4
+
+
+@dataclass(frozen=True)
+class Topo:
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    dp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def layout(self, rank: int) -> gt.ParallelLayout:
+        # rank = ((dp * pp) + pp_rank) * tp + tp_rank
+        tp_rank = rank % self.tp
+        pp_rank = (rank // self.tp) % self.pp
+        dp_rank = rank // (self.tp * self.pp)
+        return gt.ParallelLayout(tp_rank=tp_rank, tp_size=self.tp, pp_rank=pp_rank, pp_size=self.pp,
+                                 vpp_size=self.vpp, dp_rank=dp_rank, dp_size=self.dp, num_layers=LAYERS)
+
+
+def padded_vocab(tp: int) -> int:
+    return -(-VOCAB // tp) * tp
+
+
+class Block(nn.Module):
+    def __init__(self, tp: int):
+        super().__init__()
+        qkv_rows = (HEADS + 2 * KV_HEADS) * HEAD_DIM // tp
+        self.attn = nn.Module()
+        self.attn.norm = nn.Parameter(torch.empty(HIDDEN))
+        self.attn.qkv = nn.Linear(HIDDEN, qkv_rows, bias=False)
+        self.attn.qkv_lora_A = nn.Parameter(torch.empty(LORA_R, HIDDEN))
+        self.attn.qkv_lora_B = nn.Parameter(torch.empty(qkv_rows, LORA_R))
+        self.attn.proj = nn.Linear(HEADS * HEAD_DIM // tp, HIDDEN, bias=True)
+        self.attn.proj_lora_A = nn.Parameter(torch.empty(LORA_R, HEADS * HEAD_DIM // tp))
+        self.attn.proj_lora_B = nn.Parameter(torch.empty(HIDDEN, LORA_R))
+        self.mlp = nn.Module()
+        self.mlp.norm = nn.Parameter(torch.empty(HIDDEN))
+        self.mlp.gate_up = nn.Linear(HIDDEN, 2 * FFN // tp, bias=False)
+        self.mlp.gate_up_lora_A = nn.Parameter(torch.empty(LORA_R, HIDDEN))
+        self.mlp.gate_up_lora_B = nn.Parameter(torch.empty(2 * FFN // tp, LORA_R))
+        self.mlp.down = nn.Linear(FFN // tp, HIDDEN, bias=False)
+
+
+class Chunk(nn.Module):
+    """One virtual pipeline chunk of one stage."""
+
+    def __init__(self, layout: gt.ParallelLayout, chunk: int, dtype: torch.dtype):
+        super().__init__()
+        tp = layout.tp_size
+        first = layout.is_first_stage and chunk == 0
+        last = layout.is_last_stage and chunk == layout.vpp_size - 1
+        if first:
+            self.embedding = nn.Embedding(padded_vocab(tp) // tp, HIDDEN)
+        self.layers = nn.ModuleList(Block(tp) for _ in layout.chunk_layers(chunk))
+        if last:
+            self.final_norm = nn.Parameter(torch.empty(HIDDEN))
+            self.lm_head = nn.Module()
+            if first:  # one stage holds both ends: tie them to one Parameter
+                self.lm_head.weight = self.embedding.weight
+            else:
+                self.lm_head.weight = nn.Parameter(torch.empty(padded_vocab(tp) // tp, HIDDEN))
+        self.to(dtype)
+
+
+RULES = gt.ShardingRules([
+    (r"embedding\.weight", gt.VocabParallel(VOCAB)),
+    (r"lm_head\.weight", gt.Tied("embedding.weight")),
+    (r"layers\.\d+\.attn\.qkv\.weight", gt.PackedQKV(HEADS, KV_HEADS)),
+    (r"layers\.\d+\.attn\.qkv_lora_B", gt.PackedQKV(HEADS, KV_HEADS)),
+    (r"layers\.\d+\.attn\.proj\.weight", gt.RowParallel()),
+    (r"layers\.\d+\.attn\.proj_lora_A", gt.RowParallel()),
+    (r"layers\.\d+\.mlp\.gate_up\.weight", gt.PackedSwiGLU()),
+    (r"layers\.\d+\.mlp\.gate_up_lora_B", gt.PackedSwiGLU()),
+    (r"layers\.\d+\.mlp\.down\.weight", gt.RowParallel()),
+    (r".*(lora_A|lora_B|norm|bias)", gt.Replicated()),
+])
+
+
+# ----------------------------------------------------------------------- manual placement (independent of rules)
+
+
+def kind_of(key: str) -> str:
+    for suffix, kind in [("embedding.weight", "vocab"), ("qkv.weight", "qkv"), ("qkv_lora_B", "qkv"),
+                         ("proj.weight", "cols"), ("proj_lora_A", "cols"), ("gate_up.weight", "swiglu"),
+                         ("gate_up_lora_B", "swiglu"), ("down.weight", "cols")]:
+        if key.endswith(suffix):
+            return kind
+    return "whole"
+
+
+def local_slice(global_array: np.ndarray, kind: str, tp: int, r: int) -> np.ndarray:
+    """What TP rank r holds of a global array, padding rows as zeros."""
+    g = global_array
+    if kind == "whole":
+        return g.copy()
+    if kind == "cols":
+        n = g.shape[1] // tp
+        return g[:, r * n:(r + 1) * n].copy()
+    if kind == "vocab":
+        n = padded_vocab(tp) // tp
+        out = np.zeros((n, *g.shape[1:]), g.dtype)
+        part = g[r * n:(r + 1) * n]
+        out[: len(part)] = part
+        return out
+    if kind == "qkv":
+        hd = g.shape[0] // (HEADS + 2 * KV_HEADS)
+        q, kv = HEADS * hd // tp, KV_HEADS * hd // tp
+        qh, kh = HEADS * hd, KV_HEADS * hd
+        return np.concatenate([g[r * q:(r + 1) * q], g[qh + r * kv:qh + (r + 1) * kv],
+                               g[qh + kh + r * kv:qh + kh + (r + 1) * kv]])
+    if kind == "swiglu":
+        f = g.shape[0] // 2 // tp
+        full_f = g.shape[0] // 2
+        return np.concatenate([g[r * f:(r + 1) * f], g[full_f + r * f:full_f + (r + 1) * f]])
+    raise ValueError(kind)
+
+
+def global_shapes() -> dict[str, tuple[int, ...]]:
+    shapes = {"embedding.weight": (VOCAB, HIDDEN), "final_norm": (HIDDEN,)}
+    qkv_rows = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    for i in range(LAYERS):
+        p = f"layers.{i}."
+        shapes |= {
+            p + "attn.norm": (HIDDEN,), p + "attn.qkv.weight": (qkv_rows, HIDDEN),
+            p + "attn.qkv_lora_A": (LORA_R, HIDDEN), p + "attn.qkv_lora_B": (qkv_rows, LORA_R),
+            p + "attn.proj.weight": (HIDDEN, HEADS * HEAD_DIM), p + "attn.proj.bias": (HIDDEN,),
+            p + "attn.proj_lora_A": (LORA_R, HEADS * HEAD_DIM), p + "attn.proj_lora_B": (HIDDEN, LORA_R),
+            p + "mlp.norm": (HIDDEN,), p + "mlp.gate_up.weight": (2 * FFN, HIDDEN),
+            p + "mlp.gate_up_lora_A": (LORA_R, HIDDEN), p + "mlp.gate_up_lora_B": (2 * FFN, LORA_R),
+            p + "mlp.down.weight": (HIDDEN, FFN),
+        }
+    return shapes
+
+
+def reference(seed: int, np_dtype: Any) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {k: rng.standard_normal(s).astype(np.float32).astype(np_dtype) for k, s in global_shapes().items()}
+
+
+def key_of(layout: gt.ParallelLayout, chunk: int, name: str) -> str:
+    key = layout.global_name(name, chunk)
+    return "embedding.weight" if key == "lm_head.weight" else key
+
+
+def view(t: torch.Tensor) -> np.ndarray:
+    return gt.numpy_view(t)
+
+
+# ----------------------------------------------------------------------- running ranks
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def _entry(rank: int, world: int, port: int, fn_name: str, args: dict[str, Any], out_dir: str) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    result: dict[str, Any]
+    try:
+        out = globals()[fn_name](rank, **args)
+        result = {"ok": True, "value": out}
+    except BaseException as e:  # reported to the parent, which asserts on it
+        result = {"ok": False, "type": type(e).__name__, "message": str(e), "trace": traceback.format_exc()}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def run(world: int, fn_name: str, out_dir: str, **args: Any) -> list[dict[str, Any]]:
+    """Run ``fn_name(rank, **args)`` on ``world`` processes; each rank's outcome."""
+    os.makedirs(out_dir, exist_ok=True)
+    for r in range(world):
+        p = os.path.join(out_dir, f"rank{r}.json")
+        if os.path.exists(p):
+            os.remove(p)
+    mp.start_processes(_entry, args=(world, free_port(), fn_name, args, out_dir), nprocs=world, join=True,
+                       start_method="spawn")
+    outcomes = []
+    for r in range(world):
+        with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+            outcomes.append(json.load(f))
+    return outcomes
+
+
+# ----------------------------------------------------------------------- jobs (run on every rank)
+
+DTYPES = {"float32": (torch.float32, np.float32), "bfloat16": (torch.bfloat16, ml_dtypes.bfloat16)}
+
+
+def build(topo: dict[str, int], rank: int, dtype: str) -> tuple[gt.ParallelLayout, list[Chunk]]:
+    layout = Topo(**topo).layout(rank)
+    torch.manual_seed(1000 + rank)  # junk initial values, different on every rank
+    return layout, [Chunk(layout, c, DTYPES[dtype][0]) for c in range(layout.vpp_size)]
+
+
+def fill(layout: gt.ParallelLayout, chunks: list[Chunk], ref: dict[str, np.ndarray]) -> None:
+    for c, chunk in enumerate(chunks):
+        for name, p in chunk.named_parameters():
+            key = key_of(layout, c, name)
+            with torch.no_grad():
+                view(p)[...] = local_slice(ref[key], kind_of(key), layout.tp_size, layout.tp_rank)
+
+
+def make_optimizer(chunks: list[Chunk], master: bool) -> tuple[torch.optim.Optimizer, dict[str, torch.Tensor]]:
+    """AdamW with two param groups (no weight decay on norms and biases), over the
+    model's parameters, or over fp32 master copies of them."""
+    named = {(f"chunk{c}/{n}" if len(chunks) > 1 else n): p for c, ch in enumerate(chunks)
+             for n, p in ch.named_parameters()}
+    masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in named.items()} if master else {}
+    params = masters if master else named
+    decay = [p for n, p in params.items() if not n.endswith(("norm", "bias"))]
+    no_decay = [p for n, p in params.items() if n.endswith(("norm", "bias"))]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-2, betas=(0.9, 0.95), foreach=False)
+    return opt, masters
+
+
+def grads_step(layout: gt.ParallelLayout, chunks: list[Chunk], opt: torch.optim.Optimizer,
+               masters: dict[str, torch.Tensor], sched: Any, seed: int, steps: int = 1) -> None:
+    """Deterministic global gradients, sliced per rank; an optimizer and a
+    scheduler step for each."""
+    grads = reference(seed, np.float32)
+    for _ in range(steps):
+        for c, chunk in enumerate(chunks):
+            for name, p in chunk.named_parameters():
+                key = key_of(layout, c, name)
+                g = torch.from_numpy(local_slice(grads[key], kind_of(key), layout.tp_size, layout.tp_rank))
+                label = f"chunk{c}/{name}" if len(chunks) > 1 else name
+                target = masters.get(label, p)
+                target.grad = g.to(target.dtype)
+        opt.step()
+        sched.step()
+
+
+def dump_globals(layout: gt.ParallelLayout, chunks: list[Chunk], opt: torch.optim.Optimizer | None,
+                 masters: dict[str, torch.Tensor], out_dir: str) -> None:
+    """This rank's tensors (params, moments), as raw arrays with their key and kind,
+    so the parent can assemble what the saving job held globally."""
+    for c, chunk in enumerate(chunks):
+        for name, p in chunk.named_parameters():
+            key = key_of(layout, c, name)
+            label = f"chunk{c}/{name}" if len(chunks) > 1 else name
+            items = {"param": p}
+            if opt is not None:
+                holder = masters.get(label, p)
+                items |= {k: v for k, v in opt.state.get(holder, {}).items()}
+                if masters:
+                    items["master"] = holder
+            for item, t in items.items():
+                arr = view(t.detach())
+                base = f"{item}__{key}__tp{layout.tp_rank}of{layout.tp_size}"
+                np.save(os.path.join(out_dir, base + ".npy"), arr.view(np.uint8) if arr.ndim else
+                        np.frombuffer(arr.tobytes(), np.uint8), allow_pickle=False)
+                with open(os.path.join(out_dir, base + ".json"), "w") as f:
+                    json.dump({"dtype": arr.dtype.name, "shape": list(arr.shape)}, f)
+
+
+def save_job(rank: int, *, topo: dict[str, int], dtype: str, path: str, dump_dir: str, master: bool = False,
+             fail_rank: int | None = None, steps: int = 1) -> dict[str, Any]:
+    layout, chunks = build(topo, rank, dtype)
+    fill(layout, chunks, reference(0, DTYPES[dtype][1]))
+    opt, masters = make_optimizer(chunks, master)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    grads_step(layout, chunks, opt, masters, sched, seed=1, steps=steps)
+    if layout.dp_rank == 0:
+        dump_globals(layout, chunks, opt, masters, dump_dir)
+    model = chunks if len(chunks) > 1 else chunks[0]
+    kwargs: dict[str, Any] = {"master_params": masters} if master else {}
+    if rank == fail_rank:
+        _sabotage(path)
+    gt.save_checkpoint(path, model=model, layout=layout, rules=RULES, optimizer=opt, scheduler=sched,
+                       trainer_state={"step": steps, "consumed_samples": 64 * steps,
+                                      "model_config": {"vocab": VOCAB, "hidden": HIDDEN}},
+                       **kwargs)
+    return {"lr": opt.param_groups[0]["lr"]}
+
+
+def _sabotage(path: str) -> None:
+    """Make this rank's writes fail for real: just before it writes, a plain
+    file is put where its first array directory must go, so TensorStore's
+    write fails on the filesystem."""
+    import globalshard.storage as storage
+
+    original = storage.Location.write_arrays
+
+    def write_arrays(self: Any, items: Any, stats: Any = None) -> None:
+        for p, _, _ in items[:1]:
+            os.makedirs(os.path.join(path, os.path.dirname(p)), exist_ok=True)
+            with open(os.path.join(path, p), "w") as f:
+                f.write("in the way")
+        original(self, items, stats)
+
+    storage.Location.write_arrays = write_arrays  # type: ignore[method-assign]
+
+
+def load_job(rank: int, *, topo: dict[str, int], dtype: str, path: str, expect_dir: str, master: bool = False,
+             steps_after: int = 0, after_dir: str | None = None) -> dict[str, Any]:
+    layout, chunks = build(topo, rank, dtype)
+    opt, masters = make_optimizer(chunks, master)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    model = chunks if len(chunks) > 1 else chunks[0]
+    kwargs: dict[str, Any] = {"master_params": masters} if master else {}
+    result = gt.load_checkpoint(path, model=model, layout=layout, rules=RULES, optimizer=opt, scheduler=sched,
+                                **kwargs)
+    mismatches = compare(layout, chunks, opt, masters, expect_dir)
+    out = {"mismatches": mismatches, "trainer_state_step": result.trainer_state["step"],
+           "rng_restored": result.rng_restored, "lr": opt.param_groups[0]["lr"],
+           "betas": list(opt.param_groups[0]["betas"]), "sched_last_epoch": sched.last_epoch,
+           "n_state": sum(1 for s in opt.state.values() if s)}
+    if steps_after:
+        grads_step(layout, chunks, opt, masters, sched, seed=1, steps=steps_after)
+        if layout.dp_rank == 0 and after_dir:
+            dump_globals(layout, chunks, opt, masters, after_dir)
+    return out
+
+
+def assemble(dump_dir: str) -> dict[str, dict[str, np.ndarray]]:
+    """Global arrays from the saving ranks' dumps: item -> key -> array."""
+    out: dict[str, dict[str, np.ndarray]] = {}
+    shapes = global_shapes()
+    for fname in sorted(os.listdir(dump_dir)):
+        if not fname.endswith(".json"):
+            continue
+        item, key, tpinfo = fname[:-5].split("__")
+        r, tp = (int(x) for x in tpinfo[2:].split("of"))
+        with open(os.path.join(dump_dir, fname)) as f:
+            meta = json.load(f)
+        raw = np.load(os.path.join(dump_dir, fname[:-5] + ".npy"), allow_pickle=False)
+        dt = np.dtype(getattr(ml_dtypes, meta["dtype"], None) or meta["dtype"])
+        local = raw.view(dt).reshape(meta["shape"])
+        if local.ndim == 0:
+            out.setdefault(item, {})[key] = local.copy()
+            continue
+        g = out.setdefault(item, {}).setdefault(key, np.full(shapes[key], np.nan, dt))
+        place(g, local, kind_of(key), tp, r)
+    return out
+
+
+def place(g: np.ndarray, local: np.ndarray, kind: str, tp: int, r: int) -> None:
+    """Inverse of local_slice: write a rank's local array into the global one."""
+    if kind == "whole":
+        g[...] = local
+    elif kind == "cols":
+        n = g.shape[1] // tp
+        g[:, r * n:(r + 1) * n] = local
+    elif kind == "vocab":
+        n = padded_vocab(tp) // tp
+        part = g[r * n:(r + 1) * n]
+        part[...] = local[: len(part)]
+    else:
+        # qkv / swiglu: the slicing of an index array tells where each local row came from
+        rows = local_slice(np.arange(g.shape[0]), kind, tp, r)
+        g[rows] = local
+
+
+def compare(layout: gt.ParallelLayout, chunks: list[Chunk], opt: torch.optim.Optimizer,
+            masters: dict[str, torch.Tensor], expect_dir: str) -> list[str]:
+    """Every loaded tensor vs the slice of what the saving job held; bit for bit."""
+    expected = {item: {k: v for k, v in d.items()} for item, d in _load_expected(expect_dir).items()}
+    bad = []
+    for c, chunk in enumerate(chunks):
+        for name, p in chunk.named_parameters():
+            key = key_of(layout, c, name)
+            label = f"chunk{c}/{name}" if len(chunks) > 1 else name
+            checks = {"param": p}
+            holder = masters.get(label, p)
+            checks |= {k: v for k, v in opt.state.get(holder, {}).items()}
+            if masters:
+                checks["master"] = holder
+            for item in expected:
+                if key in expected[item] and item not in checks:
+                    bad.append(f"{label}: {item} missing after load")
+            for item, t in checks.items():
+                if key not in expected.get(item, {}):
+                    bad.append(f"{label}: {item} present but not saved")
+                    continue
+                want = expected[item][key]
+                got = view(t.detach())
+                if got.ndim:
+                    want = local_slice(want, kind_of(key), layout.tp_size, layout.tp_rank)
+                    if kind_of(key) == "vocab":
+                        n_real = max(0, min(len(want), VOCAB - layout.tp_rank * len(want)))
+                        want = want.copy()
+                        want[n_real:] = 0  # padding rows: zero-filled on load
+                if got.dtype != want.dtype or got.tobytes() != np.ascontiguousarray(want).tobytes():
+                    bad.append(f"{label}: {item} differs (dtype {got.dtype} vs {want.dtype})")
+    return bad
+
+
+_CACHE: dict[str, Any] = {}
+
+
+def _load_expected(expect_dir: str) -> dict[str, dict[str, np.ndarray]]:
+    if expect_dir not in _CACHE:
+        with open(os.path.join(expect_dir, "expected.json")) as f:
+            index = json.load(f)
+        out: dict[str, dict[str, np.ndarray]] = {}
+        for item, keys in index.items():
+            for key, meta in keys.items():
+                raw = np.load(os.path.join(expect_dir, meta["file"]), allow_pickle=False)
+                dt = np.dtype(getattr(ml_dtypes, meta["dtype"], None) or meta["dtype"])
+                out.setdefault(item, {})[key] = raw.view(dt).reshape(meta["shape"])
+        _CACHE[expect_dir] = out
+    return _CACHE[expect_dir]
+
+
+def write_expected(globals_: dict[str, dict[str, np.ndarray]], expect_dir: str) -> None:
+    os.makedirs(expect_dir, exist_ok=True)
+    index: dict[str, dict[str, Any]] = {}
+    for item, keys in globals_.items():
+        for n, (key, arr) in enumerate(sorted(keys.items())):
+            fname = f"{item}_{n}.npy"
+            np.save(os.path.join(expect_dir, fname), np.frombuffer(np.ascontiguousarray(arr).tobytes(), np.uint8),
+                    allow_pickle=False)
+            index.setdefault(item, {})[key] = {"file": fname, "dtype": arr.dtype.name, "shape": list(arr.shape)}
+    with open(os.path.join(expect_dir, "expected.json"), "w") as f:
+        json.dump(index, f)
+
+
+def topo_dict(t: Topo) -> dict[str, int]:
+    return asdict(t)
