@@ -82,3 +82,15 @@ def test_a_rank_failing_mid_save_commits_nothing_and_fails_every_rank(tmp_path):
     assert not outcomes[0]["ok"] and outcomes[0]["type"] == "CommError", outcomes[0]
     assert "rank(s) [1]" in outcomes[0]["message"]
     assert not os.path.exists(os.path.join(ckpt, "metadata.json"))
+
+
+def test_a_rank_that_dies_does_not_hang_the_others(tmp_path):
+    import time
+
+    ckpt = str(tmp_path / "ckpt")
+    start = time.monotonic()
+    outcomes = run(2, "crash_job", str(tmp_path / "crash"), path=ckpt, timeout_s=20)
+    assert outcomes[1]["type"] == "exited"
+    assert not outcomes[0]["ok"] and outcomes[0]["type"] == "CommError", outcomes[0]
+    assert time.monotonic() - start < 100  # the survivor gave up instead of waiting forever
+    assert not os.path.exists(os.path.join(ckpt, "metadata.json"))

@@ -204,10 +204,16 @@ def _entry(rank: int, world: int, port: int, fn_name: str, args: dict[str, Any],
         result = {"ok": False, "type": type(e).__name__, "message": str(e), "trace": traceback.format_exc()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+        f.flush()
+        os.fsync(f.fileno())
+    # Leave together, then skip interpreter teardown: gloo's threads can abort
+    # in C++ static destructors at exit, after the outcome is already written.
     try:
+        if result["ok"]:
+            dist.barrier()
         dist.destroy_process_group()
-    except Exception:
-        pass
+    finally:
+        os._exit(0)
 
 
 def run(world: int, fn_name: str, out_dir: str, **args: Any) -> list[dict[str, Any]]:
@@ -221,8 +227,11 @@ def run(world: int, fn_name: str, out_dir: str, **args: Any) -> list[dict[str, A
                        start_method="spawn")
     outcomes = []
     for r in range(world):
-        with open(os.path.join(out_dir, f"rank{r}.json")) as f:
-            outcomes.append(json.load(f))
+        try:
+            with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+                outcomes.append(json.load(f))
+        except FileNotFoundError:
+            outcomes.append({"ok": False, "type": "exited", "message": "the process ended without an outcome"})
     return outcomes
 
 
@@ -463,3 +472,91 @@ def write_expected(globals_: dict[str, dict[str, np.ndarray]], expect_dir: str) 
 
 def topo_dict(t: Topo) -> dict[str, int]:
     return asdict(t)
+
+
+# ----------------------------------------------------------------------- DTensor jobs
+
+DT_SHAPES = {"w_uneven": (5, 4), "w_cols": (4, 6), "bias": (4,)}
+
+
+def _placements(spec: list[str]) -> list[Any]:
+    from torch.distributed.tensor import Replicate, Shard
+
+    return [Replicate() if s == "R" else Shard(int(s[1:])) for s in spec]
+
+
+class DTModel(nn.Module):
+    def __init__(self, mesh_shape: list[int] | None, placements: dict[str, list[str]]):
+        super().__init__()
+        ref = reference_dt()
+        if mesh_shape is None:  # one process, plain tensors
+            for name, value in ref.items():
+                self.register_parameter(name, nn.Parameter(torch.zeros(value.shape)))
+            return
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import distribute_tensor
+
+        mesh = init_device_mesh("cpu", tuple(mesh_shape))
+        for name, value in ref.items():
+            full = torch.from_numpy(value.copy())
+            self.register_parameter(name, nn.Parameter(distribute_tensor(full, mesh, _placements(placements[name]))))
+
+
+def reference_dt() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(5)
+    return {k: rng.standard_normal(s).astype(np.float32) for k, s in DT_SHAPES.items()}
+
+
+def _full(t: torch.Tensor) -> np.ndarray:
+    full = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return full.detach().numpy().copy()
+
+
+def dtensor_save_job(rank: int, *, mesh_shape: list[int], placements: dict[str, list[str]], path: str,
+                     dump: str) -> None:
+    model = DTModel(mesh_shape, placements)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=False)
+    for p in model.parameters():
+        p.grad = p.detach() * 0.5 + 1.0
+    opt.step()
+    held = {}
+    for name, p in model.named_parameters():
+        held[f"param.{name}"] = _full(p)
+        for item, v in opt.state[p].items():
+            held[f"{item}.{name}"] = _full(v)
+    if rank == 0:
+        np.savez(dump, **held)
+    gt.save_checkpoint(path, model=model, layout=gt.ParallelLayout(), optimizer=opt)
+
+
+def dtensor_load_job(rank: int, *, mesh_shape: list[int] | None, placements: dict[str, list[str]], path: str,
+                     dump: str) -> list[str]:
+    model = DTModel(mesh_shape, placements)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=False)
+    rules = gt.ShardingRules([(".*", gt.Replicated())]) if mesh_shape is None else None
+    gt.load_checkpoint(path, model=model, layout=gt.ParallelLayout(), rules=rules, optimizer=opt)
+    with np.load(dump, allow_pickle=False) as f:
+        held = dict(f)
+    bad = []
+    for name, p in model.named_parameters():
+        checks = {f"param.{name}": p} | {f"{item}.{name}": v for item, v in opt.state[p].items()}
+        for label, t in checks.items():
+            if _full(t).tobytes() != held[label].tobytes():
+                bad.append(label)
+        if mesh_shape is not None and type(opt.state[p]["exp_avg"]).__name__ != "DTensor":
+            bad.append(f"{name}: exp_avg is not a DTensor")
+    return bad
+
+
+def dtensor_single_process_load(path: str, dump: str) -> list[str]:
+    return dtensor_load_job(0, mesh_shape=None, placements={}, path=path, dump=dump)
+
+
+def crash_job(rank: int, *, path: str, timeout_s: float) -> str:
+    """Rank 1 dies (no exception, no goodbye) before the first collective of a save."""
+    comm = gt.TorchComm(timeout=timedelta(seconds=timeout_s))
+    if rank == 1:
+        os._exit(0)
+    layout, chunks = build({"tp": 2}, rank, "float32")
+    gt.save_checkpoint(path, model=chunks[0], layout=layout, rules=RULES, comm=comm)
+    return "saved"

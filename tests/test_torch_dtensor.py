@@ -1,0 +1,31 @@
+"""DTensor parameters (Shard, Replicate, uneven shards, 1-D and 2-D meshes)
+place themselves: no rules. Moments stay DTensors with the parameter's placements."""
+
+import pytest
+from torch_harness import dtensor_single_process_load, run
+
+SAVE_1D = {"w_uneven": ["S0"], "w_cols": ["S1"], "bias": ["R"]}          # 5 rows over 2 ranks: 3 + 2
+SAVE_2D = {"w_uneven": ["S0", "S1"], "w_cols": ["R", "S0"], "bias": ["R", "R"]}
+LOAD_1D = {"w_uneven": ["S1"], "w_cols": ["R"], "bias": ["S0"]}
+
+
+def _ok(outcomes):
+    for r, o in enumerate(outcomes):
+        assert o["ok"], f"rank {r}: {o.get('type')}: {o.get('message')}\n{o.get('trace')}"
+    return [o["value"] for o in outcomes]
+
+
+@pytest.mark.parametrize("save_mesh,save_pl,load_mesh,load_pl", [
+    ([2], SAVE_1D, [2], LOAD_1D),
+    ([2, 2], SAVE_2D, [2], LOAD_1D),
+    ([2], SAVE_1D, [2, 2], SAVE_2D),
+], ids=["1d-to-1d", "2d-to-1d", "1d-to-2d"])
+def test_dtensor_resharding(tmp_path, save_mesh, save_pl, load_mesh, load_pl):
+    ckpt, dump = str(tmp_path / "ckpt"), str(tmp_path / "held.npz")
+    _ok(run(save_mesh[0] * (save_mesh[1] if len(save_mesh) > 1 else 1), "dtensor_save_job", str(tmp_path / "s"),
+            mesh_shape=save_mesh, placements=save_pl, path=ckpt, dump=dump))
+    results = _ok(run(load_mesh[0] * (load_mesh[1] if len(load_mesh) > 1 else 1), "dtensor_load_job",
+                      str(tmp_path / "l"), mesh_shape=load_mesh, placements=load_pl, path=ckpt, dump=dump))
+    assert all(r == [] for r in results), results
+    # And into one process with plain tensors.
+    assert dtensor_single_process_load(ckpt, dump) == []

@@ -1,0 +1,281 @@
+"""Single-process tests of the torch adapter: every rule's mapping to regions, the
+layer mapping, tensor views, trainer-state JSON, and the checkpoint manager."""
+
+import json
+import os
+import random
+import shutil
+
+import globalshard_torch as gt
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import globalshard as gs
+
+
+def boxes(t: gs.ShardedTensor) -> list[tuple[str, str]]:
+    return [(str(r.local_box), str(r.global_box)) for r in t.regions]
+
+
+def entry_for(rule, local_shape, **layout):
+    lay = gt.ParallelLayout(**layout)
+    placement = rule.place(local_shape, lay)
+    e = gt.Entry("x", "k", torch.zeros(local_shape), placement, True, torch.zeros(local_shape), True)
+    return e.shard("k", np.zeros(local_shape, np.float32))
+
+
+# ----------------------------------------------------------------------- rules
+
+
+def test_column_and_row_parallel():
+    t = entry_for(gt.ColumnParallel(), (3, 8), tp_rank=1, tp_size=4)
+    assert t.global_shape == (12, 8) and boxes(t) == [("[0:3, 0:8]", "[3:6, 0:8]")]
+    t = entry_for(gt.RowParallel(), (8, 3), tp_rank=2, tp_size=4)
+    assert t.global_shape == (8, 12) and boxes(t) == [("[0:8, 0:3]", "[0:8, 6:9]")]
+    bias = entry_for(gt.ColumnParallel(), (3,), tp_rank=3, tp_size=4)
+    assert boxes(bias) == [("[0:3]", "[9:12]")]
+
+
+def test_replicated_main_only_on_tp_rank_0():
+    assert gt.Replicated().place((4,), gt.ParallelLayout(tp_rank=0, tp_size=2)).tp_main
+    assert not gt.Replicated().place((4,), gt.ParallelLayout(tp_rank=1, tp_size=2)).tp_main
+
+
+def test_vocab_parallel_with_padding():
+    # vocab 10 at TP=4: padded to 12, 3 rows per rank; rank 3 holds row 9 and 2 padding rows.
+    t = entry_for(gt.VocabParallel(10), (3, 5), tp_rank=3, tp_size=4)
+    assert t.global_shape == (10, 5) and boxes(t) == [("[0:1, 0:5]", "[9:10, 0:5]")]
+    with pytest.raises(gs.LayoutError, match="cannot hold"):
+        gt.VocabParallel(10).place((2, 5), gt.ParallelLayout(tp_rank=0, tp_size=4))
+
+
+def test_packed_qkv_gqa():
+    # 8 query heads, 4 kv heads, head dim 2: global rows [Q 16; K 8; V 8] = 32; TP=2, rank 1.
+    t = entry_for(gt.PackedQKV(8, 4), (16, 3), tp_rank=1, tp_size=2)
+    assert t.global_shape == (32, 3)
+    assert boxes(t) == [("[0:8, 0:3]", "[8:16, 0:3]"), ("[8:12, 0:3]", "[20:24, 0:3]"),
+                        ("[12:16, 0:3]", "[28:32, 0:3]")]
+    single = entry_for(gt.PackedQKV(8, 4), (32, 3), tp_rank=0, tp_size=1)
+    assert sum(r.global_box.volume for r in single.regions) == 32 * 3
+    with pytest.raises(gs.LayoutError, match="divide by TP"):
+        gt.PackedQKV(8, 2).place((12, 3), gt.ParallelLayout(tp_rank=0, tp_size=4))
+
+
+def test_packed_swiglu():
+    t = entry_for(gt.PackedSwiGLU(), (4, 3), tp_rank=1, tp_size=2)  # ffn 4: [gate_1; up_1]
+    assert t.global_shape == (8, 3)
+    assert boxes(t) == [("[0:2, 0:3]", "[2:4, 0:3]"), ("[2:4, 0:3]", "[6:8, 0:3]")]
+
+
+def test_tied_resolution_and_unmatched_names():
+    rules = gt.ShardingRules([(r"embedding\.weight", gt.VocabParallel(10)),
+                              (r"lm_head\.weight", gt.Tied("embedding.weight"))])
+    key, rule, copy = rules.resolve("lm_head.weight")
+    assert key == "embedding.weight" and rule == gt.VocabParallel(10) and copy
+    with pytest.raises(gs.LayoutError, match="no sharding rule"):
+        rules.resolve("layers.0.w")
+    bad = gt.ShardingRules([(r"a", gt.Tied("b"))])
+    with pytest.raises(gs.LayoutError, match="no \\(untied\\) rule"):
+        bad.resolve("a")
+
+
+def test_model_entries_tied_dedupe_and_unmatched_report():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = nn.Embedding(6, 4)
+            self.lm_head = nn.Linear(4, 6, bias=False)
+            self.lm_head.weight = self.embedding.weight  # tied, PP=1
+            self.norm = nn.Parameter(torch.ones(4))
+            self.register_buffer("scratch", torch.zeros(2), persistent=False)
+
+    rules = gt.ShardingRules([(r"embedding\.weight", gt.VocabParallel(5)),
+                              (r"lm_head\.weight", gt.Tied("embedding.weight")), (r"norm", gt.Replicated())])
+    entries = gt.model_entries(M(), gt.ParallelLayout(tp_rank=1, tp_size=2), rules)
+    assert sorted(e.key for e in entries) == ["embedding.weight", "norm"]  # tied copy once, no non-persistent buffer
+    assert next(e for e in entries if e.key == "embedding.weight").placement.allow_padding
+    with pytest.raises(gs.LayoutError) as info:
+        gt.model_entries(M(), gt.ParallelLayout(), gt.ShardingRules([(r"norm", gt.Replicated())]))
+    assert "embedding.weight" in str(info.value)
+
+
+def test_pp_stages_hold_a_tied_copy_as_a_replica():
+    rules = gt.ShardingRules([(r"embedding\.weight", gt.VocabParallel(6)),
+                              (r"lm_head\.weight", gt.Tied("embedding.weight"))])
+    last = nn.Module()
+    last.lm_head = nn.Linear(4, 6, bias=False)
+    (e,) = gt.model_entries(last, gt.ParallelLayout(pp_rank=1, pp_size=2), rules)
+    assert e.key == "embedding.weight" and not e.main
+
+
+# ----------------------------------------------------------------------- layout
+
+
+def test_interleaved_vpp_mapping():
+    lay = gt.ParallelLayout(pp_rank=1, pp_size=2, vpp_size=2, num_layers=8)
+    assert lay.chunk_layers(0) == (2, 3) and lay.chunk_layers(1) == (6, 7)
+    assert lay.global_name("layers.1.mlp.weight", 1) == "layers.7.mlp.weight"
+    assert lay.global_name("decoder.layers.0.attn.w", 0) == "decoder.layers.2.attn.w"
+    assert lay.global_name("embedding.weight", 0) == "embedding.weight"
+    all_layers = sorted(i for s in range(2) for c in range(2) for i in lay.chunk_layers(c, pp_rank=s))
+    assert all_layers == list(range(8))
+
+
+def test_custom_stage_layers_and_validation():
+    lay = gt.ParallelLayout(pp_rank=0, pp_size=2, stage_layers=(((0, 1, 2),), ((3,),)))
+    assert lay.num_layers == 4 and lay.global_layer(0, 2) == 2
+    with pytest.raises(gs.LayoutError, match="exactly once"):
+        gt.ParallelLayout(pp_size=2, stage_layers=(((0, 1),), ((1,),)))
+    with pytest.raises(gs.LayoutError, match="not divisible"):
+        gt.ParallelLayout(pp_size=2, vpp_size=2, num_layers=6)
+    with pytest.raises(gs.LayoutError, match="tp_rank"):
+        gt.ParallelLayout(tp_rank=2, tp_size=2)
+    assert gt.ParallelLayout(tp_rank=1, tp_size=2).config_json()["tp_size"] == 2
+
+
+# ----------------------------------------------------------------------- tensors and state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
+                                   torch.float8_e5m2, torch.int64, torch.bool])
+def test_numpy_view_is_zero_copy(dtype):
+    t = torch.zeros(3, 4, dtype=dtype)
+    v = gt.numpy_view(t[:, ::2])  # strided too
+    assert v.shape == (3, 2) and v.dtype.name == str(dtype).removeprefix("torch.")
+    v[1, 1] = 1
+    assert t[1, 2].item() == 1
+
+
+def test_numpy_view_of_a_parameter_and_bf16_values():
+    p = nn.Parameter(torch.tensor([1.5, -2.25], dtype=torch.bfloat16))
+    assert np.array_equal(gt.numpy_view(p), np.array([1.5, -2.25], ml_dtypes.bfloat16))
+
+
+def test_jsonable_and_rng_round_trip():
+    assert gt.jsonable({"betas": (0.9, 0.95), "lr": torch.tensor(0.5)}) == {"betas": [0.9, 0.95], "lr": 0.5}
+    with pytest.raises(gs.TrainerStateError, match="cannot be stored"):
+        gt.jsonable({"w": torch.zeros(2)})
+    state = json.loads(json.dumps(gt.rng_state()))
+    a = (torch.rand(3), np.random.rand(3), random.random())
+    gt.set_rng_state(state)
+    b = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2] == b[2]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_go_through_pinned_host_staging(tmp_path):
+    model = nn.Linear(4, 4).cuda()
+    rules = gt.ShardingRules([(".*", gt.Replicated())])
+    gt.save_checkpoint(tmp_path / "c", model=model, layout=gt.ParallelLayout(), rules=rules)
+    other = nn.Linear(4, 4).cuda()
+    gt.load_checkpoint(tmp_path / "c", model=other, layout=gt.ParallelLayout(), rules=rules)
+    assert torch.equal(model.weight, other.weight) and other.weight.is_cuda
+
+
+# ----------------------------------------------------------------------- one process, one call
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+
+
+RULES = gt.ShardingRules([(".*", gt.Replicated())])
+
+
+def test_single_process_round_trip_with_optimizer_and_scheduler(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, betas=(0.8, 0.9))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    sched.step()
+    gt.save_checkpoint(tmp_path / "c", model=model, layout=gt.ParallelLayout(), rules=RULES, optimizer=opt,
+                       scheduler=sched, trainer_state={"step": 1})
+    other = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    opt2 = torch.optim.AdamW(other.parameters(), lr=1.0)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=0.5)
+    result = gt.load_checkpoint(tmp_path / "c", model=other, layout=gt.ParallelLayout(), rules=RULES,
+                                optimizer=opt2, scheduler=sched2)
+    assert result.trainer_state["step"] == 1 and result.rng_restored
+    for a, b in zip(model.parameters(), other.parameters()):
+        assert torch.equal(a, b)
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[a][k], opt2.state[b][k])
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] and opt2.param_groups[0]["betas"] == (0.8, 0.9)
+    assert sched2.state_dict() == sched.state_dict()
+
+
+def test_params_without_state_stay_without_state(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    gt.save_checkpoint(tmp_path / "c", model=model, layout=gt.ParallelLayout(), rules=RULES, optimizer=opt)
+    target = _model()
+    opt2 = torch.optim.AdamW(target.parameters())
+    gt.load_checkpoint(tmp_path / "c", model=target, layout=gt.ParallelLayout(), rules=RULES, optimizer=opt2)
+    assert not any(opt2.state.values())
+
+
+def test_optimizer_mismatches_are_refused_before_loading(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    gt.save_checkpoint(tmp_path / "c", model=model, layout=gt.ParallelLayout(), rules=RULES, optimizer=opt)
+    target = _model()
+    before = [p.detach().clone() for p in target.parameters()]
+    with pytest.raises(gs.MismatchError, match="SGD"):
+        gt.load_checkpoint(tmp_path / "c", model=target, layout=gt.ParallelLayout(), rules=RULES,
+                           optimizer=torch.optim.SGD(target.parameters(), lr=0.1))
+    params = list(target.parameters())
+    regrouped = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}])
+    with pytest.raises(gs.MismatchError, match="param groups"):
+        gt.load_checkpoint(tmp_path / "c", model=target, layout=gt.ParallelLayout(), rules=RULES,
+                           optimizer=regrouped)
+    assert all(torch.equal(a, b) for a, b in zip(before, target.parameters()))  # nothing touched
+    with pytest.raises(gs.LayoutError, match="not a tensor of the model"):
+        gt.save_checkpoint(tmp_path / "d", model=model, layout=gt.ParallelLayout(), rules=RULES,
+                           optimizer=torch.optim.AdamW([nn.Parameter(torch.zeros(3))]))
+    with pytest.raises(gs.MetadataError, match="reserved"):
+        gt.save_checkpoint(tmp_path / "e", model=model, layout=gt.ParallelLayout(), rules=RULES,
+                           trainer_state={"rng": 1})
+
+
+# ----------------------------------------------------------------------- manager
+
+
+def test_manager_keeps_last_n_and_resumes_from_latest_complete(tmp_path):
+    mgr = gt.CheckpointManager(tmp_path, keep_last=2)
+    assert mgr.latest() is None and mgr.load_latest(model=_model(), layout=gt.ParallelLayout(), rules=RULES) is None
+    model = _model()
+    for step in (100, 200, 300):
+        with torch.no_grad():
+            model[0].weight.fill_(step)
+        mgr.save(step, model=model, layout=gt.ParallelLayout(), rules=RULES)
+    assert [s for s, _ in mgr.complete()] == [200, 300]
+    assert not os.path.exists(mgr.path(100))
+    assert mgr.latest() == (300, mgr.path(300))
+    # A save that died: directory without metadata.json, newer than the pointer.
+    shutil.copytree(mgr.path(300), mgr.path(400))
+    os.remove(os.path.join(mgr.path(400), "metadata.json"))
+    assert mgr.latest() == (300, mgr.path(300))
+    # A stale pointer (to a pruned step) falls back to the newest complete one.
+    with open(tmp_path / "latest", "w") as f:
+        json.dump({"step": 100, "path": "iter_0000100"}, f)
+    assert mgr.latest() == (300, mgr.path(300))
+    os.remove(tmp_path / "latest")
+    target = _model()
+    result = mgr.load_latest(model=target, layout=gt.ParallelLayout(), rules=RULES)
+    assert result.trainer_state["step"] == 300 and (target[0].weight == 300).all()
+
+
+def test_manager_pointer_is_replaced_atomically(tmp_path):
+    mgr = gt.CheckpointManager(tmp_path)
+    mgr.save(7, model=_model(), layout=gt.ParallelLayout(), rules=RULES)
+    assert json.load(open(tmp_path / "latest")) == {"step": 7, "path": "iter_0000007"}
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".latest.tmp")]
+    reread = gs.read_trainer_state(mgr.path(7))
+    assert reread["step"] == 7 and reread["parallel_config"]["tp_size"] == 1
