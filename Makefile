@@ -22,6 +22,7 @@ deep-test: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/numpy_demo.py
+	$(PY) examples/torch_resume.py
 
 bench: $(STAMP)
 	$(PY) bench/run.py

@@ -35,8 +35,6 @@ class Comm(Protocol):
     def barrier(self) -> None: ...
 
 
-# TODO(limitation): no torch.distributed communicator yet (it comes with the torch
-# adapter); the core's multi-rank tests use threads in one process.
 class SingleProcessComm:
     """The communicator of a single process: rank 0 of 1."""
 

@@ -273,6 +273,8 @@ def _assign_writers(
     )
     writes = []
     for key, region in items:
+        # TODO(limitation): replicas are trusted to hold equal values; whichever
+        # one balances the bytes is written, and no check compares them.
         best = min(candidates[(key, region.box)], key=lambda h: (load[h.rank], h.rank, h.replica_id, h.shard))
         load[best.rank] += region.nbytes
         writes.append(WriteItem(key, region.box, region.path, region.nbytes, best.rank, best.shard, best.region))

@@ -256,6 +256,8 @@ def load_checkpoint(
         scheduler.load_state_dict(trainer["lr_scheduler"])
     restored = False
     rng = trainer.get("rng")
+    # TODO(limitation): RNG states come back only on the layout that saved them;
+    # on another layout there is no rank-for-rank correspondence to restore.
     if restore_rng and rng and rng.get("world_size") == comm.world_size \
             and rng.get("parallel_config") == layout.config_json():
         set_rng_state(rng["ranks"][comm.rank])
