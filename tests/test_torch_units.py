@@ -6,7 +6,6 @@ import os
 import random
 import shutil
 
-import globalshard_torch as gt
 import ml_dtypes
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ import torch
 from torch import nn
 
 import globalshard as gs
+import globalshard_torch as gt
 
 
 def boxes(t: gs.ShardedTensor) -> list[tuple[str, str]]:

@@ -21,13 +21,14 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
-import globalshard_torch as gt
 import ml_dtypes
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+import globalshard_torch as gt
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LORA_R, LAYERS = 13, 16, 8, 4, 2, 16, 2, 4
 
