@@ -16,6 +16,8 @@ CASES = [
     pytest.param(Topo(tp=2, dp=2), Topo(pp=4), "float32", False, id="tp2dp2-to-pp4"),
     pytest.param(Topo(tp=2, pp=2), Topo(tp=1), "bfloat16", True, id="bf16 params, fp32 master+moments, to 1 process"),
     pytest.param(Topo(tp=1), Topo(tp=2, pp=2), "float32", False, id="tp1-to-tp2pp2"),
+    pytest.param(Topo(tp=4), Topo(tp=2, dp=2), "float32", False, id="tp4-to-tp2dp2"),
+    pytest.param(Topo(pp=2), Topo(tp=4), "float32", False, id="pp2-to-tp4 (TP 1->4)"),
 ]
 
 
@@ -29,8 +31,10 @@ def _ok(outcomes):
 def test_save_on_one_topology_load_on_another(tmp_path, save_topo, load_topo, dtype, master):
     ckpt, dumps, expect = str(tmp_path / "ckpt"), str(tmp_path / "dumps"), str(tmp_path / "expect")
     os.makedirs(dumps)
-    _ok(run(save_topo.world, "save_job", str(tmp_path / "save"), topo=topo_dict(save_topo), dtype=dtype,
-            path=ckpt, dump_dir=dumps, master=master))
+    saved = _ok(run(save_topo.world, "save_job", str(tmp_path / "save"), topo=topo_dict(save_topo), dtype=dtype,
+                    path=ckpt, dump_dir=dumps, master=master))
+    # Every rank writes its share, data-parallel replicas included (not only dp rank 0).
+    assert all(s["bytes_written"] > 0 for s in saved), [s["bytes_written"] for s in saved]
     held = assemble(dumps)
     for item, arrays in held.items():
         for key, arr in arrays.items():

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+import globalshard as gs
 import globalshard_torch as gt
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LORA_R, LAYERS = 13, 16, 8, 4, 2, 16, 2, 4
@@ -322,11 +323,12 @@ def save_job(rank: int, *, topo: dict[str, int], dtype: str, path: str, dump_dir
     kwargs: dict[str, Any] = {"master_params": masters} if master else {}
     if rank == fail_rank:
         _sabotage(path)
+    stats = gs.IOStats()
     gt.save_checkpoint(path, model=model, layout=layout, rules=RULES, optimizer=opt, scheduler=sched,
                        trainer_state={"step": steps, "consumed_samples": 64 * steps,
                                       "model_config": {"vocab": VOCAB, "hidden": HIDDEN}},
-                       **kwargs)
-    return {"lr": opt.param_groups[0]["lr"]}
+                       stats=stats, **kwargs)
+    return {"lr": opt.param_groups[0]["lr"], "bytes_written": stats.bytes_written}
 
 
 def _sabotage(path: str) -> None:
