@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo bench deep-test clean
+.PHONY: test demo examples bench deep-test clean
 
 $(STAMP): pyproject.toml requirements/ci.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,7 +20,12 @@ test: $(STAMP)
 deep-test: $(STAMP)
 	HYPOTHESIS_PROFILE=deep $(PY) -m pytest tests
 
+# The main job: a TP/PP/VPP/DP GPT trained, stopped and resumed on other topologies.
 demo: $(STAMP)
+	$(PY) examples/gpt_demo.py
+
+# The smaller examples: numpy-only resharding, and a TP=2 -> TP=1 torch resume.
+examples: $(STAMP)
 	$(PY) examples/numpy_demo.py
 	$(PY) examples/torch_resume.py
 

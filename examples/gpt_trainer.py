@@ -1,0 +1,560 @@
+"""A small GPT decoder trained with real TP, PP (with virtual stages) and DP on CPU/gloo.
+
+Tensor parallelism: column-parallel linears (fused QKV with grouped-query
+attention, fused SwiGLU gate/up, LoRA-B of QKV) and row-parallel linears with
+all-reduces, a vocabulary-parallel embedding and cross-entropy over a
+vocabulary padded to a multiple of TP. Pipeline parallelism: stages exchange
+activations and gradients with send/recv over several micro-batches; virtual
+chunks follow Megatron's interleaved layer assignment. Data parallelism:
+gradient all-reduce. Tied input/output embeddings (two copies across PP
+stages, their gradients summed). AdamW, warmup + cosine LR, deterministic data.
+
+Every topology starts from the same global initial weights and sees the same
+global batches, so losses agree across topologies up to float32 reduction
+order. ``train(...)`` is the entry point of one process; ``run(...)`` spawns a
+whole job.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import globalshard_torch as gt
+
+
+@dataclass(frozen=True)
+class Config:
+    vocab: int = 251  # no TP size divides it
+    hidden: int = 64
+    heads: int = 8
+    kv_heads: int = 4  # grouped-query attention
+    head_dim: int = 8
+    ffn: int = 128
+    layers: int = 4
+    seq: int = 16
+    global_batch: int = 8  # sequences per step, whatever the topology
+    micro_batch: int = 2  # sequences per micro-batch on one DP rank
+    lora_rank: int = 4
+    lr: float = 3e-3
+    warmup: int = 2
+    total_steps: int = 12
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Topology:
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    dp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def __str__(self) -> str:
+        parts = [f"TP={self.tp}", f"PP={self.pp}"] + ([f"VPP={self.vpp}"] if self.vpp > 1 else [])
+        return "/".join(parts + ([f"DP={self.dp}"] if self.dp > 1 else []))
+
+
+def rules(cfg: Config) -> gt.ShardingRules:
+    return gt.ShardingRules([
+        (r"embedding\.weight", gt.VocabParallel(cfg.vocab)),
+        (r"lm_head\.weight", gt.Tied("embedding.weight")),
+        (r"layers\.\d+\.attn\.qkv\.weight", gt.PackedQKV(cfg.heads, cfg.kv_heads)),
+        (r"layers\.\d+\.attn\.qkv_lora_B", gt.PackedQKV(cfg.heads, cfg.kv_heads)),
+        (r"layers\.\d+\.attn\.proj\.weight", gt.RowParallel()),
+        (r"layers\.\d+\.mlp\.gate_up\.weight", gt.PackedSwiGLU()),
+        (r"layers\.\d+\.mlp\.down\.weight", gt.RowParallel()),
+        (r".*(norm|bias|lora_A)", gt.Replicated()),
+    ])
+
+
+# --------------------------------------------------------------------------- process groups
+
+
+class Groups:
+    """This rank's place and its TP, DP and embedding groups."""
+
+    def __init__(self, topo: Topology, rank: int):
+        self.topo = topo
+        self.tp_rank = rank % topo.tp
+        self.pp_rank = (rank // topo.tp) % topo.pp
+        self.dp_rank = rank // (topo.tp * topo.pp)
+        self.tp = self.dp = self.embedding = None
+        # Every rank takes part in creating every group, in the same order.
+        for d in range(topo.dp):
+            for p in range(topo.pp):
+                ranks = [self.rank_of(t, p, d) for t in range(topo.tp)]
+                g = dist.new_group(ranks) if topo.tp > 1 else None
+                if rank in ranks:
+                    self.tp = g
+        for p in range(topo.pp):
+            for t in range(topo.tp):
+                ranks = [self.rank_of(t, p, d) for d in range(topo.dp)]
+                g = dist.new_group(ranks) if topo.dp > 1 else None
+                if rank in ranks:
+                    self.dp = g
+        if topo.pp > 1:
+            for d in range(topo.dp):
+                for t in range(topo.tp):
+                    ranks = [self.rank_of(t, 0, d), self.rank_of(t, topo.pp - 1, d)]
+                    g = dist.new_group(ranks)
+                    if rank in ranks:
+                        self.embedding = g
+
+    def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
+        return (dp_rank * self.topo.pp + pp_rank) * self.topo.tp + tp_rank
+
+    def layout(self, cfg: Config) -> gt.ParallelLayout:
+        t = self.topo
+        return gt.ParallelLayout(tp_rank=self.tp_rank, tp_size=t.tp, pp_rank=self.pp_rank, pp_size=t.pp,
+                                 vpp_size=t.vpp, dp_rank=self.dp_rank, dp_size=t.dp, num_layers=cfg.layers)
+
+
+# --------------------------------------------------------------------------- tensor-parallel pieces
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward, all-reduce of the gradient backward (input of column-parallel layers)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        g = g.clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """All-reduce forward, identity backward (output of row-parallel layers)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return g, None
+
+
+def copy_to_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return _CopyToTP.apply(x, group) if group is not None else x
+
+
+def reduce_from_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return _ReduceFromTP.apply(x, group) if group is not None else x
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Cross-entropy over logits split by vocabulary across TP ranks (padding masked)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, start: int, vocab: int, group: Any):
+        local_v = logits.shape[-1]
+        cols = torch.arange(start, start + local_v)
+        logits = logits.masked_fill(cols >= vocab, float("-inf"))
+        big = logits.max(dim=-1).values
+        if group is not None:
+            dist.all_reduce(big, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - big.unsqueeze(-1)
+        exp = shifted.exp()
+        total = exp.sum(-1)
+        mine = (target >= start) & (target < start + local_v)
+        picked = torch.where(mine, shifted.gather(-1, (target - start).clamp(0, local_v - 1).unsqueeze(-1))
+                             .squeeze(-1), torch.zeros_like(total))
+        if group is not None:
+            dist.all_reduce(total, group=group)
+            dist.all_reduce(picked, group=group)
+        loss = total.log() - picked
+        ctx.save_for_backward(exp / total.unsqueeze(-1), target, mine)
+        ctx.start = start
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor):  # type: ignore[override]
+        softmax, target, mine = ctx.saved_tensors
+        grad = softmax.clone()
+        idx = (target - ctx.start).clamp(0, grad.shape[-1] - 1).unsqueeze(-1)
+        grad.scatter_add_(-1, idx, -mine.to(grad.dtype).unsqueeze(-1))
+        return grad * g.unsqueeze(-1), None, None, None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Config, tp: int):
+        super().__init__()
+        self.cfg, self.tp = cfg, tp
+        rows = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim // tp
+        self.norm = nn.Parameter(torch.empty(cfg.hidden))
+        self.qkv = nn.Linear(cfg.hidden, rows, bias=False)
+        self.qkv_lora_A = nn.Parameter(torch.empty(cfg.lora_rank, cfg.hidden))
+        self.qkv_lora_B = nn.Parameter(torch.empty(rows, cfg.lora_rank))
+        self.proj = nn.Linear(cfg.heads * cfg.head_dim // tp, cfg.hidden, bias=True)
+
+    def forward(self, x: torch.Tensor, group: Any) -> torch.Tensor:
+        c, tp = self.cfg, self.tp
+        h = copy_to_tp(rms_norm(x, self.norm), group)
+        lora = copy_to_tp(rms_norm(x, self.norm) @ self.qkv_lora_A.t(), group) @ self.qkv_lora_B.t()
+        qkv = self.qkv(h) + lora
+        nq, nkv, hd = c.heads // tp, c.kv_heads // tp, c.head_dim
+        q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
+        b, s = x.shape[:2]
+        q = q.view(b, s, nq, hd).transpose(1, 2)
+        k = k.view(b, s, nkv, hd).transpose(1, 2).repeat_interleave(nq // nkv, dim=1)
+        v = v.view(b, s, nkv, hd).transpose(1, 2).repeat_interleave(nq // nkv, dim=1)
+        att = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+        att = att.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+        out = (att @ v).transpose(1, 2).reshape(b, s, nq * hd)
+        y = reduce_from_tp(nn.functional.linear(out, self.proj.weight), group) + self.proj.bias
+        return x + y
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Config, tp: int):
+        super().__init__()
+        self.norm = nn.Parameter(torch.empty(cfg.hidden))
+        self.gate_up = nn.Linear(cfg.hidden, 2 * cfg.ffn // tp, bias=False)
+        self.down = nn.Linear(cfg.ffn // tp, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, group: Any) -> torch.Tensor:
+        gate, up = self.gate_up(copy_to_tp(rms_norm(x, self.norm), group)).chunk(2, dim=-1)
+        return x + reduce_from_tp(self.down(nn.functional.silu(gate) * up), group)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Config, tp: int):
+        super().__init__()
+        self.attn, self.mlp = Attention(cfg, tp), MLP(cfg, tp)
+
+    def forward(self, x: torch.Tensor, group: Any) -> torch.Tensor:
+        return self.mlp(self.attn(x, group), group)
+
+
+def padded_vocab(cfg: Config, tp: int) -> int:
+    return -(-cfg.vocab // tp) * tp
+
+
+class Chunk(nn.Module):
+    """One virtual pipeline chunk of one stage: maybe the embedding, its layers, maybe the head."""
+
+    def __init__(self, cfg: Config, layout: gt.ParallelLayout, chunk: int):
+        super().__init__()
+        tp = layout.tp_size
+        self.first = layout.is_first_stage and chunk == 0
+        self.last = layout.is_last_stage and chunk == layout.vpp_size - 1
+        self.vocab_start = layout.tp_rank * (padded_vocab(cfg, tp) // tp)
+        if self.first:
+            self.embedding = nn.Embedding(padded_vocab(cfg, tp) // tp, cfg.hidden)
+        self.layers = nn.ModuleList(Block(cfg, tp) for _ in layout.chunk_layers(chunk))
+        if self.last:
+            self.final_norm = nn.Parameter(torch.empty(cfg.hidden))
+            self.lm_head = nn.Module()
+            if self.first:
+                self.lm_head.weight = self.embedding.weight  # PP=1: one tensor under two names
+            else:
+                self.lm_head.weight = nn.Parameter(torch.empty(padded_vocab(cfg, tp) // tp, cfg.hidden))
+        self.cfg = cfg
+
+    def embed(self, tokens: torch.Tensor, group: Any) -> torch.Tensor:
+        n = self.embedding.weight.shape[0]
+        local = tokens - self.vocab_start
+        mine = (local >= 0) & (local < n)
+        out = self.embedding(local.clamp(0, n - 1)) * mine.unsqueeze(-1)
+        return reduce_from_tp(out, group)
+
+    def forward(self, x: torch.Tensor, group: Any) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, group)
+        return x
+
+    def loss(self, x: torch.Tensor, targets: torch.Tensor, group: Any) -> torch.Tensor:
+        h = copy_to_tp(rms_norm(x, self.final_norm), group)
+        logits = h @ self.lm_head.weight.t()
+        return _VocabParallelCE.apply(logits, targets, self.vocab_start, self.cfg.vocab, group).mean()
+
+
+# --------------------------------------------------------------------------- initial weights, data
+
+
+def global_init(cfg: Config) -> dict[str, np.ndarray]:
+    """The global initial value of every parameter (what TP=1/PP=1 would hold)."""
+    rng = np.random.default_rng(cfg.seed)
+    qkv = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
+
+    def w(*shape: int, scale: float = 0.02) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    out = {"embedding.weight": w(cfg.vocab, cfg.hidden), "final_norm": np.ones(cfg.hidden, np.float32)}
+    for i in range(cfg.layers):
+        p = f"layers.{i}."
+        out |= {p + "attn.norm": np.ones(cfg.hidden, np.float32), p + "attn.qkv.weight": w(qkv, cfg.hidden),
+                p + "attn.qkv_lora_A": w(cfg.lora_rank, cfg.hidden), p + "attn.qkv_lora_B": w(qkv, cfg.lora_rank),
+                p + "attn.proj.weight": w(cfg.hidden, cfg.heads * cfg.head_dim),
+                p + "attn.proj.bias": np.zeros(cfg.hidden, np.float32),
+                p + "mlp.norm": np.ones(cfg.hidden, np.float32), p + "mlp.gate_up.weight": w(2 * cfg.ffn, cfg.hidden),
+                p + "mlp.down.weight": w(cfg.hidden, cfg.ffn)}
+    return out
+
+
+def local_part(cfg: Config, key: str, g: np.ndarray, tp: int, r: int) -> np.ndarray:
+    """What TP rank r of T holds of a global initial value (vocabulary padding: zeros)."""
+    if key == "embedding.weight":
+        n = padded_vocab(cfg, tp) // tp
+        out = np.zeros((n, g.shape[1]), g.dtype)
+        part = g[r * n:(r + 1) * n]
+        out[: len(part)] = part
+        return out
+    if key.endswith(("qkv.weight", "qkv_lora_B")):
+        hd = cfg.head_dim
+        q, kv = cfg.heads * hd // tp, cfg.kv_heads * hd // tp
+        qh, kh = cfg.heads * hd, cfg.kv_heads * hd
+        return np.concatenate([g[r * q:(r + 1) * q], g[qh + r * kv:qh + (r + 1) * kv],
+                               g[qh + kh + r * kv:qh + kh + (r + 1) * kv]])
+    if key.endswith("gate_up.weight"):
+        f = cfg.ffn // tp
+        return np.concatenate([g[r * f:(r + 1) * f], g[cfg.ffn + r * f:cfg.ffn + (r + 1) * f]])
+    if key.endswith(("proj.weight", "down.weight")):
+        n = g.shape[1] // tp
+        return g[:, r * n:(r + 1) * n]
+    return g
+
+
+def batch(cfg: Config, step: int) -> torch.Tensor:
+    """The global batch of a step: arithmetic sequences mod vocab (learnable), (global_batch, seq + 1)."""
+    g = torch.Generator().manual_seed(10_000 + step)
+    start = torch.randint(0, cfg.vocab, (cfg.global_batch, 1), generator=g)
+    stride = torch.randint(1, 8, (cfg.global_batch, 1), generator=g)
+    return (start + stride * torch.arange(cfg.seq + 1)) % cfg.vocab
+
+
+def lr_lambda(cfg: Config) -> Any:
+    def f(step: int) -> float:
+        if step < cfg.warmup:
+            return (step + 1) / cfg.warmup
+        progress = (step - cfg.warmup) / max(1, cfg.total_steps - cfg.warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+# --------------------------------------------------------------------------- one training step
+
+
+class Trainer:
+    def __init__(self, cfg: Config, topo: Topology, rank: int):
+        self.cfg, self.topo, self.rank = cfg, topo, rank
+        self.groups = Groups(topo, rank)
+        self.layout = self.groups.layout(cfg)
+        self.chunks = [Chunk(cfg, self.layout, c) for c in range(topo.vpp)]
+        init = global_init(cfg)
+        with torch.no_grad():
+            for c, chunk in enumerate(self.chunks):
+                for name, p in chunk.named_parameters():
+                    key = self.layout.global_name(name, c)
+                    key = "embedding.weight" if key == "lm_head.weight" else key
+                    p.copy_(torch.from_numpy(local_part(cfg, key, init[key], topo.tp, self.groups.tp_rank)))
+        params = [p for ch in self.chunks for p in ch.parameters()]
+        decay = [p for p in params if p.ndim > 1]
+        no_decay = [p for p in params if p.ndim <= 1]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+        self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), foreach=False)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
+        self.step = 0
+
+    @property
+    def model(self) -> list[nn.Module]:
+        return list(self.chunks)
+
+    def _peer(self, pp_rank: int) -> int:
+        g = self.groups
+        return g.rank_of(g.tp_rank, pp_rank, g.dp_rank)
+
+    def train_step(self) -> float | None:
+        """One optimizer step over the global batch; the mean loss on the reporting rank, else None."""
+        cfg, topo, g = self.cfg, self.topo, self.groups
+        tokens = batch(cfg, self.step)
+        per_dp = cfg.global_batch // topo.dp
+        mine = tokens[g.dp_rank * per_dp:(g.dp_rank + 1) * per_dp]
+        micro = [mine[i:i + cfg.micro_batch] for i in range(0, per_dp, cfg.micro_batch)]
+        n_micro = len(micro)
+        self.opt.zero_grad(set_to_none=False)
+        # The virtual pipeline: (chunk, stage) in order; a micro-batch goes through all of it.
+        order = [(c, s) for c in range(topo.vpp) for s in range(topo.pp)]
+        saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        total = torch.zeros(())
+        shape = (cfg.micro_batch, cfg.seq, cfg.hidden)
+        for m, mb in enumerate(micro):  # forward
+            for i, (c, s) in enumerate(order):
+                if s != g.pp_rank:
+                    continue
+                chunk = self.chunks[c]
+                if i == 0:
+                    x_in = None
+                    x = chunk.embed(mb[:, :-1], g.tp)
+                else:
+                    x_in = torch.empty(shape)
+                    dist.recv(x_in, src=self._peer(order[i - 1][1]))
+                    x_in.requires_grad_(True)
+                    x = x_in
+                y = chunk(x, g.tp)
+                if i == len(order) - 1:
+                    y = chunk.loss(y, mb[:, 1:], g.tp) / n_micro
+                    total += y.detach()
+                else:
+                    dist.send(y.detach(), dst=self._peer(order[i + 1][1]))
+                saved[(m, i)] = (x_in, y)
+        for m in reversed(range(n_micro)):  # backward
+            for i in reversed(range(len(order))):
+                c, s = order[i]
+                if s != g.pp_rank:
+                    continue
+                x_in, y = saved.pop((m, i))
+                if i == len(order) - 1:
+                    y.backward()
+                else:
+                    grad = torch.empty(shape)
+                    dist.recv(grad, src=self._peer(order[i + 1][1]))
+                    y.backward(grad)
+                if x_in is not None:
+                    dist.send(x_in.grad, dst=self._peer(order[i - 1][1]))
+        if g.embedding is not None:  # tied copies on the first and last stage: sum their gradients
+            first, last = self.chunks[0], self.chunks[-1]
+            w = first.embedding.weight if g.pp_rank == 0 else last.lm_head.weight
+            dist.all_reduce(w.grad, group=g.embedding)
+        if g.dp is not None:
+            for ch in self.chunks:
+                for p in ch.parameters():
+                    dist.all_reduce(p.grad, group=g.dp)
+                    p.grad /= topo.dp
+        self.opt.step()
+        self.sched.step()
+        self.step += 1
+        last_stage = g.pp_rank == topo.pp - 1
+        if g.dp is not None and last_stage:
+            dist.all_reduce(total, group=g.dp)
+            total /= topo.dp
+        return float(total) if last_stage and g.tp_rank == 0 and g.dp_rank == 0 else None
+
+    def save(self, path: str) -> gt.LoadResult | None:
+        gt.save_checkpoint(path, model=self.model, layout=self.layout, rules=rules(self.cfg), optimizer=self.opt,
+                           scheduler=self.sched, trainer_state={"step": self.step,
+                                                                "consumed_samples": self.step * self.cfg.global_batch,
+                                                                "model_config": asdict(self.cfg)})
+        return None
+
+    def misplace_after_load(self) -> None:
+        """Negative control: what a wrong load would look like (two rows of the
+        first layer's fused QKV swapped), to show the loss comparison catches it."""
+        for c, chunk in enumerate(self.chunks):
+            for name, p in chunk.named_parameters():
+                if self.layout.global_name(name, c) == "layers.0.attn.qkv.weight":
+                    with torch.no_grad():
+                        p[[0, 1]] = p[[1, 0]]
+
+    def load(self, path: str) -> gt.LoadResult:
+        result = gt.load_checkpoint(path, model=self.model, layout=self.layout, rules=rules(self.cfg),
+                                    optimizer=self.opt, scheduler=self.sched)
+        self.step = int(result.trainer_state["step"])
+        return result
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+def _worker(rank: int, world: int, port: int, job: dict[str, Any], out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+    report: dict[str, Any] = {"rank": rank}
+    try:
+        cfg, topo = Config(**job["config"]), Topology(**job["topology"])
+        torch.manual_seed(0)
+        trainer = Trainer(cfg, topo, rank)
+        if job.get("resume"):
+            dist.barrier()
+            t0 = time.perf_counter()
+            result = trainer.load(job["resume"])
+            dist.barrier()
+            report["load_s"] = time.perf_counter() - t0
+            report["bytes_needed"] = result.stats.bytes_needed
+            report["bytes_read"] = result.stats.bytes_read
+            if job.get("misplace"):
+                trainer.misplace_after_load()
+        report["resume_step"] = trainer.step
+        losses = []
+        while trainer.step < job["until"]:
+            loss = trainer.train_step()
+            if loss is not None:
+                losses.append(loss)
+        report["losses"] = losses
+        if job.get("save"):
+            dist.barrier()
+            t0 = time.perf_counter()
+            trainer.save(job["save"])
+            dist.barrier()
+            report["save_s"] = time.perf_counter() - t0
+        report["ok"] = True
+    except BaseException as e:
+        report |= {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        if report["ok"]:
+            dist.barrier()
+        dist.destroy_process_group()
+    finally:
+        os._exit(0)  # gloo threads can abort in C++ destructors at interpreter exit
+
+
+def run(cfg: Config, topo: Topology, out: str, *, until: int, resume: str | None = None,
+        save: str | None = None, misplace: bool = False) -> dict[str, Any]:
+    """Run a whole job on ``topo.world`` processes; its losses and timings."""
+    os.makedirs(out, exist_ok=True)
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    job = {"config": asdict(cfg), "topology": asdict(topo), "until": until, "resume": resume, "save": save,
+           "misplace": misplace}
+    mp.start_processes(_worker, args=(topo.world, port, job, out), nprocs=topo.world, start_method="spawn")
+    reports = []
+    for r in range(topo.world):
+        with open(os.path.join(out, f"rank{r}.json")) as f:
+            reports.append(json.load(f))
+    failed = [r for r in reports if not r["ok"]]
+    if failed:
+        raise RuntimeError(f"{topo}: rank {failed[0]['rank']} failed: {failed[0]['error']}\n{failed[0]['trace']}")
+    losses = next(r["losses"] for r in reports if r["losses"])
+    return {
+        "losses": losses,
+        "resume_step": reports[0]["resume_step"],
+        "save_s": max(r.get("save_s", 0.0) for r in reports),
+        "load_s": max(r.get("load_s", 0.0) for r in reports),
+        "bytes_needed": sum(r.get("bytes_needed", 0) for r in reports),
+        "bytes_read": sum(r.get("bytes_read", 0) for r in reports),
+    }
