@@ -403,6 +403,7 @@ class Trainer:
         n_micro = len(micro)
         self.opt.zero_grad(set_to_none=False)
         # The virtual pipeline: (chunk, stage) in order; a micro-batch goes through all of it.
+        # TODO(limitation): all forwards, then all backwards (GPipe order), not 1F1B.
         order = [(c, s) for c in range(topo.vpp) for s in range(topo.pp)]
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         total = torch.zeros(())

@@ -75,6 +75,8 @@ def chunk_shape(shape: Sequence[int], itemsize: int, limit: int | None = None) -
     (10, 3)
     """
     limit = CHUNK_BYTES if limit is None else limit
+    # TODO(limitation): a region under the limit is one chunk, so a target that
+    # needs part of it reads all of it (bounded by CHUNK_BYTES of waste).
     chunk = list(shape)
     while chunk and int(np.prod(chunk)) * itemsize > limit and max(chunk) > 1:
         axis = chunk.index(max(chunk))
