@@ -129,14 +129,19 @@ def test_not_a_checkpoint(tmp_path):
             gs.read_array(where, "w")
 
 
-def test_symlink_out_of_the_checkpoint_is_refused(tmp_path):
+def array_linked_outside(tmp_path):
+    """A checkpoint whose first array directory is a symlink to another checkpoint's."""
     small_checkpoint(tmp_path / "ckpt")
     small_checkpoint(tmp_path / "elsewhere")
     victim = tmp_path / "ckpt" / "arrays" / "w" / "0"
     shutil.rmtree(victim)
     os.symlink(tmp_path / "elsewhere" / "arrays" / "w" / "0", victim)
+    return tmp_path / "ckpt"
+
+
+def test_symlink_out_of_the_checkpoint_is_refused(tmp_path):
     with pytest.raises(gs.MetadataError, match="outside the checkpoint"):
-        gs.load(target(), tmp_path / "ckpt")
+        gs.load(target(), array_linked_outside(tmp_path))
     # A symlinked chunk file deeper down, too.
     shutil.rmtree(tmp_path / "ckpt")
     small_checkpoint(tmp_path / "ckpt")
@@ -377,13 +382,9 @@ def test_rejected_overwrite_keeps_the_old_checkpoint(tmp_path):
 
 
 def test_file_url_roots_get_the_local_checks(tmp_path):
-    small_checkpoint(tmp_path / "ckpt")
-    small_checkpoint(tmp_path / "elsewhere")
-    victim = tmp_path / "ckpt" / "arrays" / "w" / "0"
-    shutil.rmtree(victim)
-    os.symlink(tmp_path / "elsewhere" / "arrays" / "w" / "0", victim)
+    ckpt = array_linked_outside(tmp_path)
     with pytest.raises(gs.MetadataError, match="outside the checkpoint"):
-        gs.load(target(), f"file://{tmp_path}/ckpt/")
+        gs.load(target(), f"file://{ckpt}/")
 
 
 def test_a_file_is_not_a_checkpoint(tmp_path):
