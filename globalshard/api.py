@@ -8,6 +8,7 @@ raises on every rank and a failed save never commits.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Mapping
 from typing import Any
@@ -38,7 +39,7 @@ from globalshard.metadata import (
 from globalshard.planner import LoadPlanner, SavePlanner, ShardInfo, missing_key
 from globalshard.storage import IOStats, Location
 
-__all__ = ["load", "read_array", "read_metadata", "read_trainer_state", "save"]
+__all__ = ["Checkpoint", "load", "read_array", "read_metadata", "read_trainer_state", "save"]
 
 _ARRAYS = "arrays"
 
@@ -228,17 +229,52 @@ def load(
     def run() -> None:
         metadata = _read_metadata(location)
         trainer.append(_read_trainer_state(location, metadata))
-        plan = LoadPlanner().plan(
-            metadata, [ShardInfo.of(t) for _, t in entries], allow_lossy_cast=allow_lossy_cast,
-            names=[n for n, _ in entries],
-        )
-        frozen = [n for n, t in entries if not t.data.flags.writeable]
-        if frozen:
-            raise LayoutError(f"cannot load into read-only arrays: {frozen}")
-        location.read_into(plan, [t.data for _, t in entries], stats)
+        _fill(location, metadata, entries, allow_lossy_cast, stats)
 
     run_collectively(comm, "load", run)
     return trainer[0]
+
+
+def _fill(location: Location, metadata: Metadata, entries: list[tuple[str, ShardedTensor]],
+          allow_lossy_cast: bool, stats: IOStats | None) -> None:
+    """Plan, check, then read into the targets (no collectives)."""
+    plan = LoadPlanner().plan(
+        metadata, [ShardInfo.of(t) for _, t in entries], allow_lossy_cast=allow_lossy_cast,
+        names=[n for n, _ in entries],
+    )
+    frozen = [n for n, t in entries if not t.data.flags.writeable]
+    if frozen:
+        raise LayoutError(f"cannot load into read-only arrays: {frozen}")
+    location.read_into(plan, [t.data for _, t in entries], stats)
+
+
+class Checkpoint:
+    """A committed checkpoint opened for reading: metadata.json parsed and
+    trainer_state.json checked once, then loaded from as often as needed.
+
+    For callers that look before they load (which keys hold optimizer state,
+    what the trainer state says) without reading and parsing twice.
+
+    Raises (on opening): CheckpointNotFoundError, MetadataError, StorageError.
+    """
+
+    def __init__(self, path: Any, *, kvstore: Any = None) -> None:
+        self._location = Location(path, kvstore)
+        self.metadata = _read_metadata(self._location)
+        self._trainer_state = _read_trainer_state(self._location, self.metadata)
+
+    @property
+    def trainer_state(self) -> dict[str, Any]:
+        """The trainer state (a copy: changing it changes nothing stored)."""
+        return copy.deepcopy(self._trainer_state)
+
+    def load(self, state: Mapping[str, ShardedTensor], *, comm: Comm | None = None,
+             allow_lossy_cast: bool = False, stats: IOStats | None = None) -> dict[str, Any]:
+        """As :func:`load`, from this opened checkpoint."""
+        entries = _entries(state)
+        run_collectively(comm if comm is not None else SingleProcessComm(), "load",
+                         lambda: _fill(self._location, self.metadata, entries, allow_lossy_cast, stats))
+        return self.trainer_state
 
 
 def _as_box(box: Any, global_shape: tuple[int, ...], key: str) -> Box:

@@ -420,3 +420,16 @@ def test_a_broken_communicator_is_a_comm_error(tmp_path):
 
     with pytest.raises(gs.CommError, match="peer gone"):
         gs.save({"a": shard("w", np.zeros(2), (0,), (2,))}, tmp_path, comm=Broken())
+
+
+def test_checkpoint_handle_parses_once_and_loads(tmp_path, monkeypatch):
+    full = small_checkpoint(tmp_path, trainer_state={"step": 3})
+    ckpt = gs.Checkpoint(tmp_path)
+    assert ckpt.metadata.tensors["w"].global_shape == (8, 4) and ckpt.trainer_state == {"step": 3}
+    calls = []
+    monkeypatch.setattr(gs.api, "parse_metadata", lambda *a, **k: calls.append(1))
+    t = target()
+    state = ckpt.load(t)
+    assert np.array_equal(t["t"].data, full) and calls == []  # no second parse
+    state["step"] = 99
+    assert ckpt.trainer_state == {"step": 3}

@@ -194,12 +194,12 @@ def load_checkpoint(
     staging = HostStaging()
     targets: dict[str, gs.ShardedTensor] = {}
     new_state: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
-    saved: list[dict[str, Any]] = []
+    opened: list[gs.Checkpoint] = []
 
     def prepare() -> None:
-        metadata = gs.read_metadata(path, kvstore=kvstore)
-        ts = gs.read_trainer_state(path, kvstore=kvstore)
-        saved.append(ts)
+        checkpoint = gs.Checkpoint(path, kvstore=kvstore)  # parsed once, used for planning and loading
+        opened.append(checkpoint)
+        metadata, ts = checkpoint.metadata, checkpoint.trainer_state
         entries = model_entries(model, layout, rules)
         for e in entries:
             targets[f"model/{e.name}"] = e.shard(e.key, numpy_view(staging.host(e.tensor, for_save=False)))
@@ -244,7 +244,7 @@ def load_checkpoint(
 
     run_collectively(comm, "load_checkpoint: planning", prepare)
     stats = gs.IOStats()
-    trainer = gs.load(targets, path, comm=comm, allow_lossy_cast=allow_lossy_cast, kvstore=kvstore, stats=stats)
+    trainer = opened[0].load(targets, comm=comm, allow_lossy_cast=allow_lossy_cast, stats=stats)
     staging.finish_load()
     if optimizer is not None:
         for p, st in new_state:
