@@ -95,27 +95,23 @@ class Groups:
         self.tp_rank = rank % topo.tp
         self.pp_rank = (rank // topo.tp) % topo.pp
         self.dp_rank = rank // (topo.tp * topo.pp)
-        self.tp = self.dp = self.embedding = None
-        # Every rank takes part in creating every group, in the same order.
-        for d in range(topo.dp):
-            for p in range(topo.pp):
-                ranks = [self.rank_of(t, p, d) for t in range(topo.tp)]
-                g = dist.new_group(ranks) if topo.tp > 1 else None
-                if rank in ranks:
-                    self.tp = g
-        for p in range(topo.pp):
-            for t in range(topo.tp):
-                ranks = [self.rank_of(t, p, d) for d in range(topo.dp)]
-                g = dist.new_group(ranks) if topo.dp > 1 else None
-                if rank in ranks:
-                    self.dp = g
-        if topo.pp > 1:
-            for d in range(topo.dp):
-                for t in range(topo.tp):
-                    ranks = [self.rank_of(t, 0, d), self.rank_of(t, topo.pp - 1, d)]
-                    g = dist.new_group(ranks)
-                    if rank in ranks:
-                        self.embedding = g
+        grid = [(t, p, d) for d in range(topo.dp) for p in range(topo.pp) for t in range(topo.tp)]
+        self.tp = self._mine(rank, topo.tp > 1, {(p, d): [self.rank_of(t, p, d) for t in range(topo.tp)]
+                                                 for _, p, d in grid})
+        self.dp = self._mine(rank, topo.dp > 1, {(t, p): [self.rank_of(t, p, d) for d in range(topo.dp)]
+                                                 for t, p, _ in grid})
+        self.embedding = self._mine(rank, topo.pp > 1, {(t, d): [self.rank_of(t, 0, d), self.rank_of(t, topo.pp - 1, d)]
+                                                        for t, _, d in grid})
+
+    @staticmethod
+    def _mine(rank: int, needed: bool, groups: dict[Any, list[int]]) -> Any:
+        """Create every group (every rank takes part, in the same order); return this rank's."""
+        mine = None
+        for ranks in groups.values():
+            g = dist.new_group(ranks) if needed else None
+            if rank in ranks:
+                mine = g
+        return mine
 
     def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
         return (dp_rank * self.topo.pp + pp_rank) * self.topo.tp + tp_rank

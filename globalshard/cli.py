@@ -15,21 +15,19 @@ import time
 
 import numpy as np
 
-from globalshard.api import _read_metadata, _read_trainer_state
+from globalshard.api import Checkpoint
 from globalshard.dtypes import numpy_dtype
 from globalshard.errors import GlobalShardError
 from globalshard.geometry import Box, Region
-from globalshard.planner import LoadPlanner, ShardInfo
-from globalshard.storage import Location
+from globalshard.layout import ShardedTensor
 
 
 def _inspect(path: str) -> int:
-    location = Location(path)
-    md = _read_metadata(location)
-    trainer = _read_trainer_state(location, md)
+    ckpt = Checkpoint(path)
+    md, trainer = ckpt.metadata, ckpt.trainer_state
     total = sum(r.nbytes for t in md.tensors.values() for r in t.regions)
     regions = sum(len(t.regions) for t in md.tensors.values())
-    print(f"{location}: globalshard format {md.version}, {len(md.tensors)} tensors, "
+    print(f"{path}: globalshard format {md.version}, {len(md.tensors)} tensors, "
           f"{regions} stored regions, {total / 2**20:.2f} MiB")
     width = max((len(k) for k in md.tensors), default=3)
     print(f"{'key':{width}}  {'dtype':14} {'global shape':20} {'regions':>7} {'MiB':>9}")
@@ -42,18 +40,17 @@ def _inspect(path: str) -> int:
 
 
 def _verify(path: str) -> int:
-    location = Location(path)
-    md = _read_metadata(location)
-    _read_trainer_state(location, md)
+    ckpt = Checkpoint(path)  # parses metadata.json and checks trainer_state.json's SHA-256
+    md = ckpt.metadata
     start = time.perf_counter()
     failures, nbytes = [], 0
     for key in sorted(md.tensors):
         t = md.tensors[key]
         for r in t.regions:  # one region at a time: memory stays at one region
             out = np.empty(r.box.shape, numpy_dtype(t.dtype))
-            info = ShardInfo(key, t.dtype, t.global_shape, r.box.shape, (Region(Box.full(r.box.shape), r.box),))
+            target = ShardedTensor(key, out, t.global_shape, (Region(Box.full(r.box.shape), r.box),))
             try:
-                location.read_into(LoadPlanner().plan(md, [info]), [out])
+                ckpt.load({"region": target})
                 nbytes += r.nbytes
             except GlobalShardError as e:
                 failures.append(f"{key} {r.box} ({r.path}): {e}")
