@@ -8,8 +8,12 @@ raises on every rank and a failed save never commits.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import logging
+import secrets
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,10 +24,12 @@ from globalshard.dtypes import canonical_name, numpy_dtype
 from globalshard.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    GlobalShardError,
     LayoutError,
     MetadataError,
     MismatchError,
     MissingKeyError,
+    StorageError,
 )
 from globalshard.geometry import Box, Region
 from globalshard.layout import ShardedTensor
@@ -33,15 +39,19 @@ from globalshard.metadata import (
     Metadata,
     TrainerStateRef,
     dump_trainer_state,
+    is_save_id,
     parse_metadata,
     parse_trainer_state,
 )
-from globalshard.planner import LoadPlanner, SavePlanner, ShardInfo, missing_key
-from globalshard.storage import IOStats, Location
+from globalshard.planner import SAVES_DIR, LoadPlan, LoadPlanner, SavePlanner, ShardInfo, missing_key, save_dir
+from globalshard.storage import LOCK_FILE, IOStats, Location, OpenedPlan, array_attributes
+
+_log = logging.getLogger("globalshard")
+#: An unlisted save directory on a kvstore root older than this is a leftover (spec 2.2).
+_LEFTOVER_AGE_MS = 24 * 3600 * 1000
 
 __all__ = ["Checkpoint", "load", "read_array", "read_metadata", "read_trainer_state", "save"]
 
-_ARRAYS = "arrays"
 
 
 def _entries(state: Mapping[str, ShardedTensor]) -> list[tuple[str, ShardedTensor]]:
@@ -69,9 +79,12 @@ def save(
 
     Every rank calls ``save`` with its own shards and the same ``path``. The
     shards of all ranks are validated together; each region is written once,
-    by a writer chosen to balance bytes across ranks; metadata.json is written
-    last, atomically, by rank 0. If anything fails on any rank, every rank
-    raises and no metadata.json is published.
+    by a writer chosen to balance bytes across ranks, under a directory of
+    this save's own; then rank 0 commits by replacing metadata.json
+    atomically, and only if no other save committed meanwhile. If anything
+    fails on any rank, every rank raises, nothing is committed and the
+    previous checkpoint at ``path`` (if any) is untouched. Two saves racing on
+    one path: one commits, the other raises :class:`ConcurrentSaveError`.
 
     Args:
         state: local names -> :class:`ShardedTensor` (a ShardedStateDict or dict).
@@ -80,14 +93,17 @@ def save(
         trainer_state: a dict of exact JSON values for trainer_state.json
             (rank 0's is written).
         comm: the communicator; None for a single process.
-        overwrite: replace a committed checkpoint at ``path`` (it is
-            un-published first, so a crash mid-save leaves no checkpoint).
+        overwrite: replace a committed checkpoint at ``path``, or save into a
+            non-empty location that holds none. The previous checkpoint stays
+            loadable until this save commits; then only what its
+            metadata.json lists is deleted.
         kvstore: a TensorStore kvstore spec (dict or URL: S3, GCS, OCDBT, ...)
             holding the checkpoint at ``path``.
         stats: an :class:`IOStats` to fill with this rank's figures.
 
     Raises:
-        LayoutError, MetadataError, CheckpointExistsError, StorageError, CommError.
+        LayoutError, MetadataError, CheckpointExistsError (ConcurrentSaveError),
+        StorageError, CommError.
 
     >>> import numpy as np, tempfile
     >>> w = np.arange(6, dtype=np.float32).reshape(2, 3)
@@ -101,55 +117,139 @@ def save(
     location = Location(path, kvstore)
     entries = _entries(state)
     infos = [ShardInfo.of(t) for _, t in entries]
-    ts_blob: list[tuple[bytes, TrainerStateRef]] = []
+    with contextlib.ExitStack() as held:  # rank 0's lock, held until the cleanup is done
+        _save(location, comm, entries, infos, trainer_state, overwrite, stats, held)
 
-    def describe() -> list[Any]:
+
+@dataclasses.dataclass
+class _Coordinator:
+    """What rank 0 learns before writing and needs at the commit."""
+
+    stamp: Any = None
+    previous: Metadata | None = None
+    trainer_blob: tuple[bytes, TrainerStateRef] | None = None
+
+
+def _save(location: Location, comm: Comm, entries: list[tuple[str, ShardedTensor]], infos: list[ShardInfo],
+          trainer_state: dict[str, Any] | None, overwrite: bool, stats: IOStats | None,
+          held: contextlib.ExitStack) -> None:
+    coordinator = _Coordinator()
+
+    def describe() -> dict[str, Any]:
         # Everything checkable is checked before anything on storage changes.
+        out: dict[str, Any] = {"shards": [i.to_json() for i in infos]}
         if comm.rank == 0:
+            save_id = new_save_id()
             if trainer_state is not None:
-                ts_blob.append(dump_trainer_state(trainer_state))
-            if not overwrite and location.read_file(METADATA_FILE) is not None:
-                raise CheckpointExistsError(f"{location} already holds a checkpoint; pass overwrite=True to replace it")
-        return [i.to_json() for i in infos]
+                coordinator.trainer_blob = dump_trainer_state(trainer_state, f"{save_dir(save_id)}/{TRAINER_STATE_FILE}")
+            held.enter_context(location.lock())
+            coordinator.previous, coordinator.stamp = _what_is_there(location, overwrite)
+            out["save_id"] = save_id
+        return out
 
     _, gathered = run_collectively(comm, "save: planning", describe)
+    save_id = gathered[0]["save_id"]
     if comm.world_size == 1:
         per_rank = [infos]
     else:
-        per_rank = [[ShardInfo.from_json(j) for j in rank_infos] for rank_infos in gathered]
-    plan = SavePlanner().plan(per_rank)  # pure: raises identically on every rank
-
-    def clear() -> None:
-        if comm.rank == 0:
-            # Un-publish first: a crash from here on must not leave something
-            # that looks like a checkpoint.
-            location.remove(METADATA_FILE)
-            location.remove(TRAINER_STATE_FILE)
-            # TODO(limitation): the arrays of a failed save stay on storage (never
-            # mistaken for a checkpoint: no metadata.json) until the next save to
-            # the same path removes them here.
-            location.remove(_ARRAYS, tree=True)
-
-    run_collectively(comm, "save: clearing the old checkpoint", clear)
+        per_rank = [[ShardInfo.from_json(j) for j in g["shards"]] for g in gathered]
+    plan = SavePlanner().plan(per_rank, save_id=save_id)  # pure: raises identically on every rank
 
     def write() -> None:
         items = []
         for w in plan.for_rank(comm.rank):
             tensor = entries[w.shard][1]
             local = tensor.regions[w.region].global_to_local(w.box)
-            items.append((w.path, tensor.dtype, local.view(tensor.data)))
+            items.append((w.path, tensor.dtype, local.view(tensor.data), array_attributes(w.key, w.box.offset, save_id)))
         location.write_arrays(items, stats)
-        if ts_blob:
-            location.write_file(TRAINER_STATE_FILE, ts_blob[0][0])
-
-    run_collectively(comm, "save: writing", write)
+        if coordinator.trainer_blob is not None:
+            data, ref = coordinator.trainer_blob
+            location.write_file(ref.path, data)
 
     def commit() -> None:
         if comm.rank == 0:
-            metadata = dataclasses.replace(plan.metadata, trainer_state=ts_blob[0][1] if ts_blob else None)
-            location.write_file(METADATA_FILE, metadata.dumps().encode("utf-8"))
+            ref = coordinator.trainer_blob[1] if coordinator.trainer_blob is not None else None
+            metadata = dataclasses.replace(plan.metadata, trainer_state=ref)
+            location.commit(METADATA_FILE, metadata.dumps().encode("utf-8"), coordinator.stamp)
 
-    run_collectively(comm, "save: commit", commit)
+    try:
+        run_collectively(comm, "save: writing", write)
+        run_collectively(comm, "save: commit", commit)
+    except BaseException:
+        if comm.rank == 0:  # every rank has stopped writing: the collective above returned
+            _remove_quietly(location, save_dir(save_id))
+        raise
+    if comm.rank == 0:
+        _remove_superseded(location, coordinator.previous, save_id)
+    comm.barrier()
+
+
+def new_save_id() -> str:
+    """A fresh save id: the time in milliseconds, then 80 random bits (spec section 2)."""
+    return f"{int(time.time() * 1000) & (16**12 - 1):012x}{secrets.token_hex(10)}"
+
+
+def _ours(name: str) -> bool:
+    """Whether a name at a root belongs to this format (so a root holding only
+    such names is not someone else's directory)."""
+    return name in (METADATA_FILE, LOCK_FILE, SAVES_DIR) or name.startswith(f".{METADATA_FILE}.tmp-")
+
+
+def _what_is_there(location: Location, overwrite: bool) -> tuple[Metadata | None, Any]:
+    """The checkpoint a save would replace (and the stamp its commit checks),
+    refusing what the caller did not ask to replace."""
+    data, stamp = location.read_stamped(METADATA_FILE)
+    if data is None:
+        foreign = [n for n in location.listing() if not _ours(n)]
+        if foreign and not overwrite:
+            raise CheckpointExistsError(
+                f"{location} is not empty and holds no checkpoint ({', '.join(map(repr, foreign[:5]))}"
+                f"{', ...' if len(foreign) > 5 else ''}); pass overwrite=True to save into it anyway "
+                "(nothing already there is deleted)"
+            )
+        return None, stamp
+    try:
+        previous = parse_metadata(data, source=location.describe(METADATA_FILE))
+    except MetadataError as e:
+        raise CheckpointExistsError(
+            f"{location.describe(METADATA_FILE)} exists but is not a valid globalshard checkpoint, so a save "
+            f"cannot tell what it may delete; remove it by hand if it is not needed ({e})"
+        ) from None
+    if not overwrite:
+        raise CheckpointExistsError(f"{location} already holds a checkpoint; pass overwrite=True to replace it")
+    return previous, stamp
+
+
+def _remove_quietly(location: Location, name: str, *, tree: bool = True) -> None:
+    try:
+        location.remove(name, tree=tree)
+    except GlobalShardError as e:
+        _log.warning("could not remove %s: %s", location.describe(name), e)
+
+
+def _remove_superseded(location: Location, previous: Metadata | None, save_id: str) -> None:
+    """After a commit: delete what the replaced checkpoint listed, then (under
+    the lock, or when old enough) leftovers of saves that died (spec 2.1, 2.2).
+    Failures are logged, not raised: the new checkpoint is committed."""
+    if previous is not None:
+        for path in previous.paths():
+            is_array = previous.trainer_state is None or path != previous.trainer_state.path
+            _remove_quietly(location, path, tree=is_array)
+        if previous.version == 1:
+            _remove_quietly(location, TRAINER_STATE_FILE, tree=False)
+    now_ms = int(time.time() * 1000)
+    try:
+        for name in location.listing(SAVES_DIR):
+            if name == save_id or not is_save_id(name):
+                continue
+            if location.local is not None or now_ms - int(name[:12], 16) > _LEFTOVER_AGE_MS:
+                _remove_quietly(location, f"{SAVES_DIR}/{name}")
+        if location.local is not None:
+            for name in location.listing():
+                if name.startswith(f".{METADATA_FILE}.tmp-"):
+                    _remove_quietly(location, name, tree=False)
+    except GlobalShardError as e:
+        _log.warning("could not look for leftovers of earlier saves in %s: %s", location, e)
 
 
 def _read_metadata(location: Location) -> Metadata:
@@ -167,10 +267,11 @@ def _read_metadata(location: Location) -> Metadata:
 def _read_trainer_state(location: Location, metadata: Metadata) -> dict[str, Any]:
     if metadata.trainer_state is None:
         return {}
-    data = location.read_file(TRAINER_STATE_FILE)
+    data = location.read_file(metadata.trainer_state.path)
     if data is None:
         raise MetadataError(
-            f"{location.describe(METADATA_FILE)} records a {TRAINER_STATE_FILE}, but it is missing"
+            f"{location.describe(METADATA_FILE)} records a trainer state at {metadata.trainer_state.path}, "
+            "but it is missing"
         )
     return parse_trainer_state(data, metadata.trainer_state)
 
@@ -208,9 +309,12 @@ def load(
     target's dtype decides: exact widening conversions happen by themselves;
     others need ``allow_lossy_cast=True``. Padding is zero-filled.
 
-    Everything that can be checked is checked before any target byte is
-    written: the checkpoint's metadata and trainer state, missing keys,
-    global shapes, dtype conversions, and that every stored array opens.
+    Everything that can be checked is checked on every rank, and all ranks
+    agree that it passed, before any rank writes a target byte: the
+    checkpoint's metadata and trainer state, missing keys, global shapes,
+    dtype conversions, and that every stored array opens, carries checksums
+    and is the array metadata.json names (key, box, save). A load that fails
+    there changes nothing anywhere.
 
     ``path`` and ``kvstore`` name the checkpoint as for :func:`save`.
 
@@ -221,39 +325,57 @@ def load(
         CheckpointNotFoundError, MetadataError, MismatchError, CastError,
         StorageError, CommError.
     """
-    comm = comm if comm is not None else SingleProcessComm()
-    location = Location(path, kvstore)
-    entries = _entries(state)
-    trainer: list[dict[str, Any]] = []
+    checkpoint: list[Checkpoint] = []
 
-    def run() -> None:
-        metadata = _read_metadata(location)
-        trainer.append(_read_trainer_state(location, metadata))
-        _fill(location, metadata, entries, allow_lossy_cast, stats)
+    def open_() -> None:
+        checkpoint.append(Checkpoint(path, kvstore=kvstore))
 
-    run_collectively(comm, "load", run)
-    return trainer[0]
+    # Every rank must find the checkpoint before any rank plans against it.
+    run_collectively(comm if comm is not None else SingleProcessComm(), "load: opening", open_)
+    return checkpoint[0].load(state, comm=comm, allow_lossy_cast=allow_lossy_cast, stats=stats)
 
 
-def _fill(location: Location, metadata: Metadata, entries: list[tuple[str, ShardedTensor]],
-          allow_lossy_cast: bool, stats: IOStats | None) -> None:
-    """Plan, check, then read into the targets (no collectives)."""
-    plan = LoadPlanner().plan(
-        metadata, [ShardInfo.of(t) for _, t in entries], allow_lossy_cast=allow_lossy_cast,
-        names=[n for n, _ in entries],
-    )
-    frozen = [n for n, t in entries if not t.data.flags.writeable]
-    if frozen:
-        raise LayoutError(f"cannot load into read-only arrays: {frozen}")
-    location.read_into(plan, [t.data for _, t in entries], stats)
+def _expected_attributes(metadata: Metadata, plan: LoadPlan) -> dict[str, dict[str, Any] | None]:
+    """What each array a plan reads must say of itself (None in version 1)."""
+    out: dict[str, dict[str, Any] | None] = {}
+    for key in {t.key for t in plan.targets}:
+        for r in metadata.tensors[key].regions:
+            if r.path in plan.arrays:
+                out[r.path] = array_attributes(key, r.box.offset, metadata.save_id) if metadata.save_id else None
+    return out
+
+
+def _open_for(location: Location, metadata: Metadata, infos: list[ShardInfo], names: list[str] | None,
+              allow_lossy_cast: bool) -> OpenedPlan:
+    """Plan a load and open and check every array it reads: no data read."""
+    plan = LoadPlanner().plan(metadata, infos, allow_lossy_cast=allow_lossy_cast, names=names)
+    return location.open_plan(plan, _expected_attributes(metadata, plan))
+
+
+def _read(location: Location, metadata: Metadata, opened: OpenedPlan, datas: list[np.ndarray],
+          stats: IOStats | None) -> None:
+    try:
+        location.read_opened(opened, datas, stats)
+    except StorageError as e:
+        # A replaced checkpoint's arrays are deleted after the new commit: say so.
+        try:
+            now = _read_metadata(location)
+        except GlobalShardError:
+            raise e from None
+        if now.save_id != metadata.save_id:
+            raise StorageError(f"the checkpoint at {location} was replaced by another save while it was being "
+                               f"read (save {metadata.save_id} -> {now.save_id}); load again\n{e}") from None
+        raise
 
 
 class Checkpoint:
     """A committed checkpoint opened for reading: metadata.json parsed and
-    trainer_state.json checked once, then loaded from as often as needed.
+    the trainer state checked once, then loaded from as often as needed.
 
     For callers that look before they load (which keys hold optimizer state,
-    what the trainer state says) without reading and parsing twice.
+    what the trainer state says) without reading and parsing twice. The
+    handle keeps reading the save it opened: if the checkpoint is replaced
+    meanwhile, a load fails with a clear error rather than mix the two.
 
     Raises (on opening): CheckpointNotFoundError, MetadataError, StorageError.
     """
@@ -270,11 +392,43 @@ class Checkpoint:
 
     def load(self, state: Mapping[str, ShardedTensor], *, comm: Comm | None = None,
              allow_lossy_cast: bool = False, stats: IOStats | None = None) -> dict[str, Any]:
-        """As :func:`load`, from this opened checkpoint."""
+        """As :func:`load`, from this opened checkpoint.
+
+        Two collective steps: every rank plans, checks its targets and opens
+        and checks every array it will read; only when all ranks succeeded
+        does any rank write a target byte.
+        """
+        comm = comm if comm is not None else SingleProcessComm()
         entries = _entries(state)
-        run_collectively(comm if comm is not None else SingleProcessComm(), "load",
-                         lambda: _fill(self._location, self.metadata, entries, allow_lossy_cast, stats))
+        opened: list[OpenedPlan] = []
+
+        def check() -> None:
+            frozen = [n for n, t in entries if not t.data.flags.writeable]
+            if frozen:
+                raise LayoutError(f"cannot load into read-only arrays: {frozen}")
+            opened.append(_open_for(self._location, self.metadata, [ShardInfo.of(t) for _, t in entries],
+                                    [n for n, _ in entries], allow_lossy_cast))
+
+        run_collectively(comm, "load: checking", check)
+        run_collectively(comm, "load: reading", lambda: _read(
+            self._location, self.metadata, opened[0], [t.data for _, t in entries], stats))
         return self.trainer_state
+
+
+    def verify(self) -> tuple[list[str], int]:
+        """Read and checksum every stored byte, one array at a time and in
+        bounded memory. Returns ``(problems, bytes read)``: one line per
+        damaged or foreign array, naming its key, box and file (none: sound)."""
+        problems, nbytes = [], 0
+        for key in sorted(self.metadata.tensors):
+            t = self.metadata.tensors[key]
+            for r in t.regions:
+                want = array_attributes(key, r.box.offset, self.metadata.save_id) if self.metadata.save_id else None
+                try:
+                    nbytes += self._location.verify_array(r.path, t.dtype, r.box.shape, want)
+                except GlobalShardError as e:
+                    problems.append(f"{key} {r.box} ({r.path}): {e}")
+        return problems, nbytes
 
 
 def _as_box(box: Any, global_shape: tuple[int, ...], key: str) -> Box:
@@ -328,8 +482,8 @@ def read_array(
     if not Box.full(stored.global_shape).contains(want):
         raise MismatchError(f"{key!r}: box {want} is outside the global shape {stored.global_shape}")
     name = canonical_name(dtype) if dtype is not None else stored.dtype
-    out = np.empty(want.shape, numpy_dtype(name))
     info = ShardInfo(key, name, stored.global_shape, want.shape, (Region(Box.full(want.shape), want),))
-    plan = LoadPlanner().plan(metadata, [info], allow_lossy_cast=allow_lossy_cast)
-    location.read_into(plan, [out])
+    opened = _open_for(location, metadata, [info], None, allow_lossy_cast)
+    out = np.empty(want.shape, numpy_dtype(name))  # only once the stored arrays are found and checked
+    _read(location, metadata, opened, [out], None)
     return out

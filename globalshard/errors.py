@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CommError",
+    "ConcurrentSaveError",
     "GlobalShardError",
     "LayoutError",
     "MetadataError",
@@ -69,6 +70,10 @@ class CheckpointNotFoundError(MetadataError, FileNotFoundError):
 
 class CheckpointExistsError(GlobalShardError, FileExistsError):
     """A save would overwrite a committed checkpoint without ``overwrite=True``."""
+
+
+class ConcurrentSaveError(CheckpointExistsError):
+    """Another save to the same path is running, or committed while this one ran."""
 
 
 class CommError(GlobalShardError, RuntimeError):

@@ -200,6 +200,46 @@ class Region:
 # --------------------------------------------------------------------------- cover
 
 
+#: Corner updates the exact-cover fast path may make (n boxes x 2**cut axes).
+_CORNER_BUDGET = 1 << 21
+#: Boxes the sweep may visit, summed over its slabs, before giving up: it is
+#: near-linear on the layouts writers produce and quadratic only on crafted ones.
+_SWEEP_BUDGET = 1 << 24
+
+
+def _is_exact_cover(bounds: Box, boxes: Sequence[Box]) -> bool | None:
+    """Whether ``boxes`` (all inside ``bounds``) cover it exactly once, in time
+    linear in ``len(boxes)``; None when the cut axes are too many to afford it.
+
+    The mixed finite difference of a box's indicator is +-1 at its 2**d
+    corners (the sign is -1 to the number of upper coordinates), and the
+    difference operator is one to one. So the boxes' indicators sum to the
+    indicator of ``bounds`` (every element covered exactly once) if and only
+    if their signed corners cancel everywhere but at ``bounds``' own corners.
+    Axes that every box spans whole carry no information and are dropped.
+    """
+    live = [b for b in boxes if not b.is_empty]
+    axes = [a for a in range(bounds.ndim)
+            if any(b.offset[a] != bounds.offset[a] or b.shape[a] != bounds.shape[a] for b in live)]
+    e = len(axes)
+    if (len(live) + 1) << e > _CORNER_BUDGET:
+        return None
+    signs = [(-1) ** bin(mask).count("1") for mask in range(1 << e)]
+    counts: dict[tuple[int, ...], int] = defaultdict(int)
+
+    def add(box: Box, weight: int) -> None:
+        lo = [box.offset[a] for a in axes]
+        hi = [box.offset[a] + box.shape[a] for a in axes]
+        for mask in range(1 << e):
+            corner = tuple(hi[k] if mask >> k & 1 else lo[k] for k in range(e))
+            counts[corner] += weight * signs[mask]
+
+    for b in live:
+        add(b, 1)
+    add(bounds, -1)
+    return not any(counts.values())
+
+
 @dataclass(slots=True)
 class _Sweep:
     axes: tuple[int, ...]
@@ -208,6 +248,7 @@ class _Sweep:
     gaps: list[Box] = field(default_factory=list)
     overlaps: list[tuple[int, int]] = field(default_factory=list)
     seen: set[tuple[int, int]] = field(default_factory=set)
+    work: int = 0
 
     def full(self) -> bool:
         return len(self.gaps) + len(self.overlaps) >= self.limit
@@ -225,6 +266,12 @@ class _Sweep:
     def run(self, items: list[tuple[tuple[int, ...], tuple[int, ...], int]], depth: int,
             lo: list[int], hi: list[int]) -> None:
         ax = self.axes[depth]
+        self.work += len(items)
+        if self.work > _SWEEP_BUDGET:
+            raise LayoutError(
+                f"{len(self.axes)}-d boxes too fragmented to check for gaps and overlaps "
+                f"(more than {_SWEEP_BUDGET} box visits); no writer produces such a layout"
+            )
         if depth == len(self.axes) - 1:
             items = sorted(items, key=lambda it: it[0][ax])
             pos, reach = lo[ax], -1
@@ -281,8 +328,13 @@ def cover_problems(
         ``boxes`` do not overlap, the gaps are the complete complement. With
         ``gaps=False`` only overlaps are looked for (a partial set of boxes).
 
-    Cost: O(n log n) for grid-like layouts; in general the sum, over the slabs
-    of the sweep, of the boxes crossing each slab.
+    Cost: an exact cover is recognised in O(n * 2**k), k the number of axes
+    some box cuts (see :func:`_is_exact_cover`); otherwise a sweep finds the
+    problems in O(n log n) for grid-like layouts, in general the sum over its
+    slabs of the boxes crossing each slab.
+
+    Raises:
+        LayoutError: the boxes are too fragmented to check within a fixed budget.
 
     >>> cover_problems(Box.full((4,)), [Box((0,), (2,)), Box((1,), (2,))])
     ([Box(offset=(3,), shape=(1,))], [(0, 1)])
@@ -294,6 +346,8 @@ def cover_problems(
         n = len(boxes)
         missing = [bounds] if n == 0 and gaps else []
         return missing, [(0, k) for k in range(1, min(n, limit + 1))]
+    if gaps and _is_exact_cover(bounds, boxes):
+        return [], []
     items = [(b.offset, b.stop, i) for i, b in enumerate(boxes) if not b.is_empty]
     # Sweep the axes with the fewest distinct cut points first and finish on the
     # most fragmented one, where one sort handles all boxes of a slab.

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from globalshard.dtypes import SUPPORTED_DTYPES, numpy_dtype
-from globalshard.errors import MetadataError, TrainerStateError, format_problems
+from globalshard.errors import LayoutError, MetadataError, TrainerStateError, format_problems
 from globalshard.geometry import Box, cover_problems
 
 __all__ = [
@@ -30,18 +30,39 @@ __all__ = [
     "StoredRegion",
     "TensorMetadata",
     "TrainerStateRef",
+    "MAX_DEPTH",
+    "MAX_FILE_BYTES",
+    "MAX_RANK",
+    "READABLE_VERSIONS",
     "check_relative_path",
+    "is_save_id",
     "dump_trainer_state",
     "parse_metadata",
     "parse_trainer_state",
 ]
 
 FORMAT_NAME = "globalshard"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Versions this library reads (spec/FORMAT.md section 2.3 for version 1).
+READABLE_VERSIONS = (1, 2)
 METADATA_FILE = "metadata.json"
 TRAINER_STATE_FILE = "trainer_state.json"
 _RESERVED = frozenset({METADATA_FILE, TRAINER_STATE_FILE})
 _MAX_INT = 2**63 - 1
+#: TensorStore's limit on the rank of an array.
+MAX_RANK = 32
+#: Nesting depth of trainer-state JSON, on save and on load.
+MAX_DEPTH = 100
+#: The largest metadata.json or trainer state this library reads.
+MAX_FILE_BYTES = 256 << 20
+_HEX = frozenset("0123456789abcdef")
+_FLOAT_TAG = "$float"
+_NON_FINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+def is_save_id(value: Any) -> bool:
+    """Whether ``value`` is a save id: 32 lowercase hex digits."""
+    return isinstance(value, str) and len(value) == 32 and set(value) <= _HEX
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,22 +85,40 @@ class TensorMetadata:
 
 @dataclass(frozen=True, slots=True)
 class TrainerStateRef:
-    """Size and SHA-256 of trainer_state.json, so a stale or edited copy is caught."""
+    """Where the trainer state lives, with its size and SHA-256, so a stale or
+    edited copy is caught. Version 1 checkpoints keep it at trainer_state.json."""
 
     nbytes: int
     sha256: str
+    path: str = TRAINER_STATE_FILE
 
 
 @dataclass(frozen=True, slots=True)
 class Metadata:
     """The parsed metadata.json of a checkpoint.
 
-    ``tensors`` maps checkpoint keys to their :class:`TensorMetadata`.
+    ``tensors`` maps checkpoint keys to their :class:`TensorMetadata`;
+    ``save_id`` names the save that wrote it (None in version 1).
     """
 
     tensors: Mapping[str, TensorMetadata]
     trainer_state: TrainerStateRef | None = None
     version: int = FORMAT_VERSION
+    save_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.version not in READABLE_VERSIONS:
+            raise MetadataError(f"format version {self.version} is not one of {READABLE_VERSIONS}")
+        if (self.version >= 2) != is_save_id(self.save_id):
+            raise MetadataError(f"format version {self.version} with save_id {self.save_id!r}: version 2 "
+                                "needs 32 lowercase hex digits, version 1 none")
+
+    def paths(self) -> list[str]:
+        """Every path this checkpoint uses: its arrays and its trainer state."""
+        out = [r.path for t in self.tensors.values() for r in t.regions]
+        if self.trainer_state is not None:
+            out.append(self.trainer_state.path)
+        return out
 
     def to_json(self) -> dict[str, Any]:
         """The JSON document, keys and regions in a canonical order."""
@@ -94,10 +133,15 @@ class Metadata:
                     for r in sorted(t.regions, key=lambda r: r.box.offset)
                 ],
             }
-        ts = None
+        ts: dict[str, Any] | None = None
         if self.trainer_state is not None:
             ts = {"nbytes": self.trainer_state.nbytes, "sha256": self.trainer_state.sha256}
-        return {"format": FORMAT_NAME, "version": self.version, "tensors": tensors, "trainer_state": ts}
+            if self.version >= 2:
+                ts = {"path": self.trainer_state.path, **ts}
+        if self.version == 1:
+            return {"format": FORMAT_NAME, "version": 1, "tensors": tensors, "trainer_state": ts}
+        return {"format": FORMAT_NAME, "version": self.version, "save_id": self.save_id, "tensors": tensors,
+                "trainer_state": ts}
 
     def dumps(self) -> str:
         """Serialise to the text of metadata.json."""
@@ -128,16 +172,27 @@ def _loads(data: bytes | str, what: str) -> Any:
         raise MetadataError(f"{what}: not a valid JSON document: {e}") from None
 
 
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check_relative_path(path: Any) -> str | None:
     """Why ``path`` may not name stored data inside a checkpoint, or None if it may.
 
-    Paths are relative, ``/``-separated, with no empty, ``.`` or ``..``
-    component, no backslash or control character, and never a reserved file.
+    Paths are relative, ``/``-separated, valid Unicode, with no empty, ``.`` or
+    ``..`` component, no backslash or control character, and never under a
+    name reserved at the root.
     """
     if not isinstance(path, str):
         return f"must be a string, got {type(path).__name__}"
     if not path or len(path) > 4096:
         return "must be a non-empty string of at most 4096 characters"
+    if not _is_unicode(path):
+        return f"{path!r} is not valid Unicode (a lone surrogate)"
     if path.startswith("/") or (len(path) > 1 and path[1] == ":"):
         return f"{path!r} is absolute; paths are relative to the checkpoint"
     if "\\" in path or any(ord(c) < 32 or ord(c) == 127 for c in path):
@@ -217,7 +272,7 @@ def _path(parent: str, key: str) -> str:
 
 
 def parse_metadata(data: bytes | str, *, source: str = METADATA_FILE) -> Metadata:
-    """Parse and validate the text of a metadata.json.
+    """Parse and validate the text of a metadata.json (format version 2, or 1).
 
     Raises:
         MetadataError: listing every problem found, each with its JSON path
@@ -225,16 +280,26 @@ def parse_metadata(data: bytes | str, *, source: str = METADATA_FILE) -> Metadat
     """
     doc = _loads(data, source)
     p = _Parser()
-    top = p.obj(doc, "$", ("format", "version", "tensors", "trainer_state"))
+    version = doc.get("version") if isinstance(doc, dict) else None
+    known = type(version) is int and version in READABLE_VERSIONS
+    members = ("format", "version", "tensors", "trainer_state") if version == 1 else \
+        ("format", "version", "save_id", "tensors", "trainer_state")
+    top = p.obj(doc, "$", members) if known or not isinstance(doc, dict) else doc
     if top is None:
         raise MetadataError(format_problems(f"{source} is not a globalshard metadata document", p.problems))
     if top.get("format") != FORMAT_NAME:
         p.bad("$.format", f"must be {FORMAT_NAME!r}, got {_short(top.get('format'))}")
-    version = top.get("version")
-    if type(version) is not int or version != FORMAT_VERSION:
-        p.bad("$.version", f"unsupported format version {_short(version)}; this library reads version {FORMAT_VERSION}")
+    if not known:
+        p.bad("$.version", f"unsupported format version {_short(version)}; this library reads versions "
+                           f"{', '.join(map(str, READABLE_VERSIONS))}")
     if p.problems:
         raise MetadataError(format_problems(f"{source} is not a globalshard metadata document", p.problems))
+    assert isinstance(version, int)
+    save_id = None
+    if version >= 2:
+        save_id = top.get("save_id")
+        if not is_save_id(save_id):
+            p.bad("$.save_id", f"must be 32 lowercase hex digits, got {_short(save_id)}")
 
     tensors: dict[str, TensorMetadata] = {}
     raw_tensors = top.get("tensors")
@@ -246,25 +311,40 @@ def parse_metadata(data: bytes | str, *, source: str = METADATA_FILE) -> Metadat
         where = _path("$.tensors", key)
         if not key:
             p.bad(where, "a checkpoint key may not be empty")
+        elif not _is_unicode(key):
+            p.bad(where, "a checkpoint key must be valid Unicode (it holds a lone surrogate)")
+            continue
         t = _parse_tensor(p, raw, where, all_paths)
         if t is not None:
             tensors[key] = t
-    _check_nesting(p, all_paths)
 
     ts_ref = None
     raw_ts = top.get("trainer_state")
     if raw_ts is not None:
-        o = p.obj(raw_ts, "$.trainer_state", ("nbytes", "sha256"))
+        fields = ("nbytes", "sha256") if version == 1 else ("path", "nbytes", "sha256")
+        o = p.obj(raw_ts, "$.trainer_state", fields)
         if o is not None:
             nbytes = p.uint(o.get("nbytes"), "$.trainer_state.nbytes")
             digest = o.get("sha256")
-            if not (isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
+            ts_path = TRAINER_STATE_FILE
+            if version >= 2:
+                raw_path = o.get("path")
+                why = check_relative_path(raw_path)
+                if why is not None:
+                    p.bad("$.trainer_state.path", why)
+                elif raw_path in all_paths:
+                    p.bad("$.trainer_state.path", f"{raw_path!r} is also used by {all_paths[raw_path]}")
+                else:
+                    ts_path = raw_path
+                    all_paths[ts_path] = "$.trainer_state"
+            if not (isinstance(digest, str) and len(digest) == 64 and set(digest) <= _HEX):
                 p.bad("$.trainer_state.sha256", "must be 64 lowercase hex digits")
             elif nbytes is not None:
-                ts_ref = TrainerStateRef(nbytes, digest)
+                ts_ref = TrainerStateRef(nbytes, digest, ts_path)
+    _check_nesting(p, all_paths)
     if p.problems:
         raise MetadataError(format_problems(f"{source} is invalid", p.problems))
-    return Metadata(tensors, ts_ref, FORMAT_VERSION)
+    return Metadata(tensors, ts_ref, version, save_id)
 
 
 def _parse_tensor(p: _Parser, raw: Any, where: str, all_paths: dict[str, str]) -> TensorMetadata | None:
@@ -278,7 +358,14 @@ def _parse_tensor(p: _Parser, raw: Any, where: str, all_paths: dict[str, str]) -
         p.bad(f"{where}.dtype", f"unknown dtype {_short(dtype)}; known: {', '.join(SUPPORTED_DTYPES)}")
     else:
         itemsize = numpy_dtype(dtype).itemsize
-    gshape = p.uints(o.get("global_shape"), f"{where}.global_shape")
+    raw_shape = o.get("global_shape")
+    if isinstance(raw_shape, list) and len(raw_shape) > MAX_RANK:
+        p.bad(f"{where}.global_shape", f"has {len(raw_shape)} axes; at most {MAX_RANK} are supported")
+        return None
+    gshape = p.uints(raw_shape, f"{where}.global_shape")
+    if gshape is not None and itemsize is not None and math.prod(gshape) * itemsize > _MAX_INT:
+        p.bad(f"{where}.global_shape", f"{gshape} of {dtype} holds 2**63 bytes or more")
+        return None
     raw_regions = o.get("regions")
     if not isinstance(raw_regions, list):
         p.bad(f"{where}.regions", f"must be an array, got {_json_type(raw_regions)}")
@@ -320,7 +407,11 @@ def _parse_tensor(p: _Parser, raw: Any, where: str, all_paths: dict[str, str]) -
         region_where.append(rw)
     if len(p.problems) > before:
         return None
-    gaps, overlaps = cover_problems(bounds, [r.box for r in regions])
+    try:
+        gaps, overlaps = cover_problems(bounds, [r.box for r in regions])
+    except LayoutError as e:
+        p.bad(f"{where}.regions", str(e))
+        return None
     for g in gaps:
         p.bad(f"{where}.regions", f"global elements {g} are not stored in any region")
     for i, j in overlaps:
@@ -344,37 +435,63 @@ def _check_nesting(p: _Parser, all_paths: dict[str, str]) -> None:
 # --------------------------------------------------------------------------- trainer state
 
 
-def _check_json_value(value: Any, where: str, problems: list[str]) -> None:
-    if value is None or isinstance(value, (bool, str)):
-        return
-    if isinstance(value, int):
-        return
+def _encode_json_value(value: Any, where: str, depth: int, problems: list[str]) -> Any:
+    """``value`` as exact JSON: non-finite floats tagged (spec section 4); what
+    JSON would give back as something else is a problem naming its path."""
+    if depth > MAX_DEPTH:
+        problems.append(f"{where}: nested more than {MAX_DEPTH} deep")
+        return None
+    if value is None or isinstance(value, (bool, str, int)):
+        return value
     if isinstance(value, float):
-        if not math.isfinite(value):
-            problems.append(f"{where}: {value!r} is not representable in JSON")
-        return
+        if math.isfinite(value):
+            return value
+        return {_FLOAT_TAG: "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
     if isinstance(value, list):
-        for i, v in enumerate(value):
-            _check_json_value(v, f"{where}[{i}]", problems)
-        return
+        return [_encode_json_value(v, f"{where}[{i}]", depth + 1, problems) for i, v in enumerate(value)]
     if isinstance(value, dict):
+        if set(value) == {_FLOAT_TAG}:
+            problems.append(f"{where}: an object whose only member is {_FLOAT_TAG!r} is reserved for "
+                            "non-finite floats")
+        out = {}
         for k, v in value.items():
             if not isinstance(k, str):
                 problems.append(f"{where}: key {k!r} is a {type(k).__name__}; JSON keys are strings")
                 continue
-            _check_json_value(v, _path(where, k), problems)
-        return
+            if not _is_unicode(k):
+                problems.append(f"{where}: key {k!r} is not valid Unicode")
+                continue
+            out[k] = _encode_json_value(v, _path(where, k), depth + 1, problems)
+        return out
     hint = " (use a list)" if isinstance(value, tuple) else ""
     problems.append(f"{where}: {type(value).__name__} is not a JSON type{hint}")
+    return None
 
 
-def dump_trainer_state(state: Any) -> tuple[bytes, TrainerStateRef]:
-    """The bytes of trainer_state.json for ``state`` and their reference.
+def _decode_json_value(value: Any, depth: int = 0) -> Any:
+    if depth > MAX_DEPTH:
+        raise MetadataError(f"{TRAINER_STATE_FILE}: nested more than {MAX_DEPTH} deep")
+    if isinstance(value, list):
+        return [_decode_json_value(v, depth + 1) for v in value]
+    if isinstance(value, dict):
+        if len(value) == 1 and _FLOAT_TAG in value:
+            tag = value[_FLOAT_TAG]
+            if tag not in _NON_FINITE:
+                raise MetadataError(f"{TRAINER_STATE_FILE}: {_FLOAT_TAG!r} must be one of "
+                                    f"{sorted(_NON_FINITE)}, got {_short(tag)}")
+            return _NON_FINITE[tag]
+        return {k: _decode_json_value(v, depth + 1) for k, v in value.items()}
+    return value
+
+
+def dump_trainer_state(state: Any, path: str = TRAINER_STATE_FILE) -> tuple[bytes, TrainerStateRef]:
+    """The bytes of the trainer state file for ``state`` and their reference.
 
     Only what JSON round-trips exactly is accepted: dicts with string keys,
-    lists, strings, finite floats, ints, booleans and None. A tuple, a numpy
-    scalar or an int key would come back as something else, so each is an
-    error naming its JSON path.
+    lists, strings, floats, ints, booleans and None. Non-finite floats are
+    written as ``{"$float": "inf"}`` (spec section 4). A tuple, a numpy scalar
+    or an int key would come back as something else, so each is an error
+    naming its JSON path; so is nesting deeper than ``MAX_DEPTH``.
 
     Raises:
         TrainerStateError: (a MetadataError and a TypeError) ``state`` is not a
@@ -383,25 +500,27 @@ def dump_trainer_state(state: Any) -> tuple[bytes, TrainerStateRef]:
     if not isinstance(state, dict):
         raise TrainerStateError(f"trainer_state must be a dict, got {type(state).__name__}")
     problems: list[str] = []
-    try:
-        _check_json_value(state, "$", problems)
-    except RecursionError:
-        raise TrainerStateError("trainer_state is nested too deeply to store as JSON") from None
+    encoded = _encode_json_value(state, "$", 0, problems)
     if problems:
         raise TrainerStateError(format_problems("trainer_state cannot be stored as JSON exactly", problems))
-    data = (json.dumps(state, indent=1, allow_nan=False) + "\n").encode("utf-8")
-    return data, TrainerStateRef(len(data), hashlib.sha256(data).hexdigest())
+    data = (json.dumps(encoded, indent=1, allow_nan=False) + "\n").encode("utf-8")
+    return data, TrainerStateRef(len(data), hashlib.sha256(data).hexdigest(), path)
 
 
 def parse_trainer_state(data: bytes, ref: TrainerStateRef) -> dict[str, Any]:
-    """Check trainer_state.json against its reference in metadata.json and parse it."""
+    """Check the trainer state against its reference in metadata.json and parse it."""
     if len(data) != ref.nbytes or hashlib.sha256(data).hexdigest() != ref.sha256:
         raise MetadataError(
-            f"{TRAINER_STATE_FILE} does not match the size and SHA-256 recorded in "
+            f"{ref.path} does not match the size and SHA-256 recorded in "
             f"{METADATA_FILE} ({len(data)} bytes, expected {ref.nbytes}): it was modified, "
             "truncated, or belongs to another save"
         )
-    doc = _loads(data, TRAINER_STATE_FILE)
+    doc = _loads(data, ref.path)
     if not isinstance(doc, dict):
-        raise MetadataError(f"{TRAINER_STATE_FILE}: $ must be an object, got {_json_type(doc)}")
-    return doc
+        raise MetadataError(f"{ref.path}: $ must be an object, got {_json_type(doc)}")
+    try:
+        out = _decode_json_value(doc)
+    except RecursionError:
+        raise MetadataError(f"{ref.path}: nested more than {MAX_DEPTH} deep") from None
+    assert isinstance(out, dict)
+    return out

@@ -29,7 +29,7 @@ from globalshard.dtypes import is_exact_cast, numpy_dtype
 from globalshard.errors import CastError, LayoutError, MismatchError, MissingKeyError, format_problems
 from globalshard.geometry import Box, BoxIndex, Region, cover_problems
 from globalshard.layout import ShardedTensor
-from globalshard.metadata import Metadata, StoredRegion, TensorMetadata
+from globalshard.metadata import FORMAT_VERSION, Metadata, StoredRegion, TensorMetadata, is_save_id
 
 __all__ = [
     "LoadPlan",
@@ -41,6 +41,7 @@ __all__ = [
     "TargetPlan",
     "WriteItem",
     "array_dir",
+    "save_dir",
 ]
 
 
@@ -117,6 +118,15 @@ class SavePlan:
 _SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 
 
+#: Everything one save writes, besides metadata.json, lies under this prefix.
+SAVES_DIR = "saves"
+
+
+def save_dir(save_id: str) -> str:
+    """The directory of one save's arrays and trainer state (spec section 2)."""
+    return f"{SAVES_DIR}/{save_id}"
+
+
 def array_dir(key: str) -> str:
     """A readable, filesystem-safe directory name for a checkpoint key.
 
@@ -173,9 +183,10 @@ class SavePlanner:
     replicas rather than always on rank 0.
     """
 
-    def plan(self, shards_per_rank: Sequence[Sequence[ShardInfo]]) -> SavePlan:
+    def plan(self, shards_per_rank: Sequence[Sequence[ShardInfo]], *, save_id: str = "0" * 32) -> SavePlan:
         """Plan a save. ``shards_per_rank[r]`` lists rank ``r``'s shards, in the
-        order that rank will look them up when writing.
+        order that rank will look them up when writing. Arrays are placed
+        under :func:`save_dir` of ``save_id`` (the api passes a fresh id).
 
         Raises:
             LayoutError: the shards are inconsistent (names the keys, ranks, boxes).
@@ -187,15 +198,18 @@ class SavePlanner:
         problems: list[str] = []
         tensors: dict[str, TensorMetadata] = {}
         candidates: dict[tuple[str, Box], list[_Holder]] = {}
+        if not is_save_id(save_id):
+            raise LayoutError(f"save_id must be 32 lowercase hex digits, got {save_id!r}")
         dirs = _array_dirs(sorted(by_key))
+        prefix = save_dir(save_id) + "/arrays/"
         for key in sorted(by_key):
-            entry = self._plan_key(key, by_key[key], dirs[key], problems, candidates)
+            entry = self._plan_key(key, by_key[key], prefix + dirs[key], problems, candidates)
             if entry is not None:
                 tensors[key] = entry
         if problems:
             raise LayoutError(format_problems("cannot save: the shards are inconsistent", problems))
         writes = _assign_writers(tensors, candidates, len(shards_per_rank))
-        return SavePlan(Metadata(tensors), writes, len(shards_per_rank))
+        return SavePlan(Metadata(tensors, None, FORMAT_VERSION, save_id), writes, len(shards_per_rank))
 
     @staticmethod
     def _plan_key(
@@ -257,7 +271,7 @@ class SavePlanner:
                 candidates[(key, box)] = [
                     h for i in index.query(box) if distinct[i].contains(box) for h in by_box[distinct[i]]
                 ]
-            regions.append(StoredRegion(box, f"arrays/{directory}/{n}", box.volume * itemsize))
+            regions.append(StoredRegion(box, f"{directory}/{n}", box.volume * itemsize))
         return TensorMetadata(first.dtype, first.global_shape, tuple(regions))
 
 

@@ -17,11 +17,17 @@ error, never a block of zeros.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import itertools
+import json
+import math
 import os
 import shutil
+import stat
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,15 +35,26 @@ import numpy as np
 import tensorstore as ts
 
 from globalshard.dtypes import cast_into, numpy_dtype
-from globalshard.errors import MetadataError, StorageError, format_problems
+from globalshard.errors import ConcurrentSaveError, GlobalShardError, MetadataError, StorageError, format_problems
 from globalshard.geometry import Box
-from globalshard.metadata import check_relative_path
+from globalshard.metadata import MAX_FILE_BYTES, check_relative_path
 from globalshard.planner import LoadPlan
 
 __all__ = ["CHUNK_BYTES", "WRITE_WINDOW_BYTES", "IOStats", "Location", "chunk_shape"]
 
 #: Upper bound on the bytes of one (inner) chunk: the unit a load reads.
 CHUNK_BYTES = 1 << 20
+
+#: Bytes one verification reads before it waits for them (its memory bound).
+VERIFY_WINDOW_BYTES = 64 << 20
+
+#: The member of a stored array's zarr.json attributes that names its key, box and save.
+ATTRIBUTE = "globalshard"
+
+#: The writers' lock file at a local root (spec section 2.2).
+LOCK_FILE = ".globalshard.lock"
+#: Temporary files this library creates start with this (``.metadata.json.tmp-<hex>``).
+_TMP_PREFIX = "."
 
 #: Bytes of writes in flight at once. TensorStore copies what it is given to
 #: write, so this bounds the extra memory a save needs.
@@ -53,8 +70,9 @@ class IOStats:
     """Figures of one save or load, filled in when passed as ``stats=``.
 
     ``bytes_needed``: stored bytes the targets need (load) or this rank wrote
-    (save). ``bytes_read``: bytes of the whole chunks a load touched, which is
-    what storage reads; the ratio of the two is the read amplification.
+    (save). ``bytes_read``: bytes of the distinct whole chunks a load touched,
+    each counted once however many targets share it, which is what storage
+    reads; the ratio of the two is the read amplification.
     """
 
     arrays: int = 0
@@ -87,7 +105,8 @@ def chunk_shape(shape: Sequence[int], itemsize: int, limit: int | None = None) -
 _BYTES = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 
 
-def _create_spec(kvstore: dict[str, Any], dtype: str, shape: tuple[int, ...]) -> dict[str, Any]:
+def _create_spec(kvstore: dict[str, Any], dtype: str, shape: tuple[int, ...],
+                 attributes: dict[str, Any] | None = None) -> dict[str, Any]:
     inner = chunk_shape(shape, numpy_dtype(dtype).itemsize)
     # TODO(limitation): no compression codec; zarr3 allows zstd/blosc before crc32c.
     if inner == tuple(shape):
@@ -109,8 +128,31 @@ def _create_spec(kvstore: dict[str, Any], dtype: str, shape: tuple[int, ...]) ->
             "data_type": dtype,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": grid}},
             "codecs": codecs,
+            "attributes": {ATTRIBUTE: attributes or {}},
         },
     }
+
+
+def array_attributes(key: str, offset: Sequence[int], save_id: str) -> dict[str, Any]:
+    """What a stored array says of itself (spec section 5): checked on load."""
+    return {"key": key, "offset": [int(o) for o in offset], "save_id": save_id}
+
+
+def _checksummed(codecs: Any) -> bool:
+    """Whether a zarr v3 codec chain covers every stored byte with crc32c."""
+    if not isinstance(codecs, list) or not codecs:
+        return False
+    names = [c.get("name") if isinstance(c, dict) else None for c in codecs]
+    to_bytes = next((i for i, n in enumerate(names) if n in ("bytes", "sharding_indexed")), None)
+    if to_bytes is None:
+        return False
+    if "crc32c" in names[to_bytes + 1:]:
+        return True
+    if names[to_bytes] == "sharding_indexed":
+        conf = codecs[to_bytes].get("configuration") or {}
+        return _checksummed(conf.get("codecs")) and "crc32c" in [
+            c.get("name") for c in conf.get("index_codecs") or [] if isinstance(c, dict)]
+    return False
 
 
 def _error_text(e: BaseException) -> str:
@@ -132,7 +174,11 @@ class Location:
     """
 
     def __init__(self, where: Any, kvstore: Any = None) -> None:
+        #: The root as a local directory when it is one (however it was named):
+        #: the filesystem's checks (containment, file types, lock) apply to it.
         self.local: str | None = None
+        if isinstance(where, (str, os.PathLike)) and not os.fspath(where):
+            raise StorageError("the checkpoint path is empty (use '.' for the current directory)")
         if kvstore is not None:
             base = Location(kvstore)
             relative = os.fspath(where).strip("/") if isinstance(where, (str, os.PathLike)) else None
@@ -154,10 +200,10 @@ class Location:
             if path and not path.endswith("/"):
                 spec["path"] = path + "/"
             self.kvstore = spec
-            if spec.get("driver") == "file" and set(spec) <= {"driver", "path"}:
-                # A plain local directory, however it was named: use the
-                # filesystem directly (atomic rename, symlink containment).
-                self.local = os.path.abspath(spec["path"])
+            if spec.get("driver") == "file":
+                # A local directory, whatever options the spec carries: its
+                # small files, checks and lock go through the filesystem.
+                self.local = os.path.abspath(spec.get("path", "") or ".")
         self._kv: Any = None
 
     def __str__(self) -> str:
@@ -184,43 +230,158 @@ class Location:
         return self._kv
 
     def read_file(self, name: str) -> bytes | None:
-        """The bytes of a file at the root, or None if there is none."""
+        """The bytes of a file at the root, or None if there is none.
+
+        On a filesystem only a regular file inside the root (after symlinks) is
+        read, never more than ``MAX_FILE_BYTES``: a FIFO, a device or a link
+        out of the checkpoint is an error, not a hang or a huge allocation.
+        """
+        return self.read_stamped(name)[0]
+
+    def read_stamped(self, name: str) -> tuple[bytes | None, Any]:
+        """``(bytes or None, stamp)``: the stamp identifies this version of the
+        file for :meth:`commit` (a storage generation, or the bytes locally)."""
         try:
             if self.local is not None:
-                with open(os.path.join(self.local, name), "rb") as f:
-                    return f.read()
+                data = self._read_local(name)
+                return data, data
             r = self._kvs().read(name).result()
-            return None if r.state == "missing" else bytes(r.value)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
+            if r.state == "missing":
+                return None, r.stamp.generation
+            if len(r.value) > MAX_FILE_BYTES:
+                raise StorageError(f"{self.describe(name)} holds {len(r.value)} bytes, more than the "
+                                   f"{MAX_FILE_BYTES} this library reads")
+            return bytes(r.value), r.stamp.generation
         except (OSError, ValueError) as e:
+            if isinstance(e, StorageError):
+                raise
             raise StorageError(f"cannot read {self.describe(name)}: {_error_text(e)}") from None
 
-    def write_file(self, name: str, data: bytes) -> None:
-        """Write a file at the root atomically: it appears whole or not at all.
+    def _read_local(self, name: str) -> bytes | None:
+        assert self.local is not None
+        full = os.path.join(self.local, name)
+        if not os.path.lexists(full):
+            return None
+        real = os.path.realpath(full)
+        if not _inside(real, os.path.realpath(self.local)):
+            raise StorageError(f"{full} leads outside the checkpoint (to {real}); refusing to read it")
+        try:
+            fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise StorageError(f"{full} is not a regular file; refusing to read it")
+            if st.st_size > MAX_FILE_BYTES:
+                raise StorageError(f"{full} holds {st.st_size} bytes, more than the {MAX_FILE_BYTES} "
+                                   "this library reads")
+            chunks, left = [], st.st_size + 1
+            while left > 0:
+                chunk = os.read(fd, min(left, 1 << 24))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                left -= len(chunk)
+            data = b"".join(chunks)
+            if len(data) > MAX_FILE_BYTES:
+                raise StorageError(f"{full} grew past {MAX_FILE_BYTES} bytes while being read")
+            return data
+        finally:
+            os.close(fd)
 
-        Locally: a temporary name, fsync, rename, fsync of the directory. On a
-        kvstore: one write, which TensorStore's kvstores apply atomically.
+    def write_file(self, name: str, data: bytes) -> None:
+        """Write a file below the root atomically: it appears whole or not at all.
+
+        Locally: a temporary name in the same directory, fsync, rename, fsync
+        of the directory. On a kvstore: one write, which TensorStore's
+        kvstores apply atomically.
         """
         try:
             if self.local is None:
                 self._kvs().write(name, data).result()
                 return
-            os.makedirs(self.local, exist_ok=True)
-            final = os.path.join(self.local, name)
-            tmp = os.path.join(self.local, f".{name}.tmp-{uuid.uuid4().hex}")
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, final)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-            self._sync_dir()
+            self._replace_local(name, data)
         except (OSError, ValueError) as e:
             raise StorageError(f"cannot write {self.describe(name)}: {_error_text(e)}") from None
+
+    def _replace_local(self, name: str, data: bytes) -> None:
+        assert self.local is not None
+        final = os.path.join(self.local, name)
+        directory, base = os.path.split(final)
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f"{_TMP_PREFIX}{base}.tmp-{uuid.uuid4().hex}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        finally:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+        _sync_dir(directory)
+
+    def commit(self, name: str, data: bytes, stamp: Any) -> None:
+        """Replace ``name`` with ``data`` only if it is still the version
+        ``stamp`` (from :meth:`read_stamped`) named: the commit of a save.
+
+        Locally the caller holds :meth:`lock`; the check guards against
+        writers that ignore it. On a kvstore it is one conditional write.
+
+        Raises:
+            ConcurrentSaveError: another save replaced ``name`` in between.
+            StorageError: the write failed (nothing was replaced).
+        """
+        lost = ConcurrentSaveError(
+            f"{self.describe(name)} changed while this save was running: another save committed to "
+            f"{self} first; this save is not committed and the other's checkpoint stands"
+        )
+        try:
+            if self.local is None:
+                gen = self._kvs().write(name, data, if_equal=stamp).result()
+                if not gen.generation:
+                    raise lost
+                return
+            if self._read_local(name) != stamp:
+                raise lost
+            self._replace_local(name, data)
+        except (OSError, ValueError) as e:
+            if isinstance(e, GlobalShardError):
+                raise
+            raise StorageError(f"cannot write {self.describe(name)}: {_error_text(e)}") from None
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold the writers' lock of the root for a save (spec section 2.2).
+
+        On a filesystem an exclusive ``flock`` on ``.globalshard.lock``: a
+        second writer fails at once; the lock of a killed process is released
+        by the OS. On a kvstore nothing: the commit is conditional instead.
+
+        Raises:
+            ConcurrentSaveError: another save holds the lock.
+        """
+        if self.local is None:
+            yield
+            return
+        try:
+            os.makedirs(self.local, exist_ok=True)
+            fd = os.open(os.path.join(self.local, LOCK_FILE), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0),
+                         0o644)
+        except OSError as e:
+            raise StorageError(f"cannot create {self.describe(LOCK_FILE)}: {_error_text(e)}") from None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ConcurrentSaveError(
+                    f"another save to {self} is running (it holds {self.describe(LOCK_FILE)}); "
+                    "wait for it to finish"
+                ) from None
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     def remove(self, name: str, *, tree: bool = False) -> None:
         """Remove a file (or, with ``tree``, everything under a prefix), if present."""
@@ -231,46 +392,57 @@ class Location:
                 self._kvs().delete_range(ts.KvStore.KeyRange(start, end)).result()
                 return
             target = os.path.join(self.local, name)
-            if tree and os.path.isdir(target):
+            if tree and os.path.isdir(target) and not os.path.islink(target):
                 shutil.rmtree(target)
-            elif not tree and os.path.lexists(target):
+            elif os.path.lexists(target) and not os.path.isdir(target):
                 os.unlink(target)
             else:
                 return
-            self._sync_dir()
+            _sync_dir(os.path.dirname(target))
         except (OSError, ValueError) as e:
             raise StorageError(f"cannot remove {self.describe(name)}: {_error_text(e)}") from None
 
-    def _sync_dir(self) -> None:
-        assert self.local is not None
-        fd = os.open(self.local, os.O_RDONLY)
+    def listing(self, prefix: str = "") -> list[str]:
+        """Names directly below the root (or below ``prefix/``): files and directories."""
         try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            if self.local is not None:
+                directory = os.path.join(self.local, prefix)
+                return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+            start = prefix + "/" if prefix else ""
+            rng = ts.KvStore.KeyRange(start, prefix + "0" if prefix else "")
+            keys = self._kvs().list(rng, strip_prefix_length=len(start)).result()
+            return sorted({k.decode("utf-8", "replace").split("/")[0] for k in keys})
+        except (OSError, ValueError) as e:
+            raise StorageError(f"cannot list {self.describe(prefix)}: {_error_text(e)}") from None
 
     def check_contained(self, paths: Sequence[str]) -> list[str]:
-        """Stored paths that escape the root through a symlink (local roots only)."""
+        """Stored paths that escape the root through a symlink, or hold anything
+        but directories and regular files (a FIFO would hang a read), on local
+        roots; nothing to check on a kvstore."""
         if self.local is None:
             return []
         root = os.path.realpath(self.local)
         bad = []
         for path in paths:
             top = os.path.join(self.local, path)
-            escapes = [top] if not _inside(os.path.realpath(top), root) else []
+            problems = [f"{top} leads outside the checkpoint"] if not _inside(os.path.realpath(top), root) else []
             for dirpath, dirnames, filenames in os.walk(top):
                 for name in dirnames + filenames:
                     full = os.path.join(dirpath, name)
                     if os.path.islink(full) and not _inside(os.path.realpath(full), root):
-                        escapes.append(full)
-            if escapes:
-                bad.append(f"{path!r} leads outside the checkpoint through a symlink: {escapes[0]}")
+                        problems.append(f"{full} leads outside the checkpoint through a symlink")
+                    elif name in filenames and not _is_regular(full):
+                        problems.append(f"{full} is not a regular file")
+            if problems:
+                bad.append(f"{path!r}: {problems[0]}")
         return bad
 
     # ------------------------------------------------------------ arrays
 
-    def write_arrays(self, items: Sequence[tuple[str, str, np.ndarray]], stats: IOStats | None = None) -> None:
-        """Store each ``(path, dtype, array)`` as a zarr v3 array, all in parallel.
+    def write_arrays(self, items: Sequence[tuple[str, str, np.ndarray, dict[str, Any]]],
+                     stats: IOStats | None = None) -> None:
+        """Store each ``(path, dtype, array, attributes)`` as a zarr v3 array, all
+        in parallel; ``attributes`` (from :func:`array_attributes`) go into its zarr.json.
 
         Raises:
             StorageError: listing every array that could not be written.
@@ -278,8 +450,8 @@ class Location:
         start = time.perf_counter()
         opened = []
         problems: list[str] = []
-        for path, dtype, array in items:
-            spec = _create_spec(self.array_kvstore(path), dtype, tuple(array.shape))
+        for path, dtype, array, attributes in items:
+            spec = _create_spec(self.array_kvstore(path), dtype, tuple(array.shape), attributes)
             try:
                 opened.append((path, array, ts.open(spec, create=True, delete_existing=True, context=_CONTEXT)))
             except Exception as e:
@@ -312,20 +484,22 @@ class Location:
             raise StorageError(format_problems("cannot write the checkpoint's arrays", problems))
         if stats is not None:
             stats.arrays += len(items)
-            stats.bytes_written += sum(a.nbytes for _, _, a in items)
+            stats.bytes_written += sum(item[2].nbytes for item in items)
             stats.seconds += time.perf_counter() - start
 
-    def read_into(self, plan: LoadPlan, datas: Sequence[np.ndarray], stats: IOStats | None = None) -> None:
-        """Execute a load plan: fill ``datas[i]`` for each target of ``plan``.
+    def open_plan(self, plan: LoadPlan, expected: Mapping[str, dict[str, Any] | None]) -> OpenedPlan:
+        """Open every stored array a load plan reads, and check it, reading no data.
 
-        Every stored array is opened (and its zarr.json checked against
-        metadata.json) before any target byte is written. Reads then run in
-        parallel, straight into the targets where no conversion is needed.
+        Each array must stay inside the root, open with the shape and dtype of
+        metadata.json, carry a crc32c on every chunk, and say in its zarr.json
+        attributes that it holds the key, offset and save ``expected[path]``
+        names (None: a version 1 checkpoint, which records none).
 
         Raises:
-            StorageError: missing, truncated or corrupted data, naming the file.
+            MetadataError: a path escapes the checkpoint.
+            StorageError: every array that is missing, damaged or not the one
+            metadata.json names, each named by its file.
         """
-        start = time.perf_counter()
         problems = self.check_contained(sorted(plan.arrays))
         if problems:
             raise MetadataError(format_problems("checkpoint paths escape the checkpoint", problems))
@@ -340,18 +514,90 @@ class Location:
         stores: dict[str, Any] = {}
         for path, future in futures.items():
             try:
-                stores[path] = future.result()
+                store = future.result()
             except Exception as e:
                 problems.append(f"{self.describe(path)}: {_error_text(e)}")
+                continue
+            why = self._not_the_array(path, store, expected.get(path))
+            if why is not None:
+                problems.append(why)
+            else:
+                stores[path] = store
         if problems:
             raise StorageError(format_problems("cannot open the checkpoint's arrays", problems))
-        chunks = {p: _read_chunk(s) for p, s in stores.items()}
+        return OpenedPlan(plan, stores)
 
+    def _not_the_array(self, path: str, store: Any, want: dict[str, Any] | None) -> str | None:
+        """Why an opened array may not be read as the one metadata.json names, or None."""
+        codecs = store.codec.to_json().get("codecs")
+        if not _checksummed(codecs):
+            names = [c.get("name") for c in codecs or [] if isinstance(c, dict)]
+            return (f"{self.describe(path)}: its chunks carry no crc32c checksum (codecs {names}); "
+                    "unverifiable data is not read")
+        if want is not None:
+            attributes = (store.spec().to_json().get("metadata") or {}).get("attributes") or {}
+            got = attributes.get(ATTRIBUTE)
+            if got != want:
+                return (f"{self.describe(path)}: the array says it holds {_short_json(got)}, "
+                        f"metadata.json expects {_short_json(want)}")
+        return None
+
+    def verify_array(self, path: str, dtype: str, shape: tuple[int, ...], want: dict[str, Any] | None) -> int:
+        """Read every chunk of one stored array, verifying its checksums, one
+        window of chunks at a time (memory stays bounded whatever the array's
+        size). Returns the bytes read.
+
+        Raises:
+            MetadataError: the path escapes the checkpoint.
+            StorageError: the array is missing, damaged or not the one named.
+        """
+        problems = self.check_contained([path])
+        if problems:
+            raise MetadataError(format_problems("checkpoint paths escape the checkpoint", problems))
+        spec = {"driver": "zarr3", "kvstore": self.array_kvstore(path), "fill_missing_data_reads": False}
+        try:
+            store = ts.open(spec, open=True, read=True, dtype=ts.dtype(dtype), shape=shape, context=_CONTEXT).result()
+        except Exception as e:
+            raise StorageError(f"{self.describe(path)}: {_error_text(e)}") from None
+        why = self._not_the_array(path, store, want)
+        if why is not None:
+            raise StorageError(why)
+        chunk = _read_chunk(store)
+        itemsize = numpy_dtype(dtype).itemsize
+        window: list[Any] = []
+        window_bytes = total = 0
+        try:
+            for index in np.ndindex(*[-(-s // c) for s, c in zip(shape, chunk)]):
+                box = Box._trusted(tuple(i * c for i, c in zip(index, chunk)),
+                                   tuple(min(c, s - i * c) for i, c, s in zip(index, chunk, shape)))
+                window.append(_at(store, box).read())
+                window_bytes += box.volume * itemsize
+                if window_bytes >= VERIFY_WINDOW_BYTES:
+                    total += sum(f.result().nbytes for f in window)
+                    window, window_bytes = [], 0
+            total += sum(f.result().nbytes for f in window)
+        except Exception as e:
+            raise StorageError(f"{self.describe(path)}: {_error_text(e)}") from None
+        return total
+
+    def read_opened(self, opened: OpenedPlan, datas: Sequence[np.ndarray], stats: IOStats | None = None) -> None:
+        """Execute an opened load plan: fill ``datas[i]`` for each target.
+
+        Reads run in parallel, straight into the targets where no conversion
+        is needed; padding is zero-filled.
+
+        Raises:
+            StorageError: missing, truncated or corrupted data, naming the file.
+        """
+        start = time.perf_counter()
+        plan, stores = opened.plan, opened.stores
         # TODO(limitation): a chunk found corrupt or missing while reading raises
         # after other reads may already have landed in the targets; checking
         # every chunk first would read everything twice.
         pending: list[tuple[str, Any, np.ndarray | None, Box]] = []
-        needed = touched = 0
+        needed = 0
+        touched: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+        chunks = {p: _read_chunk(s) for p, s in stores.items()}
         for tp in plan.targets:
             data = datas[tp.target]
             direct = data.dtype == numpy_dtype(tp.stored_dtype) and data.dtype.isnative
@@ -360,11 +606,12 @@ class Location:
             for r in tp.reads:
                 src = _at(stores[r.path], r.stored_box)
                 needed += r.stored_box.volume * itemsize
-                touched += _chunk_envelope(r.stored_box, chunks[r.path]) * itemsize
+                touched.setdefault(r.path, []).append(_chunk_span(r.stored_box, chunks[r.path]))
                 if view is not None:
                     pending.append((r.path, _at(view, r.target_box).write(src), None, r.target_box))
                 else:
                     pending.append((r.path, src.read(), data, r.target_box))
+        problems: list[str] = []
         for path, future, staged_into, box in pending:
             try:
                 value = future.result()
@@ -380,8 +627,67 @@ class Location:
         if stats is not None:
             stats.arrays += len(stores)
             stats.bytes_needed += needed
-            stats.bytes_read += touched
+            for path, spans in touched.items():
+                itemsize = numpy_dtype(plan.arrays[path][0]).itemsize
+                stats.bytes_read += _union_volume(spans) * math.prod(chunks[path]) * itemsize
             stats.seconds += time.perf_counter() - start
+
+    def read_into(self, plan: LoadPlan, datas: Sequence[np.ndarray], expected: Mapping[str, dict[str, Any] | None],
+                  stats: IOStats | None = None) -> None:
+        """:meth:`open_plan`, then :meth:`read_opened`."""
+        self.read_opened(self.open_plan(plan, expected), datas, stats)
+
+
+@dataclass(frozen=True, slots=True)
+class OpenedPlan:
+    """A load plan whose arrays are all open and checked: nothing read yet."""
+
+    plan: LoadPlan
+    stores: dict[str, Any]
+
+
+def _short_json(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _chunk_span(box: Box, chunk: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The chunk indices ``[lo, hi)`` a box touches, per axis."""
+    return (tuple(o // c for o, c in zip(box.offset, chunk)),
+            tuple(-(-(o + s) // c) for o, s, c in zip(box.offset, box.shape, chunk)))
+
+
+def _union_volume(spans: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> int:
+    """How many chunks the spans touch together, each counted once: storage
+    reads a chunk once however many targets need parts of it."""
+    spans = list(set(spans))
+    if len(spans) == 1:
+        lo, hi = spans[0]
+        return math.prod(h - l for l, h in zip(lo, hi))
+    if not spans or not spans[0][0]:
+        return 1 if spans else 0
+    cuts = sorted({lo[0] for lo, _ in spans} | {hi[0] for _, hi in spans})
+    total = 0
+    for c, n in itertools.pairwise(cuts):
+        active = [(lo[1:], hi[1:]) for lo, hi in spans if lo[0] <= c and hi[0] >= n]
+        if active:
+            total += (n - c) * _union_volume(active)
+    return total
+
+
+def _is_regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _sync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _inside(path: str, root: str) -> bool:
@@ -395,14 +701,3 @@ def _at(store: Any, box: Box) -> Any:
 def _read_chunk(store: Any) -> tuple[int, ...]:
     shape = store.chunk_layout.read_chunk.shape
     return tuple(shape) if shape is not None else tuple(store.shape)
-
-
-def _chunk_envelope(box: Box, chunk: tuple[int, ...]) -> int:
-    """Elements of the whole chunks that ``box`` touches. zarr stores edge chunks
-    at full size, so this is what storage reads (before any shard index)."""
-    n = 1
-    for o, s, c in zip(box.offset, box.shape, chunk):
-        lo = (o // c) * c
-        hi = -(-(o + s) // c) * c
-        n *= hi - lo
-    return n

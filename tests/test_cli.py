@@ -3,6 +3,8 @@ import shutil
 import subprocess
 import sys
 
+import globalshard as gs
+
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "spec", "examples", "checkpoint")
 
 
@@ -21,12 +23,13 @@ def test_verify_passes_then_catches_damage(tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(EXAMPLE, ckpt)
     assert run("verify", str(ckpt)).returncode == 0
-    chunk = ckpt / "arrays" / "layers.0.mlp.gate_up.weight" / "2" / "c" / "0" / "0"
+    region = gs.read_metadata(ckpt).tensors["layers.0.mlp.gate_up.weight"].regions[2].path
+    chunk = ckpt / region / "c" / "0" / "0"
     data = chunk.read_bytes()
     chunk.write_bytes(bytes([data[0] ^ 1]) + data[1:])
     out = run("verify", str(ckpt))
     assert out.returncode == 1
-    assert "layers.0.mlp.gate_up.weight" in out.stderr and "arrays/layers.0.mlp.gate_up.weight/2" in out.stderr
+    assert "layers.0.mlp.gate_up.weight" in out.stderr and region in out.stderr
 
 
 def test_not_a_checkpoint(tmp_path):

@@ -1,5 +1,7 @@
 import copy
+import itertools
 import json
+import math
 import os
 
 import pytest
@@ -8,6 +10,7 @@ from hypothesis import strategies as st
 from strategies import grid_boxes, shapes
 
 from globalshard import SUPPORTED_DTYPES, Box, MetadataError, StoredRegion, TensorMetadata
+from globalshard import geometry
 from globalshard.dtypes import numpy_dtype
 from globalshard.metadata import (
     Metadata,
@@ -37,15 +40,16 @@ def metadata_docs(draw):
         regions = tuple(StoredRegion(b, f"arrays/t{n}/{i}", b.volume * size) for i, b in enumerate(boxes))
         tensors[key] = TensorMetadata(dtype, shape, regions)
     ref = draw(st.none() | st.builds(TrainerStateRef, st.integers(0, 2**63 - 1),
-                                     st.text("0123456789abcdef", min_size=64, max_size=64)))
-    return Metadata(tensors, ref)
+                                     st.text("0123456789abcdef", min_size=64, max_size=64),
+                                     st.just("saves/x/trainer_state.json")))
+    return Metadata(tensors, ref, 2, draw(st.text("0123456789abcdef", min_size=32, max_size=32)))
 
 
 def _canonical(md: Metadata) -> Metadata:
     return Metadata(
         {k: TensorMetadata(t.dtype, t.global_shape, tuple(sorted(t.regions, key=lambda r: r.box.offset)))
          for k, t in md.tensors.items()},
-        md.trainer_state, md.version,
+        md.trainer_state, md.version, md.save_id,
     )
 
 
@@ -179,10 +183,18 @@ def test_trainer_state_round_trip_and_checks():
         parse_trainer_state(data[:-2], ref)
 
 
+def _nested(depth):
+    value = 0
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 @pytest.mark.parametrize("state,where", [
     ({"betas": (0.9, 0.95)}, '$["betas"]'),
     ({1: "int key"}, "key 1"),
-    ({"x": float("nan")}, '$["x"]'),
+    ({"x": {"$float": "inf"}}, '$["x"]'),
+    ({"x": [[[{"y": 1}]]], "deep": _nested(101)}, '$["deep"]'),
     ({"x": {"y": object()}}, '$["x"]["y"]'),
     ([1, 2], "must be a dict"),
 ])
@@ -202,7 +214,87 @@ def test_trainer_state_with_wrong_top_level_type():
 
 
 def test_metadata_has_no_training_fields():
-    md = Metadata({"w": TensorMetadata("float32", (2,), (StoredRegion(Box((0,), (2,)), "arrays/w/0", 8),))})
+    md = Metadata({"w": TensorMetadata("float32", (2,), (StoredRegion(Box((0,), (2,)), "arrays/w/0", 8),))},
+                  None, 2, "0" * 32)
     doc = json.loads(md.dumps())
-    assert set(doc) == {"format", "version", "tensors", "trainer_state"}
+    assert set(doc) == {"format", "version", "save_id", "tensors", "trainer_state"}
     assert copy.deepcopy(doc)["tensors"]["w"].keys() == {"dtype", "global_shape", "regions"}
+
+
+def test_non_finite_floats_round_trip_through_the_trainer_state():
+    state = {"best": float("inf"), "worst": float("-inf"), "loss": float("nan"), "lr": [1e-3, float("inf")],
+             "plain": {"$float": 1, "other": 2}}
+    data, ref = dump_trainer_state(state)
+    json.loads(data, parse_constant=lambda c: pytest.fail(f"{c} written"))  # strict JSON on disk
+    back = parse_trainer_state(data, ref)
+    assert back["best"] == float("inf") and back["worst"] == float("-inf") and back["lr"][1] == float("inf")
+    assert back["loss"] != back["loss"]
+    assert back["plain"] == {"$float": 1, "other": 2}
+
+
+def test_trainer_state_depth_is_bounded_on_save_and_load():
+    dump_trainer_state({"x": _nested(99)})
+    with pytest.raises(MetadataError, match="nested more than 100"):
+        dump_trainer_state({"x": _nested(100)})
+    import hashlib
+    deep = ("{\"x\":" + "[" * 600 + "]" * 600 + "}").encode()
+    with pytest.raises(MetadataError, match="nested more than 100"):
+        parse_trainer_state(deep, TrainerStateRef(len(deep), hashlib.sha256(deep).hexdigest()))
+    bad = b'{"x": {"$float": "infinity"}}'
+    with pytest.raises(MetadataError, match="must be one of"):
+        parse_trainer_state(bad, TrainerStateRef(len(bad), hashlib.sha256(bad).hexdigest()))
+
+
+def _one_tensor(global_shape, regions, version=2):
+    doc = {"format": "globalshard", "version": version, "save_id": "0" * 32,
+           "tensors": {"t": {"dtype": "uint8", "global_shape": global_shape, "regions": [
+               {"offset": o, "shape": sh, "path": f"a/{i}", "nbytes": math.prod(sh)}
+               for i, (o, sh) in enumerate(regions)]}}, "trainer_state": None}
+    if version == 1:
+        del doc["save_id"]
+    return json.dumps(doc)
+
+
+def test_rank_is_bounded_before_anything_recurses_on_it():
+    ok = _one_tensor([1] * 32, [([0] * 32, [1] * 32)])
+    assert parse_metadata(ok).tensors["t"].global_shape == (1,) * 32
+    for rank in (33, 1000, 100_000):
+        with pytest.raises(MetadataError, match="at most 32"):
+            parse_metadata(_one_tensor([1] * rank, [([0] * rank, [1] * rank)]))
+
+
+def test_lone_surrogates_are_metadata_errors():
+    text = _one_tensor([2], [([0], [2])]).replace('"a/0"', '"a/\\ud800"')
+    with pytest.raises(MetadataError, match="Unicode"):
+        parse_metadata(text)
+    text = _one_tensor([2], [([0], [2])]).replace('"t"', '"\\udfff"')
+    with pytest.raises(MetadataError, match="Unicode"):
+        parse_metadata(text)
+
+
+def test_a_crafted_exact_cover_validates_in_linear_time():
+    # A brick wall: every row of bricks is offset by one from the next, so each
+    # slab of a sweep over rows crosses many boxes. 20,000 regions.
+    rows, per_row, width = 200, 100, 2
+    regions = []
+    for r in range(rows):
+        shift = r % 2
+        cols = [0] + [shift + width * k for k in range(1, per_row)] + [per_row * width]
+        cols = sorted(set(cols))
+        regions += [([r, a], [1, b - a]) for a, b in itertools.pairwise(cols)]
+    boxes = [Box(tuple(o), tuple(sh)) for o, sh in regions]
+    assert geometry._is_exact_cover(Box.full((rows, per_row * width)), boxes) is True  # the linear path decides
+    md = parse_metadata(_one_tensor([rows, per_row * width], regions))
+    assert len(md.tensors["t"].regions) == len(regions)
+    # The same wall with one brick moved onto its neighbour: the overlap is found and named.
+    (o, sh) = regions[5]
+    regions[5] = ([o[0], o[1] + 1], sh)
+    with pytest.raises(MetadataError, match="overlaps|not stored"):
+        parse_metadata(_one_tensor([rows, per_row * width], regions))
+
+
+def test_version_1_documents_still_parse():
+    md = parse_metadata(_one_tensor([2], [([0], [2])], version=1))
+    assert md.version == 1 and md.save_id is None
+    with pytest.raises(MetadataError, match="save_id"):
+        parse_metadata(_one_tensor([2], [([0], [2])], version=1).replace('"version": 1', '"version": 2'))

@@ -79,8 +79,8 @@ def test_s3_damage_is_detected(s3):
     spec, client = s3
     full = np.arange(24, dtype=np.float32).reshape(8, 3)
     gs.save(shards(full, 2), "runs/b", kvstore=spec)
-    chunk = next(o["Key"] for o in client.list_objects_v2(Bucket="ckpt", Prefix="runs/b/arrays/")["Contents"]
-                 if not o["Key"].endswith("zarr.json"))
+    chunk = next(o["Key"] for o in client.list_objects_v2(Bucket="ckpt", Prefix="runs/b/saves/")["Contents"]
+                 if not o["Key"].endswith(("zarr.json", "trainer_state.json")))
     body = client.get_object(Bucket="ckpt", Key=chunk)["Body"].read()
     client.put_object(Bucket="ckpt", Key=chunk, Body=bytes([body[0] ^ 1]) + body[1:])
     with pytest.raises(gs.StorageError):

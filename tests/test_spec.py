@@ -28,10 +28,13 @@ def _schema(name):
         return json.load(f)
 
 
-def test_committed_example_checkpoint_loads_into_another_layout():
+@pytest.mark.parametrize("name", ["checkpoint", "checkpoint-v1"])
+def test_committed_example_checkpoint_loads_into_another_layout(name):
+    # checkpoint-v1 was written by format version 1 (spec section 2.3): still read.
     gen = _generator()
     expected = gen.global_arrays()
-    ckpt = os.path.join(EXAMPLES, "checkpoint")
+    ckpt = os.path.join(EXAMPLES, name)
+    assert gs.read_metadata(ckpt).version == (1 if name.endswith("v1") else 2)
     for key, value in expected.items():
         got = gs.read_array(ckpt, key)
         assert got.dtype == value.dtype and np.array_equal(got, value), key
@@ -47,11 +50,16 @@ def test_committed_example_checkpoint_loads_into_another_layout():
 
 
 def test_saving_the_example_again_writes_the_same_metadata(tmp_path):
+    # Byte for byte, but for the save id, which every save draws anew.
     gen = _generator()
     gs.save(gen.sharded_state(), tmp_path, trainer_state=gen.TRAINER_STATE)
-    for name in ("metadata.json", "trainer_state.json"):
-        with open(os.path.join(EXAMPLES, "checkpoint", name), "rb") as f:
-            assert (tmp_path / name).read_bytes() == f.read(), name
+    committed = gs.read_metadata(os.path.join(EXAMPLES, "checkpoint"))
+    new = gs.read_metadata(tmp_path)
+    assert new.save_id != committed.save_id
+    for name in ("metadata.json", f"saves/{new.save_id}/trainer_state.json"):
+        with open(os.path.join(EXAMPLES, "checkpoint", name.replace(new.save_id, committed.save_id)), "rb") as f:
+            assert (tmp_path / name).read_bytes().replace(new.save_id.encode(), committed.save_id.encode()) \
+                == f.read(), name
 
 
 def test_schemas_accept_the_examples():

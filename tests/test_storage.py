@@ -30,13 +30,23 @@ def target(shape=(8, 4), dtype=np.float32):
     return {"t": shard("w", np.full(shape, 5, dtype), (0,) * len(shape), shape)}
 
 
+def array(root, key="w", n=0):
+    """The directory of ``key``'s n-th stored region, as metadata.json names it."""
+    return root / gs.read_metadata(root).tensors[key].regions[n].path
+
+
+def trainer_state_file(root):
+    return root / gs.read_metadata(root).trainer_state.path
+
+
 def chunk_files(path):
-    return sorted(os.path.join(d, f) for d, _, fs in os.walk(path / "arrays") for f in fs if f != "zarr.json")
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(path / "saves") for f in fs
+                  if f not in ("zarr.json", "trainer_state.json"))
 
 
 def test_save_writes_zarr3_with_crc32c(tmp_path):
     small_checkpoint(tmp_path)
-    for d, _, files in os.walk(tmp_path / "arrays"):
+    for d, _, files in os.walk(tmp_path / "saves"):
         if "zarr.json" in files:
             meta = json.load(open(os.path.join(d, "zarr.json")))
             assert meta["zarr_format"] == 3
@@ -46,7 +56,7 @@ def test_save_writes_zarr3_with_crc32c(tmp_path):
 def test_large_regions_are_sharded_into_inner_chunks_and_read_partially(tmp_path):
     full = RNG.standard_normal((2048, 1024)).astype(np.float32)  # 8 MiB: above CHUNK_BYTES
     gs.save({"a": shard("big", full, (0, 0), full.shape)}, tmp_path)
-    zarr = json.load(open(tmp_path / "arrays" / "big" / "0" / "zarr.json"))
+    zarr = json.load(open(array(tmp_path, "big") / "zarr.json"))
     assert zarr["codecs"][0]["name"] == "sharding_indexed"
     assert zarr["codecs"][0]["configuration"]["chunk_shape"] == list(chunk_shape((2048, 1024), 4))
     stats = gs.IOStats()
@@ -88,7 +98,7 @@ def test_damaged_sharded_chunk_is_an_error(tmp_path):
 
 def test_missing_or_altered_zarr_json(tmp_path):
     small_checkpoint(tmp_path)
-    meta_file = tmp_path / "arrays" / "w" / "1" / "zarr.json"
+    meta_file = array(tmp_path, "w", 1) / "zarr.json"
     meta = json.load(open(meta_file))
     meta["data_type"] = "int32"
     json.dump(meta, open(meta_file, "w"))
@@ -101,7 +111,7 @@ def test_missing_or_altered_zarr_json(tmp_path):
 
 def test_missing_array_is_found_before_any_target_byte_is_written(tmp_path):
     small_checkpoint(tmp_path)
-    shutil.rmtree(tmp_path / "arrays" / "w" / "1")
+    shutil.rmtree(array(tmp_path, "w", 1))
     t = target()
     with pytest.raises(gs.StorageError):
         gs.load(t, tmp_path)
@@ -110,7 +120,7 @@ def test_missing_array_is_found_before_any_target_byte_is_written(tmp_path):
 
 def test_trainer_state_tampering(tmp_path):
     small_checkpoint(tmp_path, trainer_state={"step": 1})
-    p = tmp_path / "trainer_state.json"
+    p = trainer_state_file(tmp_path)
     p.write_text(p.read_text().replace("1", "2"))
     with pytest.raises(gs.MetadataError, match="SHA-256"):
         gs.load(target(), tmp_path)
@@ -133,9 +143,9 @@ def array_linked_outside(tmp_path):
     """A checkpoint whose first array directory is a symlink to another checkpoint's."""
     small_checkpoint(tmp_path / "ckpt")
     small_checkpoint(tmp_path / "elsewhere")
-    victim = tmp_path / "ckpt" / "arrays" / "w" / "0"
+    victim = array(tmp_path / "ckpt")
     shutil.rmtree(victim)
-    os.symlink(tmp_path / "elsewhere" / "arrays" / "w" / "0", victim)
+    os.symlink(array(tmp_path / "elsewhere"), victim)
     return tmp_path / "ckpt"
 
 
@@ -159,12 +169,14 @@ def test_existing_checkpoint_is_not_overwritten_by_accident(tmp_path):
     t = target()
     assert gs.load(t, tmp_path) == {"step": 1}
     assert np.array_equal(t["t"].data, full)
+    old = trainer_state_file(tmp_path)
     new = RNG.standard_normal((8, 4)).astype(np.float32)
     gs.save({"a": shard("w", new, (0, 0), (8, 4))}, tmp_path, overwrite=True)
     t = target()
-    assert gs.load(t, tmp_path) == {}  # the old trainer_state.json went with the old checkpoint
+    assert gs.load(t, tmp_path) == {}  # the old trainer state went with the old checkpoint
     assert np.array_equal(t["t"].data, new)
-    assert not (tmp_path / "trainer_state.json").exists()
+    assert not old.exists()
+    assert os.listdir(tmp_path / "saves") == [gs.read_metadata(tmp_path).save_id]
 
 
 def test_failed_save_leaves_no_checkpoint(tmp_path):
@@ -300,13 +312,14 @@ def test_a_rank_failing_mid_save_fails_every_rank_and_commits_nothing(tmp_path):
     full = RNG.standard_normal((8, 6)).astype(np.float32)
 
     class Saboteur(ThreadComm):
-        """Rank 1, once the old arrays are cleared, finds a file where its array directory must go."""
+        """Rank 1, once planning is done, finds a file where its array directory must go."""
 
         def all_gather(self, obj):
             out = super().all_gather(obj)
-            if self.gathers == 2:  # 1: planning, 2: clearing (every rank is past it), 3: writing
-                os.makedirs(tmp_path / "arrays", exist_ok=True)
-                (tmp_path / "arrays" / "only.on.rank1").write_text("in the way")
+            if self.gathers == 1:  # 1: planning (every rank is past it), 2: writing, 3: commit
+                arrays = tmp_path / "saves" / out[0]["value"]["save_id"] / "arrays"
+                os.makedirs(arrays, exist_ok=True)
+                (arrays / "only.on.rank1").write_text("in the way")
             return out
 
     def save(comm: ThreadComm):
@@ -321,6 +334,7 @@ def test_a_rank_failing_mid_save_fails_every_rank_and_commits_nothing(tmp_path):
     assert isinstance(results[1], gs.StorageError), results
     assert isinstance(results[0], gs.CommError) and "rank(s) [1]" in str(results[0])
     assert not (tmp_path / "metadata.json").exists()
+    assert os.listdir(tmp_path / "saves") == []  # the failed save removed what it wrote
     with pytest.raises(gs.CheckpointNotFoundError):
         gs.load(target(), tmp_path)
 

@@ -340,7 +340,7 @@ def _sabotage(path: str) -> None:
     original = storage.Location.write_arrays
 
     def write_arrays(self: Any, items: Any, stats: Any = None) -> None:
-        for p, _, _ in items[:1]:
+        for p, *_ in items[:1]:
             os.makedirs(os.path.join(path, os.path.dirname(p)), exist_ok=True)
             with open(os.path.join(path, p), "w") as f:
                 f.write("in the way")
