@@ -141,7 +141,8 @@ def _save(location: Location, comm: Comm, entries: list[tuple[str, ShardedTensor
         if comm.rank == 0:
             save_id = new_save_id()
             if trainer_state is not None:
-                coordinator.trainer_blob = dump_trainer_state(trainer_state, f"{save_dir(save_id)}/{TRAINER_STATE_FILE}")
+                ts_path = f"{save_dir(save_id)}/{TRAINER_STATE_FILE}"
+                coordinator.trainer_blob = dump_trainer_state(trainer_state, ts_path)
             held.enter_context(location.lock())
             coordinator.previous, coordinator.stamp = _what_is_there(location, overwrite)
             out["save_id"] = save_id
@@ -160,7 +161,8 @@ def _save(location: Location, comm: Comm, entries: list[tuple[str, ShardedTensor
         for w in plan.for_rank(comm.rank):
             tensor = entries[w.shard][1]
             local = tensor.regions[w.region].global_to_local(w.box)
-            items.append((w.path, tensor.dtype, local.view(tensor.data), array_attributes(w.key, w.box.offset, save_id)))
+            attributes = array_attributes(w.key, w.box.offset, save_id)
+            items.append((w.path, tensor.dtype, local.view(tensor.data), attributes))
         location.write_arrays(items, stats)
         if coordinator.trainer_blob is not None:
             data, ref = coordinator.trainer_blob

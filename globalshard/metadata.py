@@ -335,7 +335,7 @@ def parse_metadata(data: bytes | str, *, source: str = METADATA_FILE) -> Metadat
                 elif raw_path in all_paths:
                     p.bad("$.trainer_state.path", f"{raw_path!r} is also used by {all_paths[raw_path]}")
                 else:
-                    ts_path = raw_path
+                    ts_path = str(raw_path)
                     all_paths[ts_path] = "$.trainer_state"
             if not (isinstance(digest, str) and len(digest) == 64 and set(digest) <= _HEX):
                 p.bad("$.trainer_state.sha256", "must be 64 lowercase hex digits")

@@ -9,8 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from strategies import grid_boxes, shapes
 
-from globalshard import SUPPORTED_DTYPES, Box, MetadataError, StoredRegion, TensorMetadata
-from globalshard import geometry
+from globalshard import SUPPORTED_DTYPES, Box, MetadataError, StoredRegion, TensorMetadata, geometry
 from globalshard.dtypes import numpy_dtype
 from globalshard.metadata import (
     Metadata,

@@ -563,3 +563,40 @@ def crash_job(rank: int, *, path: str, timeout_s: float) -> str:
     layout, chunks = build({"tp": 2}, rank, "float32")
     gt.save_checkpoint(path, model=chunks[0], layout=layout, rules=RULES, comm=comm)
     return "saved"
+
+
+def submesh_save_job(rank: int, *, path: str, dump: str) -> None:
+    """World 3; a DTensor on a mesh of ranks 0 and 1 only, so rank 2 holds nothing of it."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = DeviceMesh("cpu", [0, 1])
+    full = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    model = nn.Module()
+    model.register_parameter("w", nn.Parameter(distribute_tensor(full, mesh, [Shard(0)])))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=False)
+    if mesh.get_coordinate() is not None:
+        model.w.grad = distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)])
+        opt.step()
+        full_after = _full(model.w)  # a collective over the mesh: both members call it
+        if rank == 0:
+            np.save(dump, full_after)
+    gt.save_checkpoint(path, model=model, layout=gt.ParallelLayout(), optimizer=opt)
+
+
+def failing_load_job(rank: int, *, path: str) -> dict[str, Any]:
+    """Rank 1's model has a tensor the checkpoint lacks: its load fails in
+    planning. Rank 0 must fail too, with its model and optimizer untouched."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, bias=rank == 1))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(-7.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    rules = gt.ShardingRules([(".*", gt.Replicated())])
+    try:
+        gt.load_checkpoint(path, model=model, layout=gt.ParallelLayout(), rules=rules, optimizer=opt)
+        outcome = "loaded"
+    except gs.GlobalShardError as e:
+        outcome = f"{type(e).__name__}: {e}"
+    return {"outcome": outcome, "untouched": all(bool((p == -7.0).all()) for p in model.parameters()),
+            "no_state": not opt.state, "lr": opt.param_groups[0]["lr"]}

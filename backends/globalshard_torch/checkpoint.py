@@ -21,6 +21,7 @@ group membership by key) and ``rng`` (every rank's RNG states).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -37,10 +38,10 @@ import globalshard as gs
 from globalshard.comm import Comm, SingleProcessComm, run_collectively
 from globalshard.errors import LayoutError, MetadataError, MismatchError, format_problems
 from globalshard_torch.comm import default_comm
-from globalshard_torch.model import Entry, model_entries
+from globalshard_torch.model import Entry, model_entries, outside_mesh
 from globalshard_torch.parallel import ParallelLayout
 from globalshard_torch.rules import ShardingRules
-from globalshard_torch.state import jsonable, rng_state, set_rng_state
+from globalshard_torch.state import from_jsonable, jsonable, rng_state, set_rng_state
 from globalshard_torch.tensors import HostStaging, numpy_view, torch_dtype
 
 __all__ = ["CheckpointManager", "LoadResult", "load_checkpoint", "save_checkpoint"]
@@ -76,6 +77,8 @@ def _optimizer_params(
                 out.append((g, p, masters[id(p)], True))
             elif id(p) in by_id:
                 out.append((g, p, by_id[id(p)], False))
+            elif outside_mesh(p):
+                continue  # this rank holds nothing of it, nor of its state
             else:
                 problems.append(f"group {g}: a parameter of shape {tuple(p.shape)} is not a tensor of the model "
                                 "(pass master_params for optimizer-owned copies)")
@@ -200,11 +203,17 @@ def load_checkpoint(
         checkpoint = gs.Checkpoint(path, kvstore=kvstore)  # parsed once, used for planning and loading
         opened.append(checkpoint)
         metadata, ts = checkpoint.metadata, checkpoint.trainer_state
+        if scheduler is not None and ts.get("lr_scheduler") is None:
+            raise MismatchError(f"{path}: the checkpoint holds no LR scheduler state (it was saved without "
+                                "scheduler=); pass scheduler=None to leave the scheduler as it is")
         entries = model_entries(model, layout, rules)
         for e in entries:
             targets[f"model/{e.name}"] = e.shard(e.key, numpy_view(staging.host(e.tensor, for_save=False)))
         if optimizer is None:
             return
+        if ts.get("optimizer") is None:
+            raise MismatchError(f"{path}: the checkpoint holds no optimizer state (it was saved without "
+                                "optimizer=); pass optimizer=None to load the model alone")
         items: dict[str, list[str]] = {}
         for k in metadata.tensors:
             if k.startswith(_OPT):
@@ -253,7 +262,7 @@ def load_checkpoint(
             for k, v in saved_group.items():
                 group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
     if scheduler is not None and trainer.get("lr_scheduler") is not None:
-        scheduler.load_state_dict(trainer["lr_scheduler"])
+        scheduler.load_state_dict(from_jsonable(trainer["lr_scheduler"]))
     restored = False
     rng = trainer.get("rng")
     # TODO(limitation): RNG states come back only on the layout that saved them;
@@ -294,10 +303,14 @@ class CheckpointManager:
     """``iter_0000100``-style checkpoints under one local root directory.
 
     ``latest`` (a small JSON file, replaced atomically after each commit)
-    points at the newest complete checkpoint; :meth:`latest` falls back to the
-    newest directory with a valid metadata.json when the pointer is missing,
-    stale or points at an incomplete save. ``keep_last`` prunes older
-    complete checkpoints after each save.
+    names the checkpoint saved last, whatever its step (a run that rewinds to
+    an earlier step resumes from there). :meth:`latest` trusts it when it
+    names a complete checkpoint and nothing was committed after it was
+    written; otherwise (a crash between a commit and the pointer, a missing
+    or stale pointer) it takes the most recently committed complete
+    checkpoint. ``keep_last`` keeps the checkpoint just saved and the
+    ``keep_last - 1`` complete ones with the highest steps among the others;
+    a save never deletes what it has just written.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None, comm: Comm | None = None):
@@ -318,30 +331,36 @@ class CheckpointManager:
 
     def save(self, step: int, **kwargs: Any) -> str:
         """:func:`save_checkpoint` into ``iter_<step>``, then move the pointer and prune."""
-        path = self.path(step)
         trainer_state = dict(kwargs.pop("trainer_state", None) or {})
         trainer_state.setdefault("step", step)
-        save_checkpoint(path, trainer_state=trainer_state, comm=self._comm, **kwargs)
+        return self.save_with(step, lambda path: save_checkpoint(path, trainer_state=trainer_state, comm=self._comm,
+                                                                 **kwargs))
+
+    def save_with(self, step: int, save: Any) -> str:
+        """Run ``save(path)`` (any function that saves a checkpoint there on
+        every rank, e.g. ``globalshard.save``), then move the pointer and prune.
+        Returns the checkpoint's path."""
+        if step < 0:
+            raise ValueError(f"step must be non-negative, got {step}")
+        path = self.path(step)
+        save(path)
         if self._rank() == 0:
             self._write_pointer(step)
-            self._prune()
+            self._prune(keep=path)
+            self._remove_leftovers()
         comm = self._comm if self._comm is not None else default_comm()
         if comm is not None:
             comm.barrier()
         return path
 
     def _write_pointer(self, step: int) -> None:
-        tmp = os.path.join(self.root, f".latest.tmp-{uuid.uuid4().hex}")
+        tmp = os.path.join(self.root, f"{_POINTER_TMP}{uuid.uuid4().hex}")
         with open(tmp, "w") as f:
             json.dump({"step": step, "path": os.path.basename(self.path(step))}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(self.root, "latest"))
-        fd = os.open(self.root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_dir(self.root)
 
     def complete(self) -> list[tuple[int, str]]:
         """(step, path) of every complete checkpoint, oldest first."""
@@ -353,19 +372,22 @@ class CheckpointManager:
         return sorted(out)
 
     def latest(self) -> tuple[int, str] | None:
-        """(step, path) of the newest complete checkpoint, or None."""
+        """(step, path) of the checkpoint saved last, or None."""
+        done = self.complete()
+        if not done:
+            return None
+        committed = {path: _commit_time(path) for _, path in done}
         try:
-            with open(os.path.join(self.root, "latest")) as f:
+            pointer_file = os.path.join(self.root, "latest")
+            with open(pointer_file) as f:
                 pointer = json.load(f)
             candidate = os.path.join(self.root, pointer["path"])
-            if _ITER.fullmatch(pointer["path"]) and _is_complete(candidate):
-                newer = [c for c in self.complete() if c[0] > int(pointer["step"])]
-                if not newer:
-                    return int(pointer["step"]), candidate
+            if _ITER.fullmatch(pointer["path"]) and candidate in committed \
+                    and max(committed.values()) <= os.stat(pointer_file).st_mtime_ns:
+                return int(pointer["step"]), candidate
         except (OSError, ValueError, KeyError, TypeError):
             pass
-        done = self.complete()
-        return done[-1] if done else None
+        return max(done, key=lambda sp: (committed[sp[1]], sp[0]))
 
     def load_latest(self, **kwargs: Any) -> LoadResult | None:
         """:func:`load_checkpoint` from :meth:`latest`; None when there is none."""
@@ -374,14 +396,39 @@ class CheckpointManager:
             return None
         return load_checkpoint(found[1], comm=self._comm, **kwargs)
 
-    def _prune(self) -> None:
+    def _prune(self, keep: str) -> None:
         if self.keep_last is None:
             return
-        done = self.complete()
-        for _, path in done[: max(0, len(done) - self.keep_last)]:
+        others = [path for _, path in sorted(self.complete(), reverse=True) if path != keep]
+        for path in others[self.keep_last - 1:]:
             # Un-publish before deleting: a crash mid-delete leaves no half checkpoint.
             os.unlink(os.path.join(path, "metadata.json"))
             shutil.rmtree(path, ignore_errors=True)
+
+    def _remove_leftovers(self) -> None:
+        # Pointer files of managers killed between writing and renaming them.
+        for name in os.listdir(self.root):
+            if name.startswith(_POINTER_TMP):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.root, name))
+
+
+_POINTER_TMP = ".latest.tmp-"
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _commit_time(path: str) -> int:
+    try:
+        return os.stat(os.path.join(path, "metadata.json")).st_mtime_ns
+    except OSError:
+        return 0
 
 
 def _is_complete(path: str) -> bool:

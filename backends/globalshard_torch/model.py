@@ -20,7 +20,7 @@ from globalshard.errors import LayoutError, format_problems
 from globalshard_torch.parallel import ParallelLayout
 from globalshard_torch.rules import Placement, ShardingRules
 
-__all__ = ["Entry", "model_entries"]
+__all__ = ["Entry", "model_entries", "outside_mesh"]
 
 
 @dataclass(frozen=True)
@@ -107,20 +107,28 @@ def model_entries(
     modules = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
     if len(modules) != layout.vpp_size:
         raise LayoutError(f"{len(modules)} model chunks given, the layout has vpp_size={layout.vpp_size}")
+    problems = _unsupported_state(modules)
     entries: list[Entry] = []
-    seen: dict[int, str] = {}
-    problems: list[str] = []
     for c, module in enumerate(modules):
         named: list[tuple[str, torch.Tensor]] = list(module.named_parameters(remove_duplicate=False))
         named += [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if _persistent(module, n)]
+        # The same tensor under several names (tied weights at PP=1) is stored
+        # once, under the name its rule calls canonical, whatever the order in
+        # which the modules were registered.
+        names: dict[int, list[str]] = {}
+        tensors: dict[int, torch.Tensor] = {}
         for name, tensor in named:
+            names.setdefault(id(tensor), []).append(name)
+            tensors[id(tensor)] = tensor
+        for tid, aliases in names.items():
+            tensor = tensors[tid]
+            name = _canonical_alias(aliases, layout, c, layer_pattern, rules) if len(aliases) > 1 else aliases[0]
             label = f"chunk{c}/{name}" if len(modules) > 1 else name
-            if id(tensor) in seen:  # the same tensor under two names (tied weights): stored once
-                continue
-            seen[id(tensor)] = label
             try:
                 gname = layout.global_name(name, c, layer_pattern)
                 if _is_dtensor(tensor):
+                    if outside_mesh(tensor):
+                        continue  # this rank is outside the DTensor's mesh: it holds nothing of it
                     local, placement, main, first = _dtensor_placement(tensor)
                     in_dp0 = layout.dp_rank == 0
                     entries.append(Entry(label, gname, local, placement, main and in_dp0, tensor, first and in_dp0))
@@ -136,6 +144,38 @@ def model_entries(
     if problems:
         raise LayoutError(format_problems("cannot place the model's tensors", problems))
     return entries
+
+
+def outside_mesh(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor on a mesh that does not include this rank."""
+    return _is_dtensor(tensor) and tensor.device_mesh.get_coordinate() is None  # type: ignore[attr-defined]
+
+
+def _canonical_alias(aliases: list[str], layout: ParallelLayout, chunk: int, layer_pattern: str,
+                     rules: ShardingRules | None) -> str:
+    if rules is None:
+        return aliases[0]
+    for name in aliases:
+        try:
+            if not rules.resolve(layout.global_name(name, chunk, layer_pattern))[2]:
+                return name
+        except LayoutError:
+            continue
+    return aliases[0]
+
+
+def _unsupported_state(modules: list[nn.Module]) -> list[str]:
+    """State the adapter cannot save yet, named, so that nothing is dropped silently."""
+    problems = []
+    for c, module in enumerate(modules):
+        for name, sub in module.named_modules():
+            # TODO(limitation): nn.Module.get_extra_state() (Transformer Engine's FP8
+            # scaling state) is not saved; a module that has it is refused.
+            if type(sub).get_extra_state is not nn.Module.get_extra_state:
+                where = f"chunk{c}/{name}" if len(modules) > 1 else (name or "the model")
+                problems.append(f"{where}: {type(sub).__name__} keeps extra state (get_extra_state), which "
+                                "globalshard_torch does not save yet; refusing rather than dropping it")
+    return problems
 
 
 def _persistent(module: nn.Module, name: str) -> bool:

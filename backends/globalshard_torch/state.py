@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import random
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -11,28 +12,51 @@ import torch
 
 from globalshard.errors import TrainerStateError
 
-__all__ = ["jsonable", "rng_state", "set_rng_state"]
+__all__ = ["from_jsonable", "jsonable", "rng_state", "set_rng_state"]
+
+# A dict whose keys are not all strings (MultiStepLR's milestones Counter):
+# {"$pairs": [[key, value], ...], "$type": "dict" | "Counter"}.
+_PAIRS, _TYPE = "$pairs", "$type"
 
 
 def jsonable(value: Any, where: str = "$") -> Any:
-    """``value`` with tuples as lists and 0-d tensors as numbers; anything JSON
-    cannot hold exactly is an error naming its path."""
+    """``value`` with tuples as lists, 0-d tensors as numbers, and dicts with
+    non-string keys (int, float, bool, None) as tagged lists of pairs, so that
+    :func:`from_jsonable` gives them back; anything else JSON cannot hold
+    exactly is an error naming its path. (Non-finite floats are the core's
+    to encode.)"""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (list, tuple)):
         return [jsonable(v, f"{where}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, dict):
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise TrainerStateError(f"{where}: key {k!r} is not a string")
-            out[k] = jsonable(v, f"{where}[{k!r}]")
-        return out
+        if set(value) == {_PAIRS, _TYPE}:
+            raise TrainerStateError(f"{where}: a dict with exactly the keys {_PAIRS!r} and {_TYPE!r} is reserved")
+        if not all(isinstance(k, str) for k in value):
+            bad = [k for k in value if not isinstance(k, (str, bool, int, float, type(None)))]
+            if bad:
+                raise TrainerStateError(f"{where}: key {bad[0]!r} is a {type(bad[0]).__name__}, which JSON "
+                                        "cannot hold")
+            kind = "Counter" if isinstance(value, Counter) else "dict"
+            return {_PAIRS: [[k, jsonable(v, f"{where}[{k!r}]")] for k, v in value.items()], _TYPE: kind}
+        return {k: jsonable(v, f"{where}[{k!r}]") for k, v in value.items()}
     if isinstance(value, torch.Tensor) and value.ndim == 0:
         return value.item()
     if isinstance(value, np.generic):
         return value.item()
     raise TrainerStateError(f"{where}: {type(value).__name__} cannot be stored in trainer_state.json")
+
+
+def from_jsonable(value: Any) -> Any:
+    """The inverse of :func:`jsonable` for what it tags (lists stay lists)."""
+    if isinstance(value, list):
+        return [from_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {_PAIRS, _TYPE}:
+            pairs = {k: from_jsonable(v) for k, v in value[_PAIRS]}
+            return Counter(pairs) if value[_TYPE] == "Counter" else pairs
+        return {k: from_jsonable(v) for k, v in value.items()}
+    return value
 
 
 def _b64(t: torch.Tensor) -> str:

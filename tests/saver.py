@@ -1,0 +1,154 @@
+"""Saves and loads run in other processes, for tests of what real processes do
+to one checkpoint: racing saves, kills at chosen points, loads during an
+overwrite. Every state a writer saves is stamped with the writer's ``tag``,
+so a loaded checkpoint shows whose data it holds, tensor by tensor.
+
+Run as a script, it saves one stamped state and, with ``--kill-at N``, kills
+itself with SIGKILL at its N-th filesystem operation (Python audit events:
+open, rename, remove, rmdir, mkdir, ...) or, with ``--kill-after S``, S
+seconds into the save. ``--count`` prints how many operations a whole save
+makes, so a caller can spread kill points over every phase of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+import globalshard as gs
+
+KEYS = 6
+ROWS, COLS = 64, 1024  # 256 KiB per key in float32: one chunk each
+BIG = (1536, 1024)  # 6 MiB: a sharded array of six 1 MiB inner chunks
+
+# The filesystem operations a kill point may land on (CPython audit events).
+_EVENTS = frozenset({"open", "os.rename", "os.replace", "os.remove", "os.unlink", "os.rmdir", "os.mkdir",
+                     "shutil.rmtree", "os.listdir", "os.scandir", "os.symlink", "os.truncate", "os.chmod"})
+
+
+def stamped_state(tag: int, *, tp: int = 2, rank: int | None = None) -> dict[str, gs.ShardedTensor]:
+    """Every key's global array is filled from ``tag``; ``tp`` ranks' shards
+    (all of them, or only ``rank``'s)."""
+    out = {}
+    for k in range(KEYS):
+        full = expected(tag, k)
+        n = ROWS // tp
+        for r in range(tp) if rank is None else [rank]:
+            out[f"k{k}.tp{r}"] = gs.ShardedTensor.from_offset(
+                f"layer{k}.w", full[r * n:(r + 1) * n].copy(), global_shape=full.shape, global_offset=(r * n, 0))
+    big = expected(tag, "big")
+    n = BIG[0] // tp
+    for r in range(tp) if rank is None else [rank]:
+        out[f"big.tp{r}"] = gs.ShardedTensor.from_offset(
+            "big", big[r * n:(r + 1) * n].copy(), global_shape=BIG, global_offset=(r * n, 0))
+    return out
+
+
+def expected(tag: int, k: int | str) -> np.ndarray:
+    if k == "big":
+        return np.random.default_rng(tag * 1000 + 999).standard_normal(BIG).astype(np.float32)
+    return (np.arange(ROWS * COLS, dtype=np.float32).reshape(ROWS, COLS) + 1e6 * tag + 1e4 * int(k))
+
+
+def whose(path: Any, **kw: Any) -> int:
+    """Load the checkpoint whole and return the one tag all of it carries.
+
+    Raises:
+        AssertionError: the checkpoint mixes writers (or holds wrong values).
+        GlobalShardError: it does not load.
+    """
+    targets = {f"k{k}": gs.ShardedTensor.from_offset(f"layer{k}.w", np.zeros((ROWS, COLS), np.float32),
+                                                     global_shape=(ROWS, COLS), global_offset=(0, 0))
+               for k in range(KEYS)}
+    targets["big"] = gs.ShardedTensor.from_offset("big", np.zeros(BIG, np.float32), global_shape=BIG,
+                                                  global_offset=(0, 0))
+    trainer = gs.load(targets, path, **kw)
+    tag = trainer["tag"]
+    for k in range(KEYS):
+        assert np.array_equal(targets[f"k{k}"].data, expected(tag, k)), f"layer{k}.w is not writer {tag}'s"
+    assert np.array_equal(targets["big"].data, expected(tag, "big")), f"big is not writer {tag}'s"
+    return int(tag)
+
+
+def save_stamped(path: Any, tag: int, *, overwrite: bool = False, **kw: Any) -> None:
+    gs.save(stamped_state(tag), path, trainer_state={"tag": tag}, overwrite=overwrite, **kw)
+
+
+def race(args: tuple[str, int, bool, float, Any]) -> str:
+    """One racer: wait until ``start`` (a time.time()), save, report the outcome."""
+    path, tag, overwrite, start, kvstore = args
+    time.sleep(max(0.0, start - time.time()))
+    try:
+        save_stamped(path, tag, overwrite=overwrite, kvstore=kvstore)
+        return "ok"
+    except gs.GlobalShardError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def _kill_at(n: int) -> None:
+    count = [0]
+
+    def hook(event: str, _args: Any) -> None:
+        if event in _EVENTS:
+            count[0] += 1
+            if count[0] == n:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    sys.addaudithook(hook)
+
+
+def _counter() -> list[int]:
+    count = [0]
+
+    def hook(event: str, _args: Any) -> None:
+        if event in _EVENTS:
+            count[0] += 1
+
+    sys.addaudithook(hook)
+    return count
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("path")
+    parser.add_argument("--tag", type=int, required=True)
+    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--kvstore", help="a kvstore spec as JSON")
+    parser.add_argument("--kill-at", type=int)
+    parser.add_argument("--kill-after", type=float)
+    parser.add_argument("--count", action="store_true")
+    parser.add_argument("--manager", action="store_true", help="save through globalshard_torch's manager")
+    args = parser.parse_args()
+    kvstore = json.loads(args.kvstore) if args.kvstore else None
+    state = stamped_state(args.tag)  # built before any kill point: the save is what is measured
+    count = _counter() if args.count else None
+    if args.kill_at:
+        _kill_at(args.kill_at)
+    if args.kill_after is not None:
+        threading.Timer(args.kill_after, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    if args.manager:
+        _manager_save(args.path, args.tag, state)
+    else:
+        gs.save(state, args.path, trainer_state={"tag": args.tag}, overwrite=args.overwrite, kvstore=kvstore)
+    if count is not None:
+        print(json.dumps({"events": count[0]}))
+    os._exit(0)  # a kill timer must not outlive the save
+
+
+def _manager_save(root: str, tag: int, state: dict[str, gs.ShardedTensor]) -> None:
+    from globalshard_torch.checkpoint import CheckpointManager
+
+    manager = CheckpointManager(root, keep_last=2)
+    manager.save_with(tag, lambda path: gs.save(state, path, trainer_state={"tag": tag}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Torch state that was dropped, refused or half-loaded without a word: each
+case here failed before its fix (issue: nothing lost, nothing silently wrong)."""
+
+import inspect
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch_harness import run
+
+import globalshard as gs
+import globalshard_torch as gt
+
+REPLICATED = gt.ShardingRules([(".*", gt.Replicated())])
+ONE = gt.ParallelLayout()
+
+
+def _ok(outcomes):
+    for r, o in enumerate(outcomes):
+        assert o["ok"], f"rank {r}: {o.get('type')}: {o.get('message')}\n{o.get('trace')}"
+    return [o["value"] for o in outcomes]
+
+
+class WithExtraState(nn.Module):
+    """Like a Transformer Engine layer: FP8 scaling state kept outside parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.amax = [1.0, 2.0]
+
+    def get_extra_state(self):
+        return {"amax": self.amax}
+
+    def set_extra_state(self, state):
+        self.amax = state["amax"]
+
+
+def test_extra_state_is_refused_by_name_not_dropped(tmp_path):
+    model = nn.Sequential(nn.Linear(2, 2), WithExtraState())
+    with pytest.raises(gs.LayoutError, match=r"1: WithExtraState keeps extra state"):
+        gt.save_checkpoint(tmp_path / "c", model=model, layout=ONE, rules=REPLICATED)
+    assert not (tmp_path / "c" / "metadata.json").exists()
+
+
+def test_loading_optimizer_or_scheduler_state_that_was_never_saved_is_an_error(tmp_path):
+    model = nn.Linear(3, 3)
+    gt.save_checkpoint(tmp_path / "c", model=model, layout=ONE, rules=REPLICATED)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.25)
+    with pytest.raises(gs.MismatchError, match="no optimizer state"):
+        gt.load_checkpoint(tmp_path / "c", model=model, layout=ONE, rules=REPLICATED, optimizer=opt)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 3)
+    with pytest.raises(gs.MismatchError, match="no LR scheduler state"):
+        gt.load_checkpoint(tmp_path / "c", model=model, layout=ONE, rules=REPLICATED, scheduler=sched)
+    gt.load_checkpoint(tmp_path / "c", model=model, layout=ONE, rules=REPLICATED)  # the model alone loads
+
+
+class OutputFirst(nn.Module):
+    """Registers the output layer before the embedding it is tied to."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm_head = nn.Linear(3, 5, bias=False)
+        self.embedding = nn.Embedding(5, 3)
+        self.lm_head.weight = self.embedding.weight
+
+
+TIED = gt.ShardingRules([(r"embedding\.weight", gt.Replicated()), (r"lm_head\.weight", gt.Tied("embedding.weight"))])
+
+
+@pytest.mark.parametrize("cls", [OutputFirst])
+def test_tied_weights_do_not_depend_on_declaration_order(tmp_path, cls):
+    model = cls()
+    with torch.no_grad():
+        model.embedding.weight.copy_(torch.arange(15.0).reshape(5, 3))
+    gt.save_checkpoint(tmp_path / "c", model=model, layout=ONE, rules=TIED)
+    assert list(gs.read_metadata(tmp_path / "c").tensors) == ["embedding.weight"]
+    target = cls()
+    gt.load_checkpoint(tmp_path / "c", model=target, layout=ONE, rules=TIED)
+    assert torch.equal(target.lm_head.weight, model.embedding.weight)
+
+
+def _schedulers(opt):
+    S = torch.optim.lr_scheduler
+    return {
+        "ReduceLROnPlateau": S.ReduceLROnPlateau(opt, patience=1),
+        "StepLR": S.StepLR(opt, 2),
+        "MultiStepLR": S.MultiStepLR(opt, [1, 3]),
+        "ExponentialLR": S.ExponentialLR(opt, 0.9),
+        "CosineAnnealingLR": S.CosineAnnealingLR(opt, 10),
+        "CosineAnnealingWarmRestarts": S.CosineAnnealingWarmRestarts(opt, 3),
+        "OneCycleLR": S.OneCycleLR(opt, max_lr=1.0, total_steps=20),
+        "CyclicLR": S.CyclicLR(opt, 0.01, 0.1, step_size_up=3),
+        "LinearLR": S.LinearLR(opt, total_iters=4),
+        "ConstantLR": S.ConstantLR(opt, total_iters=4),
+        "PolynomialLR": S.PolynomialLR(opt, total_iters=4),
+    }
+
+
+@pytest.mark.parametrize("name", list(_schedulers(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1))))
+def test_every_standard_scheduler_round_trips_exactly(tmp_path, name):
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = _schedulers(opt)[name]
+    for step in range(3):
+        opt.step()
+        if name == "ReduceLROnPlateau":
+            sched.step(float(step))  # no improvement: best stays, bad epochs count
+        else:
+            sched.step()
+    saved = sched.state_dict()
+    gt.save_checkpoint(tmp_path / "c", model=model, layout=ONE, rules=REPLICATED, optimizer=opt, scheduler=sched)
+    opt2 = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched2 = _schedulers(opt2)[name]
+    gt.load_checkpoint(tmp_path / "c", model=model, layout=ONE, rules=REPLICATED, optimizer=opt2, scheduler=sched2)
+    restored = sched2.state_dict()
+    for key, value in saved.items():
+        if callable(value) or inspect.isfunction(value):
+            continue
+        got = restored[key]
+        if isinstance(value, float) and value != value:
+            assert got != got, key
+        else:
+            assert got == value, (key, got, value)
+    if name == "ReduceLROnPlateau":
+        assert saved["mode_worse"] == float("inf")  # the value that JSON cannot hold
+
+
+def test_submesh_dtensor_ranks_outside_the_mesh_contribute_nothing(tmp_path):
+    ckpt, dump = str(tmp_path / "ckpt"), str(tmp_path / "w.npy")
+    _ok(run(3, "submesh_save_job", str(tmp_path / "s"), path=ckpt, dump=dump))
+    got = gs.read_array(ckpt, "w")
+    assert np.array_equal(got, np.load(dump))
+    assert gs.read_array(ckpt, "optimizer.exp_avg.w").shape == (4, 3)
+
+
+def test_a_load_failing_on_one_rank_changes_nothing_on_any_rank(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, bias=False))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    gt.save_checkpoint(tmp_path / "c", model=model, layout=ONE, rules=REPLICATED, optimizer=opt)
+    results = _ok(run(2, "failing_load_job", str(tmp_path / "l"), path=str(tmp_path / "c")))
+    assert results[1]["outcome"].startswith("MissingKeyError"), results[1]
+    assert results[0]["outcome"].startswith("CommError"), results[0]
+    for r in results:
+        assert r["untouched"] and r["no_state"] and r["lr"] == 0.5, r
