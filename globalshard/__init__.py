@@ -7,6 +7,7 @@ layout, reading only the bytes each needs. numpy and TensorStore only: no
 torch, no jax (those adapters live in ``backends/``).
 """
 
+from globalshard import storage
 from globalshard.api import Checkpoint, load, read_array, read_metadata, read_trainer_state, save
 from globalshard.comm import Comm, SingleProcessComm
 from globalshard.dtypes import SUPPORTED_DTYPES, is_exact_cast
@@ -15,6 +16,7 @@ from globalshard.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CommError,
+    ConcurrentSaveError,
     GlobalShardError,
     LayoutError,
     MetadataError,
@@ -41,6 +43,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "Comm",
     "CommError",
+    "ConcurrentSaveError",
     "GlobalShardError",
     "IOStats",
     "LayoutError",

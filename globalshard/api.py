@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -351,23 +351,31 @@ def _open_for(location: Location, metadata: Metadata, infos: list[ShardInfo], na
               allow_lossy_cast: bool) -> OpenedPlan:
     """Plan a load and open and check every array it reads: no data read."""
     plan = LoadPlanner().plan(metadata, infos, allow_lossy_cast=allow_lossy_cast, names=names)
-    return location.open_plan(plan, _expected_attributes(metadata, plan))
+    with _saying_if_replaced(location, metadata):
+        return location.open_plan(plan, _expected_attributes(metadata, plan))
 
 
-def _read(location: Location, metadata: Metadata, opened: OpenedPlan, datas: list[np.ndarray],
-          stats: IOStats | None) -> None:
+@contextlib.contextmanager
+def _saying_if_replaced(location: Location, metadata: Metadata) -> Iterator[None]:
+    """A replaced checkpoint's arrays are deleted after the new commit: when
+    reading them fails for that reason, say so."""
     try:
-        location.read_opened(opened, datas, stats)
+        yield
     except StorageError as e:
-        # A replaced checkpoint's arrays are deleted after the new commit: say so.
         try:
             now = _read_metadata(location)
         except GlobalShardError:
             raise e from None
         if now.save_id != metadata.save_id:
-            raise StorageError(f"the checkpoint at {location} was replaced by another save while it was being "
-                               f"read (save {metadata.save_id} -> {now.save_id}); load again\n{e}") from None
+            raise StorageError(f"the checkpoint at {location} was replaced by another save after it was opened "
+                               f"(save {metadata.save_id} -> {now.save_id}); open it again\n{e}") from None
         raise
+
+
+def _read(location: Location, metadata: Metadata, opened: OpenedPlan, datas: list[np.ndarray],
+          stats: IOStats | None) -> None:
+    with _saying_if_replaced(location, metadata):
+        location.read_opened(opened, datas, stats)
 
 
 class Checkpoint:

@@ -126,7 +126,11 @@ def main() -> None:
     parser.add_argument("--kill-after", type=float)
     parser.add_argument("--count", action="store_true")
     parser.add_argument("--manager", action="store_true", help="save through globalshard_torch's manager")
+    parser.add_argument("--ignore-sigxfsz", action="store_true",
+                        help="under a file-size limit, fail writes with EFBIG instead of dying")
     args = parser.parse_args()
+    if args.ignore_sigxfsz:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     kvstore = json.loads(args.kvstore) if args.kvstore else None
     state = stamped_state(args.tag)  # built before any kill point: the save is what is measured
     count = _counter() if args.count else None

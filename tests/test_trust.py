@@ -1,0 +1,400 @@
+"""Nothing lost, nothing silently wrong: each test here names a defect found
+by trying to break the library (spec/FORMAT.md sections 2-5), and failed
+before its fix."""
+
+import json
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import unicodedata
+
+import numpy as np
+import pytest
+import saver
+from hypothesis import given
+from hypothesis import strategies as st
+from threadcomm import ThreadComm, run_ranks
+
+import globalshard as gs
+from globalshard import ShardedTensor
+from globalshard.metadata import MAX_FILE_BYTES
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def shard(key, data, offset, gshape, **kw):
+    return ShardedTensor.from_offset(key, data, global_shape=gshape, global_offset=offset, **kw)
+
+
+def whole(key, shape, dtype=np.float32):
+    return {key: shard(key, np.zeros(shape, dtype), (0,) * len(shape), shape)}
+
+
+def saved_dirs(root):
+    return sorted(os.listdir(root / "saves"))
+
+
+# ----------------------------------------------------------------------- replacing a checkpoint
+
+
+@pytest.fixture(scope="module")
+def pool():
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(2) as p:
+        p.map(time.sleep, [0, 0])  # both workers up and importing before the first race
+        yield p
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_racing_saves_end_with_one_whole_winner(tmp_path, pool, overwrite):
+    trials = int(os.environ.get("GLOBALSHARD_RACE_TRIALS", "6"))
+    for trial in range(trials):
+        path = str(tmp_path / f"t{trial}")
+        if overwrite:
+            saver.save_stamped(path, 9)
+        start = time.time() + 0.3
+        a, b = 2 * trial + 1, 2 * trial + 2
+        outcomes = dict(zip((a, b), pool.map(saver.race, [(path, a, overwrite, start, None),
+                                                         (path, b, overwrite, start + 0.002 * trial, None)])))
+        winners = [t for t, o in outcomes.items() if o == "ok"]
+        losers = [o for o in outcomes.values() if o != "ok"]
+        assert winners, outcomes
+        allowed = ("ConcurrentSaveError",) if overwrite else ("ConcurrentSaveError", "CheckpointExistsError")
+        assert all(o.startswith(allowed) for o in losers), outcomes
+        if not overwrite:
+            assert len(winners) == 1, outcomes  # the second may never replace the first without overwrite
+        final = saver.whose(path)  # asserts every tensor is that one writer's
+        assert final in winners, (final, outcomes)
+        assert saved_dirs(tmp_path / f"t{trial}") == [gs.read_metadata(path).save_id]  # nothing of the loser
+
+
+def test_a_kvstore_commit_that_lost_the_race_is_refused_and_cleans_up():
+    # The conditional write itself, deterministically: someone commits between
+    # this save's start and its commit.
+    root = "memory://race-cas/"
+    saver.save_stamped(root, 1)
+    location = gs.storage.Location(root)
+    data, stamp = location.read_stamped("metadata.json")
+    saver.save_stamped(root, 2, overwrite=True)
+    with pytest.raises(gs.ConcurrentSaveError, match="another save committed"):
+        location.commit("metadata.json", data, stamp)
+    assert saver.whose(root) == 2
+
+
+def test_loads_during_an_overwrite_see_one_checkpoint_whole_or_fail_clearly(tmp_path):
+    path = str(tmp_path / "c")
+    saver.save_stamped(path, 1)
+    script = ("import sys; sys.path.insert(0, %r)\nimport saver\n"
+              "for tag in range(2, 8):\n    saver.save_stamped(%r, tag, overwrite=True)\n") % (HERE, path)
+    writer = subprocess.Popen([sys.executable, "-c", script])
+    seen, failed = set(), 0
+    try:
+        deadline = time.monotonic() + 120
+        while writer.poll() is None and time.monotonic() < deadline:
+            try:
+                seen.add(saver.whose(path))  # asserts the checkpoint is one writer's, whole
+            except gs.GlobalShardError as e:
+                assert "replaced by another save" in str(e) or "no metadata.json" not in str(e), e
+                failed += 1
+    finally:
+        writer.wait(timeout=120)
+    assert writer.returncode == 0
+    assert seen and seen <= set(range(1, 8)), seen
+    assert saver.whose(path) == 7
+
+
+def test_a_handle_opened_before_an_overwrite_never_reads_the_new_arrays(tmp_path):
+    saver.save_stamped(tmp_path, 1)
+    old = gs.Checkpoint(tmp_path)
+    saver.save_stamped(tmp_path, 2, overwrite=True)
+    with pytest.raises(gs.StorageError, match="replaced by another save"):
+        old.load(whole("layer0.w", (saver.ROWS, saver.COLS)))
+    assert old.trainer_state == {"tag": 1}
+
+
+def test_a_failed_overwrite_keeps_the_previous_checkpoint(tmp_path):
+    saver.save_stamped(tmp_path, 1)
+    bad = saver.stamped_state(2)
+    bad["k0.tp1"] = shard("layer0.w", np.zeros((3, 3), np.float32), (0, 0), (saver.ROWS, saver.COLS))
+    with pytest.raises(gs.LayoutError):
+        gs.save(bad, tmp_path, overwrite=True)
+
+    class FailingWrites(ThreadComm):
+        def all_gather(self, obj):
+            if self.gathers == 1 and self.rank == 1:  # rank 1's writes fail after planning
+                raise OSError("disk on fire")
+            return super().all_gather(obj)
+
+    def save(comm):
+        comm.__class__ = FailingWrites
+        gs.save(saver.stamped_state(3, rank=comm.rank), tmp_path, trainer_state={"tag": 3}, comm=comm,
+                overwrite=True)
+
+    results = run_ranks(2, save)
+    assert all(isinstance(r, BaseException) for r in results), results
+    assert saver.whose(tmp_path) == 1
+    assert saved_dirs(tmp_path) == [gs.read_metadata(tmp_path).save_id]
+
+
+# ----------------------------------------------------------------------- what a save may delete
+
+
+def test_a_save_never_deletes_files_it_did_not_write(tmp_path):
+    (tmp_path / "arrays").mkdir()
+    (tmp_path / "arrays" / "notes.txt").write_text("mine")
+    (tmp_path / "train.log").write_text("also mine")
+    with pytest.raises(gs.CheckpointExistsError, match="not empty and holds no checkpoint.*'arrays'"):
+        saver.save_stamped(tmp_path, 1)
+    saver.save_stamped(tmp_path, 1, overwrite=True)
+    saver.save_stamped(tmp_path, 2, overwrite=True)
+    assert (tmp_path / "arrays" / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "train.log").read_text() == "also mine"
+    assert saver.whose(tmp_path) == 2
+
+
+def test_a_save_never_deletes_keys_it_did_not_write_on_a_kvstore():
+    root = "memory://foreign-keys/"
+    location = gs.storage.Location(root)
+    location.write_file("arrays/theirs", b"x")
+    with pytest.raises(gs.CheckpointExistsError, match="not empty"):
+        saver.save_stamped(root, 1)
+    saver.save_stamped(root, 1, overwrite=True)
+    saver.save_stamped(root, 2, overwrite=True)
+    assert location.read_file("arrays/theirs") == b"x"
+
+
+def test_a_metadata_json_that_is_not_ours_is_never_replaced(tmp_path):
+    (tmp_path / "metadata.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(gs.CheckpointExistsError, match="not a valid globalshard checkpoint"):
+        saver.save_stamped(tmp_path, 1, overwrite=True)
+    assert (tmp_path / "metadata.json").read_text() == '{"model_type": "llama"}'
+
+
+def test_an_empty_path_is_not_the_current_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for call in (lambda: saver.save_stamped("", 1), lambda: gs.read_metadata(""), lambda: gs.load({}, "")):
+        with pytest.raises(gs.StorageError, match="empty"):
+            call()
+    assert os.listdir(tmp_path) == []
+
+
+def test_leftovers_of_killed_saves_are_swept_by_the_next_save(tmp_path):
+    saver.save_stamped(tmp_path, 1)
+    dead = "0" * 12 + "a" * 20
+    os.makedirs(tmp_path / "saves" / dead / "arrays" / "x")
+    (tmp_path / ".metadata.json.tmp-0123").write_text("half")
+    (tmp_path / "saves" / "not-a-save-id").mkdir()  # not of this format's naming: left alone
+    saver.save_stamped(tmp_path, 2, overwrite=True)
+    assert saved_dirs(tmp_path) == sorted([gs.read_metadata(tmp_path).save_id, "not-a-save-id"])
+    assert not (tmp_path / ".metadata.json.tmp-0123").exists()
+
+
+def test_a_second_local_save_while_one_holds_the_lock_fails_at_once(tmp_path):
+    location = gs.storage.Location(tmp_path)
+    with location.lock():
+        with pytest.raises(gs.ConcurrentSaveError, match="another save .* is running"):
+            saver.save_stamped(tmp_path, 1)
+    saver.save_stamped(tmp_path, 1)  # released
+
+
+# ----------------------------------------------------------------------- what a reader accepts
+
+
+def _strip_crc32c(array_dir):
+    meta = json.loads((array_dir / "zarr.json").read_text())
+    assert [c["name"] for c in meta["codecs"]] == ["bytes", "crc32c"]
+    meta["codecs"] = meta["codecs"][:1]
+    (array_dir / "zarr.json").write_text(json.dumps(meta))
+    for d, _, files in os.walk(array_dir / "c"):
+        for f in files:
+            p = os.path.join(d, f)
+            data = open(p, "rb").read()
+            open(p, "wb").write(data[:-4])  # the chunk as it would be stored with no checksum
+
+
+def test_arrays_without_crc32c_are_refused_by_every_reader(tmp_path):
+    saver.save_stamped(tmp_path, 1)
+    region = gs.read_metadata(tmp_path).tensors["layer0.w"].regions[0]
+    _strip_crc32c(tmp_path / region.path)
+    with pytest.raises(gs.StorageError, match="no crc32c"):
+        saver.whose(tmp_path)
+    with pytest.raises(gs.StorageError, match="no crc32c"):
+        gs.read_array(tmp_path, "layer0.w")
+    problems, _ = gs.Checkpoint(tmp_path).verify()
+    assert len(problems) == 1 and "no crc32c" in problems[0] and region.path in problems[0]
+    out = subprocess.run([sys.executable, "-m", "globalshard.cli", "verify", str(tmp_path)], capture_output=True,
+                         text=True)
+    assert out.returncode == 1 and "no crc32c" in out.stderr and "checksummed" not in out.stdout
+
+
+def test_a_consistently_edited_metadata_json_cannot_swap_arrays(tmp_path):
+    saver.save_stamped(tmp_path, 1)
+    doc = json.loads((tmp_path / "metadata.json").read_text())
+    a, b = doc["tensors"]["layer0.w"]["regions"], doc["tensors"]["layer1.w"]["regions"]
+    a[0]["path"], b[0]["path"] = b[0]["path"], a[0]["path"]
+    (tmp_path / "metadata.json").write_text(json.dumps(doc))
+    with pytest.raises(gs.StorageError, match="says it holds .*layer1.w.* expects .*layer0.w"):
+        saver.whose(tmp_path)
+    # Two regions of one key swapped (offsets exchanged).
+    saver.save_stamped(tmp_path / "b", 1)
+    doc = json.loads((tmp_path / "b" / "metadata.json").read_text())
+    r = doc["tensors"]["layer0.w"]["regions"]
+    r[0]["path"], r[1]["path"] = r[1]["path"], r[0]["path"]
+    (tmp_path / "b" / "metadata.json").write_text(json.dumps(doc))
+    with pytest.raises(gs.StorageError, match="offset"):
+        gs.read_array(tmp_path / "b", "layer0.w")
+
+
+def test_bytes_read_counts_each_stored_chunk_once(tmp_path):
+    full = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)  # 16 KiB: one chunk
+    gs.save({"w": shard("w", full, (0, 0), full.shape)}, tmp_path)
+    quarters = {f"q{i}": shard("w", np.zeros((16, 64), np.float32), (16 * i, 0), full.shape) for i in range(4)}
+    stats = gs.IOStats()
+    gs.load(quarters, tmp_path, stats=stats)
+    assert stats.bytes_needed == full.nbytes
+    assert stats.bytes_read == full.nbytes  # the chunk is read once, not four times
+
+
+def test_a_huge_declared_region_allocates_nothing_before_its_array_is_checked(tmp_path):
+    n = 1 << 40
+    doc = {"format": "globalshard", "version": 2, "save_id": "1" * 32, "trainer_state": None,
+           "tensors": {"huge": {"dtype": "uint8", "global_shape": [n], "regions": [
+               {"offset": [0], "shape": [n], "path": "saves/x/huge", "nbytes": n}]}}}
+    (tmp_path / "metadata.json").write_text(json.dumps(doc))
+    with pytest.raises(gs.StorageError, match="saves/x/huge"):
+        gs.read_array(tmp_path, "huge")
+    problems, nbytes = gs.Checkpoint(tmp_path).verify()
+    assert nbytes == 0 and len(problems) == 1 and "saves/x/huge" in problems[0]
+
+
+def _with_timeout(fn, seconds=20):
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), "the reader hung"
+    return box
+
+
+def test_small_files_are_read_only_when_regular_inside_the_root_and_bounded(tmp_path):
+    saver.save_stamped(tmp_path / "c", 1)
+    ckpt = tmp_path / "c"
+    md = ckpt / "metadata.json"
+    (tmp_path / "copy.json").write_bytes(md.read_bytes())
+    md.unlink()
+    md.symlink_to(tmp_path / "copy.json")  # a symlink to a copy outside the root
+    assert "leads outside" in str(_with_timeout(lambda: gs.read_metadata(ckpt))["error"])
+    md.unlink()
+    md.symlink_to("/dev/zero")
+    assert "leads outside" in str(_with_timeout(lambda: gs.read_metadata(ckpt))["error"])
+    md.unlink()
+    os.mkfifo(md)  # a FIFO would block an open() forever
+    error = _with_timeout(lambda: gs.read_metadata(ckpt))["error"]
+    assert isinstance(error, gs.StorageError) and "not a regular file" in str(error)
+    md.unlink()
+    with open(md, "wb") as f:
+        f.truncate(MAX_FILE_BYTES + 1)  # sparse: costs no disk
+    error = _with_timeout(lambda: gs.read_metadata(ckpt))["error"]
+    assert isinstance(error, gs.StorageError) and "more than" in str(error)
+    md.write_bytes((tmp_path / "copy.json").read_bytes())
+    assert saver.whose(ckpt) == 1
+    # The trainer state, and a FIFO among the arrays.
+    ts_file = ckpt / gs.read_metadata(ckpt).trainer_state.path
+    ts_file.unlink()
+    os.mkfifo(ts_file)
+    assert "not a regular file" in str(_with_timeout(lambda: gs.read_trainer_state(ckpt))["error"])
+    saver.save_stamped(tmp_path / "d", 1)
+    chunk = tmp_path / "d" / gs.read_metadata(tmp_path / "d").tensors["layer0.w"].regions[0].path / "c" / "0" / "0"
+    chunk.unlink()
+    os.mkfifo(chunk)
+    error = _with_timeout(lambda: saver.whose(tmp_path / "d"))["error"]
+    assert isinstance(error, gs.MetadataError) and "not a regular file" in str(error)
+
+
+def test_a_file_spec_with_options_still_gets_the_filesystem_checks(tmp_path):
+    saver.save_stamped(tmp_path / "c", 1)
+    saver.save_stamped(tmp_path / "elsewhere", 1)
+    md = gs.read_metadata(tmp_path / "c")
+    victim = tmp_path / "c" / md.tensors["layer0.w"].regions[0].path
+    shutil.rmtree(victim)
+    other = gs.read_metadata(tmp_path / "elsewhere").tensors["layer0.w"].regions[0].path
+    os.symlink(tmp_path / "elsewhere" / other, victim)
+    spec = {"driver": "file", "path": str(tmp_path / "c"), "file_io_sync": False}
+    with pytest.raises(gs.MetadataError, match="outside the checkpoint"):
+        saver.whose(spec)
+
+
+# ----------------------------------------------------------------------- keys and paths
+
+_TRICKY = st.sampled_from(["a/b", "../../etc/passwd", "/abs", "x\x00y", "k" * 300, "W", "w", ".", "..",
+                           "caf\u00e9", "cafe\u0301", "%2F", "a%2Fb", "CON", " ", "\u212b", "\u00c5"])
+
+
+@given(st.lists(_TRICKY | st.text(min_size=1, max_size=40), min_size=1, max_size=8, unique=True))
+def test_keys_never_share_storage_nor_leave_the_root(keys):
+    import tempfile
+
+    keys = [k for k in keys if k.encode("utf-8", "surrogatepass") == k.encode("utf-8", "replace")]
+    if not keys:
+        return
+    with tempfile.TemporaryDirectory() as outer:
+        root = os.path.join(outer, "ckpt")
+        state = {f"n{i}": shard(k, np.full(3, i, np.int32), (0,), (3,)) for i, k in enumerate(keys)}
+        gs.save(state, root)
+        for dirpath, dirnames, filenames in os.walk(outer):
+            for name in dirnames + filenames:
+                assert os.path.realpath(os.path.join(dirpath, name)).startswith(root), (keys, dirpath, name)
+        dirs = [r.path for t in gs.read_metadata(root).tensors.values() for r in t.regions]
+        folded = {unicodedata.normalize("NFC", d).casefold() for d in dirs}
+        assert len(folded) == len(dirs)  # distinct even on case-insensitive, normalising filesystems
+        for i, k in enumerate(keys):
+            assert (gs.read_array(root, k) == i).all(), k
+
+
+# ----------------------------------------------------------------------- storage faults
+
+
+def _saver(*args, preexec=None):
+    return subprocess.run([sys.executable, os.path.join(HERE, "saver.py"), *args], capture_output=True, text=True,
+                          preexec_fn=preexec, timeout=300)
+
+
+def test_a_full_disk_mid_save_keeps_the_previous_checkpoint(tmp_path):
+    import resource
+
+    saver.save_stamped(tmp_path, 1)
+
+    def small_disk():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # no file above 1 MiB: "disk full"
+
+    out = _saver(str(tmp_path), "--tag", "2", "--overwrite", "--ignore-sigxfsz", preexec=small_disk)
+    assert out.returncode != 0 and "StorageError" in out.stderr and "File too large" in out.stderr, out.stderr
+    assert saver.whose(tmp_path) == 1
+    assert saved_dirs(tmp_path) == [gs.read_metadata(tmp_path).save_id]  # the failed save cleaned up
+    saver.save_stamped(tmp_path, 3, overwrite=True)
+    assert saver.whose(tmp_path) == 3
+
+
+def test_a_read_only_directory_is_a_clear_error_and_changes_nothing(tmp_path):
+    # chattr +i holds even for root (these machines run as root, where chmod does not).
+    saver.save_stamped(tmp_path / "c", 1)
+    if subprocess.run(["chattr", "+i", str(tmp_path / "c")], capture_output=True).returncode != 0:
+        pytest.skip("this filesystem cannot make a directory immutable")
+    try:
+        with pytest.raises(gs.StorageError, match="metadata.json.*Operation not permitted"):
+            saver.save_stamped(tmp_path / "c", 2, overwrite=True)  # arrays written, the commit refused
+    finally:
+        subprocess.run(["chattr", "-i", str(tmp_path / "c")], check=True)
+    assert saver.whose(tmp_path / "c") == 1
+    assert saved_dirs(tmp_path / "c") == [gs.read_metadata(tmp_path / "c").save_id]
