@@ -7,7 +7,6 @@ layout, reading only the bytes each needs. numpy and TensorStore only: no
 torch, no jax (those adapters live in ``backends/``).
 """
 
-from globalshard import storage
 from globalshard.api import Checkpoint, load, read_array, read_metadata, read_trainer_state, save
 from globalshard.comm import Comm, SingleProcessComm
 from globalshard.dtypes import SUPPORTED_DTYPES, is_exact_cast

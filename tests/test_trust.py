@@ -22,6 +22,7 @@ from threadcomm import ThreadComm, run_ranks
 import globalshard as gs
 from globalshard import ShardedTensor
 from globalshard.metadata import MAX_FILE_BYTES
+from globalshard.storage import Location
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -77,7 +78,7 @@ def test_a_kvstore_commit_that_lost_the_race_is_refused_and_cleans_up():
     # this save's start and its commit.
     root = "memory://race-cas/"
     saver.save_stamped(root, 1)
-    location = gs.storage.Location(root)
+    location = Location(root)
     data, stamp = location.read_stamped("metadata.json")
     saver.save_stamped(root, 2, overwrite=True)
     with pytest.raises(gs.ConcurrentSaveError, match="another save committed"):
@@ -88,8 +89,8 @@ def test_a_kvstore_commit_that_lost_the_race_is_refused_and_cleans_up():
 def test_loads_during_an_overwrite_see_one_checkpoint_whole_or_fail_clearly(tmp_path):
     path = str(tmp_path / "c")
     saver.save_stamped(path, 1)
-    script = ("import sys; sys.path.insert(0, %r)\nimport saver\n"
-              "for tag in range(2, 8):\n    saver.save_stamped(%r, tag, overwrite=True)\n") % (HERE, path)
+    script = (f"import sys; sys.path.insert(0, {HERE!r})\nimport saver\n"
+              f"for tag in range(2, 8):\n    saver.save_stamped({path!r}, tag, overwrite=True)\n")
     writer = subprocess.Popen([sys.executable, "-c", script])
     seen, failed = set(), 0
     try:
@@ -158,7 +159,7 @@ def test_a_save_never_deletes_files_it_did_not_write(tmp_path):
 
 def test_a_save_never_deletes_keys_it_did_not_write_on_a_kvstore():
     root = "memory://foreign-keys/"
-    location = gs.storage.Location(root)
+    location = Location(root)
     location.write_file("arrays/theirs", b"x")
     with pytest.raises(gs.CheckpointExistsError, match="not empty"):
         saver.save_stamped(root, 1)
@@ -194,7 +195,7 @@ def test_leftovers_of_killed_saves_are_swept_by_the_next_save(tmp_path):
 
 
 def test_a_second_local_save_while_one_holds_the_lock_fails_at_once(tmp_path):
-    location = gs.storage.Location(tmp_path)
+    location = Location(tmp_path)
     with location.lock():
         with pytest.raises(gs.ConcurrentSaveError, match="another save .* is running"):
             saver.save_stamped(tmp_path, 1)
