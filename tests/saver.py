@@ -133,6 +133,8 @@ def main() -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     kvstore = json.loads(args.kvstore) if args.kvstore else None
     state = stamped_state(args.tag)  # built before any kill point: the save is what is measured
+    if args.manager:
+        import globalshard_torch.checkpoint  # noqa: F401  (imported before the kill points are counted)
     count = _counter() if args.count else None
     if args.kill_at:
         _kill_at(args.kill_at)

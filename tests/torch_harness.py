@@ -600,3 +600,33 @@ def failing_load_job(rank: int, *, path: str) -> dict[str, Any]:
         outcome = f"{type(e).__name__}: {e}"
     return {"outcome": outcome, "untouched": all(bool((p == -7.0).all()) for p in model.parameters()),
             "no_state": not opt.state, "lr": opt.param_groups[0]["lr"]}
+
+
+def crash_rank_job(rank: int, *, path: str, victim: int, kill_at: int, tag: int) -> str:
+    """A 2-rank save (TP=2) in which rank ``victim`` is SIGKILLed at its
+    ``kill_at``-th filesystem operation (0: nobody is, count them instead)."""
+    import saver
+
+    comm = gt.TorchComm(timeout=timedelta(seconds=10))
+    state = saver.stamped_state(tag, rank=rank)
+    events = saver._counter()
+    if rank == victim and kill_at:
+        saver._kill_at(kill_at)
+    gs.save(state, path, trainer_state={"tag": tag}, comm=comm, overwrite=True)
+    return json.dumps({"events": events[0]})
+
+
+def run_tolerating_deaths(world: int, fn_name: str, out_dir: str, **args: Any) -> list[dict[str, Any]]:
+    """:func:`run`, where a rank may be killed: the others are then stopped too
+    (as a job scheduler would), and the outcome of each is what it wrote."""
+    try:
+        return run(world, fn_name, out_dir, **args)
+    except mp.ProcessExitedException:
+        outcomes = []
+        for r in range(world):
+            try:
+                with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+                    outcomes.append(json.load(f))
+            except (FileNotFoundError, ValueError):  # none, or cut short when it was stopped
+                outcomes.append({"ok": False, "type": "killed", "message": "no outcome"})
+        return outcomes

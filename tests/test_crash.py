@@ -1,0 +1,172 @@
+"""Crash consistency: a saving process is SIGKILLed at points spread over
+every phase of a save that replaces a checkpoint (planning, array writes,
+trainer state, the commit, the cleanup, the manager's pointer and pruning).
+After each kill the previous checkpoint loads bit-exactly, or the new one
+does, whole; and the next save succeeds and leaves no leftovers.
+
+Kill points are the save's own filesystem operations, counted with CPython
+audit hooks in the saving process (tests/saver.py), plus timed kills while
+TensorStore's threads write the arrays. CI runs a few per case; set
+GLOBALSHARD_CRASH_POINTS (e.g. 50) for the full campaign
+(``make reliability``), which also writes the counts to
+$GLOBALSHARD_RELIABILITY_REPORT.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import saver
+from test_s3 import s3  # noqa: F401  (the moto S3 server fixture)
+
+import globalshard as gs
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+POINTS = int(os.environ.get("GLOBALSHARD_CRASH_POINTS", "8"))
+REPORT = os.environ.get("GLOBALSHARD_RELIABILITY_REPORT")
+
+
+def _record(case, tried, survived, killed):
+    if REPORT:
+        data = json.load(open(REPORT)) if os.path.exists(REPORT) else {}
+        data.setdefault("crash", {})[case] = {"kill_points": tried, "previous_or_new_whole": survived,
+                                              "process_killed": killed}
+        json.dump(data, open(REPORT, "w"), indent=1)
+
+
+def _spread(n, k):
+    """k kill points spread evenly over 1..n, first and last included."""
+    if k >= n:
+        return list(range(1, n + 1))
+    return sorted({1 + round(i * (n - 1) / (k - 1)) for i in range(k)})
+
+
+def _saver(*args, env=None):
+    return subprocess.run([sys.executable, os.path.join(HERE, "saver.py"), *args], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def _check_after_kill(path, expect_new, **kw):
+    """The checkpoint at ``path`` is the previous one (tag 1) or the new one
+    (tag 2), whole; the next save succeeds and sweeps every leftover."""
+    tag = saver.whose(path, **kw)
+    assert tag in (1, expect_new), tag
+    saver.save_stamped(path, 3, overwrite=True, **kw)
+    assert saver.whose(path, **kw) == 3
+    return tag
+
+
+def test_sigkill_at_every_phase_of_a_local_overwrite(tmp_path):
+    base = tmp_path / "base"
+    saver.save_stamped(base, 1)
+    shutil.copytree(base, tmp_path / "count")
+    counted = _saver(str(tmp_path / "count"), "--tag", "2", "--overwrite", "--count")
+    assert counted.returncode == 0, counted.stderr
+    events = json.loads(counted.stdout)["events"]
+    start = time.perf_counter()
+    saver.save_stamped(tmp_path / "count", 4, overwrite=True)
+    duration = time.perf_counter() - start
+    points = [("at", k) for k in _spread(events, max(2, POINTS - POINTS // 4))]
+    points += [("after", duration * (i + 0.5) / max(1, POINTS // 4)) for i in range(max(1, POINTS // 4))]
+    killed = survived = 0
+    outcomes = {1: 0, 2: 0}
+    for n, (how, when) in enumerate(points):
+        ckpt = tmp_path / f"k{n}"
+        shutil.copytree(base, ckpt)
+        out = _saver(str(ckpt), "--tag", "2", "--overwrite", f"--kill-{how}", str(when))
+        killed += out.returncode == -9
+        assert out.returncode in (0, -9), out.stderr
+        outcomes[_check_after_kill(ckpt, 2)] += 1
+        assert sorted(os.listdir(ckpt / "saves")) == [gs.read_metadata(ckpt).save_id]
+        assert not [f for f in os.listdir(ckpt) if ".tmp-" in f]
+        survived += 1
+        shutil.rmtree(ckpt)
+    assert killed >= 0.8 * len(points)  # nearly every point lands inside the save (timed ones may miss)
+    assert outcomes[1] and outcomes[2], outcomes  # kills before and after the commit both happened
+    _record("local, single process", len(points), survived, killed)
+
+
+def test_sigkill_of_one_rank_of_a_gloo_save(tmp_path):
+    from torch_harness import run_tolerating_deaths
+
+    base = tmp_path / "base"
+    saver.save_stamped(base, 1)
+    shutil.copytree(base, tmp_path / "count")
+    counts = run_tolerating_deaths(2, "crash_rank_job", str(tmp_path / "o"), path=str(tmp_path / "count"),
+                                   victim=0, kill_at=0, tag=2)
+    assert all(o["ok"] for o in counts), counts
+    per_rank = [json.loads(o["value"])["events"] for o in counts]
+    tried = survived = killed = 0
+    for victim in (0, 1):
+        for k in _spread(per_rank[victim], max(2, POINTS // 4)):
+            ckpt = tmp_path / f"r{victim}k{k}"
+            shutil.copytree(base, ckpt)
+            outcomes = run_tolerating_deaths(2, "crash_rank_job", str(tmp_path / "o"), path=str(ckpt),
+                                             victim=victim, kill_at=k, tag=2)
+            killed += outcomes[victim].get("type") == "killed"
+            tried += 1
+            _check_after_kill(ckpt, 2)
+            survived += 1
+            shutil.rmtree(ckpt)
+    assert killed >= 0.8 * tried
+    _record("local, one rank of a 2-rank gloo save", tried, survived, killed)
+
+
+def test_sigkill_during_an_s3_overwrite(s3):  # noqa: F811
+    spec, _client = s3
+    spec_json = json.dumps(spec)
+    env = dict(os.environ)
+    path = "crash/run"
+    saver.save_stamped(path, 1, kvstore=spec)
+    start = time.perf_counter()
+    saver.save_stamped("crash/timing", 1, kvstore=spec)
+    duration = time.perf_counter() - start + 1.0  # the subprocess also starts python
+    n = max(3, POINTS // 4)
+    outcomes = {1: 0, 2: 0}
+    killed = 0
+    for i in range(n):
+        out = _saver(path, "--tag", "2", "--overwrite", "--kvstore", spec_json, "--kill-after",
+                     str(duration * (i + 0.5) / n), env=env)
+        assert out.returncode in (0, -9), out.stderr
+        killed += out.returncode == -9
+        tag = saver.whose(path, kvstore=spec)
+        outcomes[tag] = outcomes.get(tag, 0) + 1
+        assert tag in (1, 2)
+        saver.save_stamped(path, 1, overwrite=True, kvstore=spec)  # the next save succeeds; back to the base
+        assert saver.whose(path, kvstore=spec) == 1
+    _record("S3 (moto on 127.0.0.1)", n, n, killed)
+
+
+def test_sigkill_during_a_managed_save_keeps_a_loadable_latest(tmp_path):
+    pytest.importorskip("torch")
+    from globalshard_torch.checkpoint import CheckpointManager
+
+    root = tmp_path / "base"
+    manager = CheckpointManager(root, keep_last=2)
+    for step in (1, 2):
+        manager.save_with(step, lambda p, s=step: saver.save_stamped(p, s))
+    shutil.copytree(root, tmp_path / "count")
+    counted = _saver(str(tmp_path / "count"), "--tag", "3", "--manager", "--count")
+    assert counted.returncode == 0, counted.stderr
+    events = json.loads(counted.stdout)["events"]
+    # The kill points that matter here are the last ones: pointer swap, pruning.
+    points = _spread(events, max(3, POINTS // 4))
+    killed = 0
+    for k in points:
+        r = tmp_path / f"m{k}"
+        shutil.copytree(root, r)
+        out = _saver(str(r), "--tag", "3", "--manager", "--kill-at", str(k))
+        assert out.returncode in (0, -9), out.stderr
+        killed += out.returncode == -9
+        m = CheckpointManager(r, keep_last=2)
+        step, path = m.latest()
+        assert step in (2, 3) and saver.whose(path) == step
+        m.save_with(4, lambda p: saver.save_stamped(p, 4))
+        assert m.latest()[0] == 4 and [s for s, _ in m.complete()][-1] == 4
+        assert not [f for f in os.listdir(r) if ".tmp-" in f]
+        shutil.rmtree(r)
+    _record("checkpoint manager (pointer and pruning)", len(points), len(points), killed)
