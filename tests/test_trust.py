@@ -399,3 +399,22 @@ def test_a_read_only_directory_is_a_clear_error_and_changes_nothing(tmp_path):
         subprocess.run(["chattr", "-i", str(tmp_path / "c")], check=True)
     assert saver.whose(tmp_path / "c") == 1
     assert saved_dirs(tmp_path / "c") == [gs.read_metadata(tmp_path / "c").save_id]
+
+
+def test_a_load_failing_on_one_rank_writes_no_byte_on_any_rank(tmp_path):
+    saver.save_stamped(tmp_path, 1)
+
+    def load(comm):
+        targets = whole("layer0.w", (saver.ROWS, saver.COLS))
+        targets["layer0.w"].data[:] = -1
+        if comm.rank == 1:  # a key its pipeline stage expects but the checkpoint lacks
+            targets["extra"] = shard("layer99.w", np.zeros(3, np.float32), (0,), (3,))
+        try:
+            gs.load(targets, tmp_path, comm=comm)
+            outcome = "loaded"
+        except gs.GlobalShardError as e:
+            outcome = type(e).__name__
+        return outcome, bool((targets["layer0.w"].data == -1).all())
+
+    results = run_ranks(2, load)
+    assert results == [("CommError", True), ("MissingKeyError", True)], results
