@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo examples bench deep-test clean
+.PHONY: test demo examples bench deep-test reliability clean
 
 $(STAMP): pyproject.toml requirements/ci.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,16 @@ demo: $(STAMP)
 examples: $(STAMP)
 	$(PY) examples/numpy_demo.py
 	$(PY) examples/torch_resume.py
+
+# The full reliability campaign behind the README's table (about 15 minutes):
+# kills at 50+ points per case, every corruption, racing saves, 100,000 fuzz inputs.
+RELIABILITY := build/reliability
+reliability: $(STAMP)
+	mkdir -p $(RELIABILITY) && rm -f $(RELIABILITY)/report.json
+	GLOBALSHARD_CRASH_POINTS=50 GLOBALSHARD_RACE_TRIALS=20 GLOBALSHARD_RELIABILITY_REPORT=$(CURDIR)/$(RELIABILITY)/report.json \
+		$(PY) -m pytest -q -p no:cacheprovider tests/test_crash.py tests/test_corruption.py tests/test_trust.py -k "sigkill or damage or racing"
+	$(PY) tests/fuzz_metadata.py --inputs 100000 > $(RELIABILITY)/fuzz.json
+	cat $(RELIABILITY)/report.json $(RELIABILITY)/fuzz.json
 
 bench: $(STAMP)
 	$(PY) bench/run.py

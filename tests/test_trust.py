@@ -53,6 +53,7 @@ def pool():
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_racing_saves_end_with_one_whole_winner(tmp_path, pool, overwrite):
     trials = int(os.environ.get("GLOBALSHARD_RACE_TRIALS", "6"))
+    wins: dict[int, int] = {}
     for trial in range(trials):
         path = str(tmp_path / f"t{trial}")
         if overwrite:
@@ -71,6 +72,14 @@ def test_racing_saves_end_with_one_whole_winner(tmp_path, pool, overwrite):
         final = saver.whose(path)  # asserts every tensor is that one writer's
         assert final in winners, (final, outcomes)
         assert saved_dirs(tmp_path / f"t{trial}") == [gs.read_metadata(path).save_id]  # nothing of the loser
+        wins[len(winners)] = wins.get(len(winners), 0) + 1
+    report = os.environ.get("GLOBALSHARD_RELIABILITY_REPORT")
+    if report:
+        data = json.load(open(report)) if os.path.exists(report) else {}
+        data.setdefault("racing saves", {})["overwrite" if overwrite else "no overwrite"] = {
+            "trials": trials, "one_whole_checkpoint": trials, "mixed": 0,
+            "both_committed_one_after_the_other": wins.get(2, 0), "one_committed_one_clear_error": wins.get(1, 0)}
+        json.dump(data, open(report, "w"), indent=1)
 
 
 def test_a_kvstore_commit_that_lost_the_race_is_refused_and_cleans_up():
