@@ -26,7 +26,6 @@ import json
 import os
 import re
 import shutil
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +36,7 @@ from torch import nn
 import globalshard as gs
 from globalshard.comm import Comm, SingleProcessComm, run_collectively
 from globalshard.errors import LayoutError, MetadataError, MismatchError, format_problems
+from globalshard.storage import Location
 from globalshard_torch.comm import default_comm
 from globalshard_torch.model import Entry, model_entries, outside_mesh
 from globalshard_torch.parallel import ParallelLayout
@@ -354,13 +354,9 @@ class CheckpointManager:
         return path
 
     def _write_pointer(self, step: int) -> None:
-        tmp = os.path.join(self.root, f"{_POINTER_TMP}{uuid.uuid4().hex}")
-        with open(tmp, "w") as f:
-            json.dump({"step": step, "path": os.path.basename(self.path(step))}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(self.root, "latest"))
-        _fsync_dir(self.root)
+        # Atomic: a temporary file (".latest.tmp-<hex>"), fsync, rename, fsync of the directory.
+        pointer = {"step": step, "path": os.path.basename(self.path(step))}
+        Location(self.root).write_file("latest", json.dumps(pointer).encode("utf-8"))
 
     def complete(self) -> list[tuple[int, str]]:
         """(step, path) of every complete checkpoint, oldest first."""
@@ -413,15 +409,7 @@ class CheckpointManager:
                     os.unlink(os.path.join(self.root, name))
 
 
-_POINTER_TMP = ".latest.tmp-"
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+_POINTER_TMP = ".latest.tmp-"  # what Location.write_file names its temporary file
 
 
 def _commit_time(path: str) -> int:
