@@ -17,6 +17,7 @@ from globalshard_torch.model import Entry, model_entries
 from globalshard_torch.parallel import ParallelLayout
 from globalshard_torch.rules import (
     ColumnParallel,
+    MegatronQKV,
     PackedQKV,
     PackedSwiGLU,
     Placement,
@@ -37,6 +38,7 @@ __all__ = [
     "Entry",
     "HostStaging",
     "LoadResult",
+    "MegatronQKV",
     "PackedQKV",
     "PackedSwiGLU",
     "ParallelLayout",

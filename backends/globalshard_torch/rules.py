@@ -13,6 +13,7 @@ rule                        local tensor on TP rank r of T
 ``VocabParallel(vocab)``    rows of a vocabulary padded to a multiple of T; only the true vocabulary is stored
 ``Replicated()``            the whole tensor (norms, row-parallel biases, LoRA A of column-parallel layers)
 ``PackedQKV(heads, kv)``    ``[q_r; k_r; v_r]`` of a global ``[Q; K; V]``, grouped-query attention allowed
+``MegatronQKV(heads, ng)``  Megatron-Core's ``linear_qkv``: per query group, its q heads, then k, then v
 ``PackedSwiGLU()``          ``[gate_r; up_r]`` of a global ``[gate; up]``
 ``Tied("embedding.weight")`` a copy of another parameter (tied input/output embeddings), stored once under its key
 ==========================  ==================================================
@@ -34,6 +35,7 @@ from globalshard_torch.parallel import ParallelLayout
 
 __all__ = [
     "ColumnParallel",
+    "MegatronQKV",
     "PackedQKV",
     "PackedSwiGLU",
     "Placement",
@@ -147,6 +149,51 @@ class PackedQKV(Rule):
         qh, kh = self.num_heads * hd, self.num_kv_heads * hd
         segments = (Segment(0, r * q, q), Segment(q, qh + r * kv, kv), Segment(q + kv, qh + kh + r * kv, kv))
         return Placement((rows, *local_shape[1:]), (0,) * len(local_shape), segments)
+
+
+@dataclass(frozen=True)
+class MegatronQKV(Rule):
+    """Megatron-Core's fused ``linear_qkv`` (weight, bias, or the LoRA B of
+    it): rows interleaved per query group. TP rank r holds query groups
+    ``[r*ng/T, (r+1)*ng/T)`` and, for each of them in order, that group's
+    ``num_heads/num_query_groups`` query heads, then its key head, then its
+    value head: ``[ng/T, (np/ng + 2) * hn]`` on the output axis, as
+    ``SelfAttention.get_query_key_value_tensors`` splits it.
+
+    Stored as the same global ``[Q; K; V]`` as :class:`PackedQKV`, so a
+    checkpoint saved with one loads into the other. Megatron-Core requires
+    ``num_query_groups`` to be a multiple of TP; so does this rule.
+    """
+
+    num_heads: int
+    num_query_groups: int
+
+    def place(self, local_shape: tuple[int, ...], layout: ParallelLayout) -> Placement:
+        tp, r = layout.tp_size, layout.tp_rank
+        np_, ng = self.num_heads, self.num_query_groups
+        if ng <= 0 or np_ % ng:
+            raise LayoutError(f"{np_} query heads do not split into {ng} query groups")
+        if ng % tp:
+            # TODO(limitation): TP larger than the query groups (kv heads replicated
+            # across TP ranks, as vLLM does) is not mapped; Megatron-Core refuses it too.
+            raise LayoutError(f"{ng} query groups at TP={tp}: Megatron-Core needs num_query_groups to be a "
+                              "multiple of the TP size")
+        per_group = np_ // ng + 2
+        local_groups = ng // tp
+        if local_shape[0] % (local_groups * per_group):
+            raise LayoutError(f"fused QKV of {local_shape[0]} local rows is not {local_groups} groups of "
+                              f"{np_ // ng} query + 1 key + 1 value heads")
+        hn = local_shape[0] // (local_groups * per_group)
+        q = (np_ // ng) * hn
+        segments = []
+        for g in range(local_groups):
+            group = r * local_groups + g
+            base = g * per_group * hn
+            segments += [Segment(base, group * q, q),
+                         Segment(base + q, np_ * hn + group * hn, hn),
+                         Segment(base + q + hn, (np_ + ng) * hn + group * hn, hn)]
+        rows = (np_ + 2 * ng) * hn
+        return Placement((rows, *local_shape[1:]), (0,) * len(local_shape), tuple(segments))
 
 
 @dataclass(frozen=True)

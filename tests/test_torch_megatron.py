@@ -1,0 +1,82 @@
+"""Megatron-Core's real tensors, against an independent slicer written from
+Megatron-Core's own description of them (not from our rules)."""
+
+import numpy as np
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import globalshard as gs
+import globalshard_torch as gt
+
+
+def megatron_linear_qkv(q, k, v, num_heads, groups, tp, r):
+    """Rank r's ``linear_qkv`` rows as Megatron-Core's SelfAttention splits
+    them: ``[ng/tp, (np/ng + 2) * hn]``, each local group's query heads, then
+    its key head, then its value head."""
+    hn = k.shape[0] // groups
+    qpg = num_heads // groups
+    rows = []
+    for g in range(r * groups // tp, (r + 1) * groups // tp):
+        rows += [q[g * qpg * hn:(g + 1) * qpg * hn], k[g * hn:(g + 1) * hn], v[g * hn:(g + 1) * hn]]
+    return np.concatenate(rows)
+
+
+def blocked_qkv(q, k, v, tp, r):
+    """``[q_r; k_r; v_r]`` (PackedQKV's layout)."""
+    nq, nk = q.shape[0] // tp, k.shape[0] // tp
+    return np.concatenate([q[r * nq:(r + 1) * nq], k[r * nk:(r + 1) * nk], v[r * nk:(r + 1) * nk]])
+
+
+def shards(rule, locals_, tp, key="qkv"):
+    out = {}
+    for r, local in enumerate(locals_):
+        placement = rule.place(tuple(local.shape), gt.ParallelLayout(tp_rank=r, tp_size=tp))
+        t = torch.from_numpy(local)
+        e = gt.Entry(f"r{r}", key, t, placement, True, t, r == 0)
+        out[f"r{r}"] = e.shard(key, local)
+    return out
+
+
+@st.composite
+def gqa(draw):
+    groups = draw(st.sampled_from([1, 2, 4, 8]))
+    num_heads = groups * draw(st.sampled_from([1, 2, 3]))
+    hn = draw(st.integers(1, 3))
+    cols = draw(st.integers(1, 3))
+    tps = [t for t in (1, 2, 4, 8) if groups % t == 0]
+    return num_heads, groups, hn, cols, draw(st.sampled_from(tps)), draw(st.sampled_from(tps)), \
+        draw(st.sampled_from([t for t in tps if num_heads % t == 0]))
+
+
+@given(gqa())
+def test_megatron_qkv_is_stored_as_global_qkv_and_loads_into_any_tp_and_into_blocked(tmp_path_factory, case):
+    num_heads, groups, hn, cols, tp_save, tp_load, tp_blocked = case
+    rng = np.random.default_rng(num_heads * 100 + groups * 10 + hn)
+    q = rng.standard_normal((num_heads * hn, cols)).astype(np.float32)
+    k = rng.standard_normal((groups * hn, cols)).astype(np.float32)
+    v = rng.standard_normal((groups * hn, cols)).astype(np.float32)
+    rule = gt.MegatronQKV(num_heads, groups)
+    path = tmp_path_factory.mktemp("qkv")
+    gs.save(shards(rule, [megatron_linear_qkv(q, k, v, num_heads, groups, tp_save, r) for r in range(tp_save)],
+                   tp_save), path, overwrite=True)
+    assert np.array_equal(gs.read_array(path, "qkv"), np.concatenate([q, k, v]))  # plain, unfused global
+    targets = shards(rule, [np.zeros_like(megatron_linear_qkv(q, k, v, num_heads, groups, tp_load, r))
+                            for r in range(tp_load)], tp_load)
+    gs.load(targets, path)
+    for r in range(tp_load):
+        assert np.array_equal(targets[f"r{r}"].data, megatron_linear_qkv(q, k, v, num_heads, groups, tp_load, r))
+    blocked = shards(gt.PackedQKV(num_heads, groups),
+                     [np.zeros_like(blocked_qkv(q, k, v, tp_blocked, r)) for r in range(tp_blocked)], tp_blocked)
+    gs.load(blocked, path)
+    for r in range(tp_blocked):
+        assert np.array_equal(blocked[f"r{r}"].data, blocked_qkv(q, k, v, tp_blocked, r))
+
+
+def test_megatron_qkv_refuses_what_megatron_core_refuses():
+    import pytest
+
+    with pytest.raises(gs.LayoutError, match="multiple of the TP size"):
+        gt.MegatronQKV(8, 2).place((6, 4), gt.ParallelLayout(tp_rank=0, tp_size=4))
+    with pytest.raises(gs.LayoutError, match="do not split"):
+        gt.MegatronQKV(6, 4).place((6, 4), gt.ParallelLayout())
