@@ -140,12 +140,13 @@ def main() -> None:
         _kill_at(args.kill_at)
     if args.kill_after is not None:
         threading.Timer(args.kill_after, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    start = time.perf_counter()
     if args.manager:
         _manager_save(args.path, args.tag, state)
     else:
         gs.save(state, args.path, trainer_state={"tag": args.tag}, overwrite=args.overwrite, kvstore=kvstore)
     if count is not None:
-        print(json.dumps({"events": count[0]}))
+        print(json.dumps({"events": count[0], "seconds": time.perf_counter() - start}))
     os._exit(0)  # a kill timer must not outlive the save
 
 
