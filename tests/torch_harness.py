@@ -630,3 +630,46 @@ def run_tolerating_deaths(world: int, fn_name: str, out_dir: str, **args: Any) -
             except (FileNotFoundError, ValueError):  # none, or cut short when it was stopped
                 outcomes.append({"ok": False, "type": "killed", "message": "no outcome"})
         return outcomes
+
+
+def state_dict_save_job(rank: int, *, path: str, dump: str) -> None:
+    """2 ranks, DTensor parameters (rows sharded), AdamW after a step; the DCP
+    state dict saved through globalshard_torch.save."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    model = nn.Module()
+    full = torch.arange(30, dtype=torch.float32).reshape(6, 5)
+    model.register_parameter("w", nn.Parameter(distribute_tensor(full, mesh, [Shard(0)])))
+    model.register_parameter("b", nn.Parameter(distribute_tensor(torch.ones(5), mesh, [Shard(0)])))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model.w.grad = distribute_tensor(torch.ones(6, 5), mesh, [Shard(0)])
+    model.b.grad = distribute_tensor(torch.ones(5), mesh, [Shard(0)])
+    opt.step()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    held = {"w": _full(model.w), "b": _full(model.b), "exp_avg.w": _full(opt.state[model.w]["exp_avg"])}
+    if rank == 0:
+        np.savez(dump, **held)
+    gt.save({"model": model_sd, "optim": optim_sd, "step": 7}, path)
+
+
+def state_dict_load_job(rank: int, *, path: str) -> dict[str, Any]:
+    """1 rank or 2 ranks with the rows sharded differently (columns)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    model = nn.Module()
+    model.register_parameter("w", nn.Parameter(distribute_tensor(torch.zeros(6, 5), mesh, [Shard(1)])))
+    model.register_parameter("b", nn.Parameter(distribute_tensor(torch.zeros(5), mesh, [Replicate()])))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd, "step": 0}
+    gt.load(state, path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return {"w": _full(model.w).tolist(), "b": _full(model.b).tolist(),
+            "exp_avg.w": _full(opt.state[model.w]["exp_avg"]).tolist(), "lr": opt.param_groups[0]["lr"],
+            "step": state["step"]}

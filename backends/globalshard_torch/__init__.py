@@ -2,7 +2,14 @@
 rules, DTensor parameters, Adam/AdamW state, torch.distributed, and a
 checkpoint manager, over the framework-neutral globalshard core.
 
-Save on one topology and load on another with one call each::
+A nested state dict (DTensors, plain tensors, optimizer state from
+``get_state_dict``, Stateful objects, JSON values), as with
+``torch.distributed.checkpoint``::
+
+    globalshard_torch.save({"model": model_sd, "optim": optim_sd, "step": 100}, path)
+    globalshard_torch.load(state_dict, path)   # in place, under any other layout
+
+Megatron-style models: save on one topology and load on another with one call each::
 
     layout = ParallelLayout(tp_rank=..., tp_size=2, pp_rank=..., pp_size=2, num_layers=24)
     save_checkpoint(path, model=chunks, layout=layout, rules=rules, optimizer=opt, scheduler=sched,
@@ -30,6 +37,7 @@ from globalshard_torch.rules import (
     VocabParallel,
 )
 from globalshard_torch.state import jsonable, rng_state, set_rng_state
+from globalshard_torch.state_dict import load, save
 from globalshard_torch.tensors import HostStaging, numpy_view, torch_dtype
 
 __all__ = [
@@ -53,10 +61,12 @@ __all__ = [
     "VocabParallel",
     "default_comm",
     "jsonable",
+    "load",
     "load_checkpoint",
     "model_entries",
     "numpy_view",
     "rng_state",
+    "save",
     "save_checkpoint",
     "set_rng_state",
     "torch_dtype",

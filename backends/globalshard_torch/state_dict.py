@@ -1,0 +1,252 @@
+"""DCP-style entry points: save and load a nested state dict, no layout, no rules.
+
+For users of ``torch.distributed.checkpoint`` (and torchtitan): the state is a
+nested dict, as ``model.state_dict()`` or
+``torch.distributed.checkpoint.state_dict.get_state_dict`` give it, holding
+
+* DTensors, which place themselves (Shard / Replicate on any mesh, meshes over
+  a subset of the ranks included);
+* plain tensors, which are the same on every rank (rank 0's copy is written);
+* Stateful objects (anything with ``state_dict()`` and ``load_state_dict()``:
+  a GradScaler, a dataloader, an EMA helper), saved through their state dicts
+  and restored by ``load_state_dict`` after the load;
+* JSON values (numbers, strings, booleans, None, lists, dicts of them), which
+  go into the trainer state, and ``bytes``, stored as uint8 arrays.
+
+Keys are the dotted paths of the leaves, as DCP flattens them
+(``{"model": {"w": t}}`` -> ``model.w``), after removing the wrapper prefixes
+``_orig_mod.`` (torch.compile) and ``module.`` (DDP) from every component, so
+a compiled or wrapped model loads into a plain one. Lists are traversed (with
+their index as a component) only when they hold tensors, as in DCP.
+
+Anything else (a module, a function, an arbitrary object) is an error naming
+its key: nothing is dropped, and nothing is pickled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping
+from typing import Any
+
+import numpy as np
+import torch
+
+import globalshard as gs
+from globalshard.comm import Comm, SingleProcessComm, run_collectively
+from globalshard.errors import LayoutError, MismatchError, format_problems
+from globalshard.planner import missing_key
+from globalshard_torch.comm import default_comm
+from globalshard_torch.model import _dtensor_placement, _is_dtensor, outside_mesh
+from globalshard_torch.state import from_jsonable, jsonable
+from globalshard_torch.tensors import HostStaging, numpy_view
+
+__all__ = ["load", "save"]
+
+_WRAPPERS = ("_orig_mod.", "module.")
+_VALUES = "state_dict_values"  # trainer-state member holding the JSON leaves, by key
+_BYTES = "state_dict_bytes"  # the keys stored as uint8 arrays from bytes
+
+
+def _strip(component: str) -> str:
+    changed = True
+    while changed:
+        changed = False
+        for prefix in _WRAPPERS:
+            if component.startswith(prefix):
+                component, changed = component[len(prefix):], True
+        for wrapper in (".module.", "._orig_mod."):
+            if wrapper in component:
+                component, changed = component.replace(wrapper, "."), True
+    return component
+
+
+def _holds_tensors(value: Any) -> bool:
+    if torch.is_tensor(value):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensors(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensors(v) for v in value)
+    return _is_stateful(value)
+
+
+def _is_stateful(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)) \
+        and not isinstance(value, torch.nn.Module | torch.optim.Optimizer)
+
+
+Visit = Callable[[str, Any, MutableMapping[Any, Any] | list[Any], Any], None]
+
+
+def _walk(state: Any, visit: Visit, prefix: str = "", seen: dict[str, str] | None = None) -> None:
+    """Call ``visit(key, leaf, container, index)`` for every leaf, DCP-style."""
+    seen = {} if seen is None else seen
+    items: list[tuple[Any, Any]]
+    if isinstance(state, dict):
+        items = list(state.items())
+    else:
+        items = list(enumerate(state))
+    for k, value in items:
+        if isinstance(state, dict) and not isinstance(k, str):
+            raise LayoutError(f"{prefix or '$'}: key {k!r} is a {type(k).__name__}; state dict keys are strings")
+        component = _strip(str(k))
+        key = f"{prefix}.{component}" if prefix else component
+        if isinstance(value, dict) or (isinstance(value, (list, tuple)) and _holds_tensors(value)):
+            if isinstance(value, tuple) and _holds_tensors(value):
+                raise LayoutError(f"{key}: a tuple holding tensors cannot be filled in place; use a list")
+            _walk(value, visit, key, seen)
+            continue
+        if key in seen:
+            raise LayoutError(f"{key}: two entries of the state dict flatten to this key ({seen[key]!r} and "
+                              f"{'.'.join(map(str, [prefix, k]))!r})")
+        seen[key] = ".".join(map(str, [prefix, k])) if prefix else str(k)
+        visit(key, value, state, k)
+
+
+def _replica_shard(key: str, data: np.ndarray, main: bool) -> gs.ShardedTensor:
+    return gs.ShardedTensor.from_offset(key, data, global_shape=tuple(data.shape), global_offset=(0,) * data.ndim,
+                                        replica_id=0 if main else 1)
+
+
+def _tensor_shard(key: str, t: torch.Tensor, staging: HostStaging, rank: int, *,
+                  for_save: bool) -> gs.ShardedTensor | None:
+    if _is_dtensor(t):
+        if outside_mesh(t):
+            return None  # this rank holds nothing of it
+        local, placement, main, _ = _dtensor_placement(t)
+        return gs.ShardedTensor.from_offset(key, numpy_view(staging.host(local, for_save=for_save)),
+                                            global_shape=placement.global_shape,
+                                            global_offset=placement.global_offset, replica_id=0 if main else 1)
+    return _replica_shard(key, numpy_view(staging.host(t, for_save=for_save)), rank == 0)
+
+
+def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, overwrite: bool = False,
+         kvstore: Any = None, stats: gs.IOStats | None = None) -> None:
+    """Save a nested state dict (see the module docstring). Call on every rank.
+
+    Raises:
+        LayoutError: a leaf that cannot be saved (named by its key), or
+            shards that do not fit together; the core's errors otherwise.
+    """
+    comm = comm if comm is not None else (default_comm() or SingleProcessComm())
+    staging = HostStaging()
+    shards: dict[str, gs.ShardedTensor] = {}
+    values: dict[str, Any] = {}
+    byte_keys: list[str] = []
+
+    def describe() -> None:
+        problems: list[str] = []
+
+        def visit(key: str, value: Any, _container: Any, _index: Any) -> None:
+            if torch.is_tensor(value):
+                shard = _tensor_shard(key, value.detach(), staging, comm.rank, for_save=True)
+                if shard is not None:
+                    shards[key] = shard
+            elif _is_stateful(value):
+                _walk(_plain(value.state_dict()), visit, key)
+            elif isinstance(value, (bytes, bytearray)):
+                shards[key] = _replica_shard(key, np.frombuffer(bytes(value), np.uint8).copy(), comm.rank == 0)
+                byte_keys.append(key)
+            else:
+                try:
+                    values[key] = jsonable(value, key)
+                except gs.TrainerStateError as e:
+                    problems.append(f"{key}: {type(value).__name__} cannot be saved ({e}); a state dict holds "
+                                    "tensors, Stateful objects, bytes and JSON values")
+
+        _walk(state_dict, visit)
+        staging.ready()
+        if problems:
+            raise LayoutError(format_problems("cannot save the state dict", problems))
+
+    run_collectively(comm, "save: describing the state dict", describe)
+    gs.save(shards, path, trainer_state={_VALUES: values, _BYTES: sorted(byte_keys)}, comm=comm,
+            overwrite=overwrite, kvstore=kvstore, stats=stats)
+
+
+def _like(template: Any, value: Any) -> Any:
+    """``value`` (from JSON) with the tuples the state dict had where it had them."""
+    if isinstance(template, tuple) and isinstance(value, list) and len(template) == len(value):
+        return tuple(_like(t, v) for t, v in zip(template, value))
+    if isinstance(template, list) and isinstance(value, list) and len(template) == len(value):
+        return [_like(t, v) for t, v in zip(template, value)]
+    if isinstance(template, dict) and isinstance(value, dict):
+        return {k: _like(template[k], v) if k in template else v for k, v in value.items()}
+    return value
+
+
+def _plain(state: Any) -> Any:
+    """A Stateful's state dict, with tuples of tensors as lists (so they load in place)."""
+    if isinstance(state, dict):
+        return {k: _plain(v) for k, v in state.items()}
+    if isinstance(state, tuple) and _holds_tensors(state):
+        return [_plain(v) for v in state]
+    return state
+
+
+def load(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, allow_lossy_cast: bool = False,
+         kvstore: Any = None, stats: gs.IOStats | None = None) -> dict[str, Any]:
+    """Load into a nested state dict in place: tensors and DTensors are filled
+    where they are (any layout saved, any layout loaded), JSON values and bytes
+    are replaced in their containers, Stateful objects get ``load_state_dict``.
+    Call on every rank. Every key asked for must be in the checkpoint.
+
+    Returns:
+        ``state_dict`` itself.
+
+    Raises:
+        MismatchError / MissingKeyError: a key is missing or does not match
+        (every problem listed; nothing is written anywhere); the core's errors.
+    """
+    comm = comm if comm is not None else (default_comm() or SingleProcessComm())
+    staging = HostStaging()
+    targets: dict[str, gs.ShardedTensor] = {}
+    fills: list[tuple[str, MutableMapping[Any, Any] | list[Any], Any]] = []  # JSON and bytes leaves to replace
+    statefuls: list[tuple[Any, dict[str, Any]]] = []
+    opened: list[gs.Checkpoint] = []
+
+    def prepare() -> None:
+        checkpoint = gs.Checkpoint(path, kvstore=kvstore)
+        opened.append(checkpoint)
+        saved = checkpoint.trainer_state
+        saved_values, saved_bytes = saved.get(_VALUES, {}), set(saved.get(_BYTES, []))
+        problems: list[str] = []
+
+        def visit(key: str, value: Any, container: Any, index: Any) -> None:
+            if torch.is_tensor(value):
+                shard = _tensor_shard(key, value.detach(), staging, comm.rank, for_save=False)
+                if shard is not None:
+                    targets[key] = shard
+            elif _is_stateful(value):
+                inner = _plain(value.state_dict())
+                statefuls.append((value, inner))
+                _walk(inner, visit, key)
+            elif key in saved_bytes:
+                stored = checkpoint.metadata.tensors[key]
+                targets[key] = _replica_shard(key, np.zeros(stored.global_shape, np.uint8), True)
+                fills.append((key, container, index))
+            elif key in saved_values:
+                fills.append((key, container, index))
+            else:
+                problems.append(f"{key}: {missing_key(key, checkpoint.metadata)}"
+                                if key not in checkpoint.metadata.tensors else
+                                f"{key}: stored as a tensor, the state dict holds a {type(value).__name__}")
+
+        _walk(state_dict, visit)
+        if problems:
+            raise MismatchError(format_problems("cannot load: the state dict does not match the checkpoint",
+                                                problems))
+
+    run_collectively(comm, "load: matching the state dict", prepare)
+    checkpoint = opened[0]
+    checkpoint.load(targets, comm=comm, allow_lossy_cast=allow_lossy_cast, stats=stats)
+    staging.finish_load()
+    saved = checkpoint.trainer_state
+    for key, container, index in fills:
+        if key in targets:
+            container[index] = targets[key].data.tobytes()
+        else:
+            container[index] = _like(container[index], from_jsonable(saved[_VALUES][key]))
+    for obj, inner in statefuls:
+        obj.load_state_dict(inner)
+    return state_dict

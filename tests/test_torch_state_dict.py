@@ -1,0 +1,116 @@
+"""DCP-style entry points: globalshard_torch.save / load over nested state dicts."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch_harness import run
+
+import globalshard as gs
+import globalshard_torch as gt
+
+
+class Loader:
+    """A Stateful dataloader position, as torchdata's StatefulDataLoader keeps one."""
+
+    def __init__(self):
+        self.epoch, self.index, self.seed_bytes = 0, 0, b"\x00\x01"
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed_bytes}
+
+    def load_state_dict(self, state):
+        self.epoch, self.index, self.seed_bytes = state["epoch"], state["index"], state["seed"]
+
+
+def _trained():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.9))
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _state(model, opt, loader, scaler, ema):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    return {"model": model_sd, "optim": optim_sd, "loader": loader, "scaler": scaler, "ema": ema,
+            "step": 12, "best_loss": math.inf, "blob": b"\xffraw", "config": {"layers": [1, 2], "name": "x"}}
+
+
+def test_a_nested_state_dict_round_trips_exactly(tmp_path):
+    model, opt = _trained()
+    loader = Loader()
+    loader.epoch, loader.index, loader.seed_bytes = 3, 1234, b"\x07" * 5
+    scaler = torch.amp.GradScaler("cpu", init_scale=512.0)
+    ema = {"0.weight": model[0].weight.detach() * 0.5}
+    gt.save(_state(model, opt, loader, scaler, ema), tmp_path / "c")
+    assert "model.0.weight" in gs.read_metadata(tmp_path / "c").tensors
+    assert "optim.state.0.weight.exp_avg" in gs.read_metadata(tmp_path / "c").tensors
+
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    model2 = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
+    loader2, scaler2 = Loader(), torch.amp.GradScaler("cpu")
+    ema2 = {"0.weight": torch.zeros(3, 4)}
+    state = _state(model2, opt2, loader2, scaler2, ema2)
+    gt.load(state, tmp_path / "c")
+    set_state_dict(model2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for (n, a), b in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(a, b), n
+        assert torch.equal(opt.state[a]["exp_avg_sq"], opt2.state[b]["exp_avg_sq"]), n
+        assert torch.equal(opt.state[a]["step"], opt2.state[b]["step"]), n
+    assert opt2.param_groups[0]["lr"] == 0.01 and opt2.param_groups[0]["betas"] == (0.8, 0.9)
+    assert (loader2.epoch, loader2.index, loader2.seed_bytes) == (3, 1234, b"\x07" * 5)
+    assert scaler2.get_scale() == 512.0
+    assert torch.equal(ema2["0.weight"], ema["0.weight"])
+    assert state["step"] == 12 and state["best_loss"] == math.inf and state["blob"] == b"\xffraw"
+    assert state["config"] == {"layers": [1, 2], "name": "x"}
+
+
+def test_wrapper_prefixes_are_normalised(tmp_path):
+    model, _ = _trained()
+    wrapped = {f"module._orig_mod.{k}": v for k, v in model.state_dict().items()}
+    gt.save({"model": wrapped}, tmp_path / "c")
+    plain = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    sd = plain.state_dict()
+    gt.load({"model": sd}, tmp_path / "c")
+    plain.load_state_dict(sd)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters()))
+
+
+def test_what_cannot_be_saved_or_found_is_named(tmp_path):
+    with pytest.raises(gs.LayoutError, match=r"hook: function cannot be saved"):
+        gt.save({"w": torch.ones(2), "hook": lambda: 1}, tmp_path / "a")
+    with pytest.raises(gs.LayoutError, match="flatten to this key"):
+        gt.save({"a": {"b": torch.ones(1)}, "a.b": torch.ones(1)}, tmp_path / "b")
+    gt.save({"w": torch.ones(2)}, tmp_path / "c")
+    with pytest.raises(gs.MismatchError, match=r"'v'.*: no such key"):
+        gt.load({"w": torch.zeros(2), "v": torch.zeros(2)}, tmp_path / "c")  # named by its key
+    target = torch.zeros(3)
+    with pytest.raises(gs.MismatchError, match="global shape"):
+        gt.load({"w": target}, tmp_path / "c")
+
+
+def _ok(outcomes):
+    for r, o in enumerate(outcomes):
+        assert o["ok"], f"rank {r}: {o.get('type')}: {o.get('message')}\n{o.get('trace')}"
+    return [o["value"] for o in outcomes]
+
+
+def test_dtensor_state_dicts_reshard_between_placements(tmp_path):
+    ckpt, dump = str(tmp_path / "ckpt"), str(tmp_path / "held.npz")
+    _ok(run(2, "state_dict_save_job", str(tmp_path / "s"), path=ckpt, dump=dump))
+    held = dict(np.load(dump))
+    for got in _ok(run(2, "state_dict_load_job", str(tmp_path / "l"), path=ckpt)):
+        assert np.array_equal(np.array(got["w"], np.float32), held["w"])
+        assert np.array_equal(np.array(got["b"], np.float32), held["b"])
+        assert np.array_equal(np.array(got["exp_avg.w"], np.float32), held["exp_avg.w"])
+        assert got["lr"] == 0.1 and got["step"] == 7
+    # And into one process, plain tensors.
+    assert np.array_equal(gs.read_array(ckpt, "model.w"), held["w"])
