@@ -29,3 +29,21 @@ def test_dtensor_resharding(tmp_path, save_mesh, save_pl, load_mesh, load_pl):
     assert all(r == [] for r in results), results
     # And into one process with plain tensors.
     assert dtensor_single_process_load(ckpt, dump) == []
+
+
+@pytest.mark.parametrize("rows", [8, 7])
+def test_fsdp2_over_tp_strided_shards_are_mapped_exactly(tmp_path, rows):
+    import numpy as np
+
+    import globalshard as gs
+
+    ckpt = str(tmp_path / "ckpt")
+    saved = _ok(run(4, "strided_job", str(tmp_path / "s"), path=ckpt, rows=rows, save=True))
+    assert np.array_equal(gs.read_array(ckpt, "w"), np.arange(rows * 3, dtype=np.float32).reshape(rows, 3))
+    assert all(s["regions"] >= 1 for s in saved)
+    assert all(r["ok"] for r in _ok(run(4, "strided_job", str(tmp_path / "l"), path=ckpt, rows=rows, save=False)))
+
+
+def test_partial_placements_are_refused_by_name(tmp_path):
+    for message in _ok(run(2, "partial_job", str(tmp_path / "p"), path=str(tmp_path / "ckpt"))):
+        assert "Partial" in message and "pending sum" in message

@@ -673,3 +673,38 @@ def state_dict_load_job(rank: int, *, path: str) -> dict[str, Any]:
     return {"w": _full(model.w).tolist(), "b": _full(model.b).tolist(),
             "exp_avg.w": _full(opt.state[model.w]["exp_avg"]).tolist(), "lr": opt.param_groups[0]["lr"],
             "step": state["step"]}
+
+
+def strided_job(rank: int, *, path: str, rows: int, save: bool) -> dict[str, Any]:
+    """Mesh (dp=2, tp=2); a weight as FSDP2 over TP leaves it:
+    [_StridedShard(0, split_factor=2), Shard(0)]; a bias Shard(0) on tp only."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    full = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3)
+    model = nn.Module()
+    init = full if save else torch.zeros_like(full)
+    placements = [_StridedShard(0, split_factor=2), Shard(0)] if save else [Shard(0), Replicate()]
+    # every rank holds the full tensor: split locally (src_data_rank=None), as FSDP2 does for strided shards
+    model.register_parameter("w", nn.Parameter(distribute_tensor(init, mesh, placements, src_data_rank=None)))
+    if save:
+        gt.save({"w": model.w}, path)
+        return {"regions": len(gt.model._dtensor_placement(model.w)[1].regions or ())}
+    state = {"w": model.w}
+    gt.load(state, path)
+    return {"ok": bool(np.array_equal(_full(model.w), full.numpy()))}
+
+
+def partial_job(rank: int, *, path: str) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh = init_device_mesh("cpu", (2,))
+    w = DTensor.from_local(torch.ones(2, 2), mesh, [Partial()])
+    try:
+        gt.save({"w": w}, path)
+        return "saved"
+    except gs.LayoutError as e:
+        return str(e)

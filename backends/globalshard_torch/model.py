@@ -8,8 +8,10 @@ rank's ParallelLayout.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,6 +46,8 @@ class Entry:
             raise LayoutError(
                 f"{key!r}: local shape {data.shape} differs from the parameter's {tuple(self.tensor.shape)}"
             )
+        if p.regions is not None:
+            return gs.ShardedTensor(key, data, p.global_shape, p.regions, replica)
         if p.segments is not None:
             return gs.ShardedTensor.from_segments(
                 key, data, global_shape=p.global_shape, axis=0, segments=p.segments,
@@ -56,27 +60,76 @@ class Entry:
 
 
 def _dtensor_placement(param: torch.Tensor) -> tuple[torch.Tensor, Placement, bool, bool]:
+    """Where a DTensor's local shard lies in its global array, as regions.
+
+    Follows the placements left to right as DTensor does, tracking for each
+    tensor dim the global indices the local shard holds: ``Shard`` takes a
+    contiguous chunk of them, ``_StridedShard`` (FSDP2 over a TP-sharded dim)
+    the strided set torch computes for it. Each dim's indices become
+    contiguous runs, and the regions are their products: one region when the
+    shard is a box, several when a strided shard is not.
+    """
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(param, DTensor):
         raise LayoutError(f"expected a DTensor, got {type(param).__name__}")
     mesh, placements = param.device_mesh, param.placements
-    for pl in placements:
-        # TODO(limitation): _StridedShard (FSDP2 + TP on one dim) and Partial are not mapped.
-        if type(pl) not in (Shard, Replicate):
-            raise LayoutError(f"DTensor placement {pl} is not supported (Shard and Replicate are)")
-    local = param.to_local()
-    shape, offset = compute_local_shape_and_global_offset(param.shape, mesh, placements)
     coord = mesh.get_coordinate()
-    main = coord is not None and all(
-        coord[i] == 0 for i, pl in enumerate(placements) if isinstance(pl, Replicate)
-    )
-    first = coord is not None and all(c == 0 for c in coord)
-    placement = Placement(tuple(int(s) for s in param.shape), tuple(int(o) for o in offset))
-    if tuple(shape) != tuple(local.shape):
-        raise LayoutError(f"DTensor local shard {tuple(local.shape)} differs from its computed shape {tuple(shape)}")
-    return local, placement, main, first
+    if coord is None:
+        raise LayoutError("this rank is outside the DTensor's mesh")
+    global_shape = tuple(int(s) for s in param.shape)
+    indices: list[list[int]] = [list(range(n)) for n in global_shape]
+    for i, pl in enumerate(placements):
+        if isinstance(pl, Replicate):
+            continue
+        if not isinstance(pl, Shard) and type(pl).__name__ != "_StridedShard":
+            raise LayoutError(f"DTensor placement {pl} is not supported: a Partial value is a pending sum, not "
+                              "stored data; redistribute it to Replicate or Shard before saving")
+        dim = pl.dim % len(global_shape)  # type: ignore[attr-defined]
+        indices[dim] = _shard_indices(pl, indices[dim], mesh.size(i), coord[i])
+    local = param.to_local()
+    if tuple(len(ix) for ix in indices) != tuple(local.shape):
+        raise LayoutError(f"DTensor local shard {tuple(local.shape)} differs from its computed shape "
+                          f"{tuple(len(ix) for ix in indices)}")
+    runs = [_runs(ix) for ix in indices]
+    regions = tuple(
+        gs.Region(gs.Box(tuple(r[0] for r in combo), tuple(r[2] for r in combo)),
+                  gs.Box(tuple(r[1] for r in combo), tuple(r[2] for r in combo)))
+        for combo in itertools.product(*runs)
+    ) if all(runs) else ()
+    main = all(coord[i] == 0 for i, pl in enumerate(placements) if isinstance(pl, Replicate))
+    first = all(c == 0 for c in coord)
+    return local, Placement(global_shape, (0,) * len(global_shape), regions=regions), main, first
+
+
+def _shard_indices(placement: Any, current: list[int], chunks: int, rank: int) -> list[int]:
+    """The part of ``current`` (global indices) that ``rank`` keeps under one
+    Shard or _StridedShard placement of a mesh dim with ``chunks`` ranks."""
+    from torch.distributed.tensor import Shard
+
+    try:
+        if type(placement).__name__ == "_StridedShard":
+            from torch.distributed.tensor.placement_types import _StridedShardOffsetMode
+
+            size, offsets = placement.local_shard_size_and_offset(len(current), chunks, rank,
+                                                                  _StridedShardOffsetMode.ALL)
+            return [current[o] for o in offsets] if size else []
+        size, offset = Shard.local_shard_size_and_offset(len(current), chunks, rank)
+    except (AttributeError, ImportError, TypeError) as e:
+        # TODO(limitation): _StridedShard needs torch's per-placement offsets (torch 2.13 has them).
+        raise LayoutError(f"cannot compute the shard of {placement} with this torch version: {e}") from None
+    return current[int(offset):int(offset) + int(size)] if size else []
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int, int]]:
+    """``(local start, global start, length)`` of each contiguous run."""
+    out: list[tuple[int, int, int]] = []
+    for local, g in enumerate(indices):
+        if out and out[-1][1] + out[-1][2] == g:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((local, g, 1))
+    return out
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

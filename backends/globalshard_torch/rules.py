@@ -29,7 +29,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from globalshard import Segment
+from globalshard import Region, Segment
 from globalshard.errors import LayoutError
 from globalshard_torch.parallel import ParallelLayout
 
@@ -58,6 +58,7 @@ class Placement:
     segments: tuple[Segment, ...] | None = None  # along axis 0 when set
     allow_padding: bool = False
     tp_main: bool = True  # False on TP ranks that hold a copy of another rank's values
+    regions: tuple[Region, ...] | None = None  # when set, the layout itself (DTensors)
 
 
 class Rule:

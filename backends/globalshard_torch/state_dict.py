@@ -114,9 +114,9 @@ def _tensor_shard(key: str, t: torch.Tensor, staging: HostStaging, rank: int, *,
         if outside_mesh(t):
             return None  # this rank holds nothing of it
         local, placement, main, _ = _dtensor_placement(t)
-        return gs.ShardedTensor.from_offset(key, numpy_view(staging.host(local, for_save=for_save)),
-                                            global_shape=placement.global_shape,
-                                            global_offset=placement.global_offset, replica_id=0 if main else 1)
+        assert placement.regions is not None
+        return gs.ShardedTensor(key, numpy_view(staging.host(local, for_save=for_save)), placement.global_shape,
+                                placement.regions, 0 if main else 1)
     return _replica_shard(key, numpy_view(staging.host(t, for_save=for_save)), rank == 0)
 
 
