@@ -2,6 +2,7 @@
 case here failed before its fix (issue: nothing lost, nothing silently wrong)."""
 
 import inspect
+import io
 
 import numpy as np
 import pytest
@@ -23,24 +24,56 @@ def _ok(outcomes):
 
 
 class WithExtraState(nn.Module):
-    """Like a Transformer Engine layer: FP8 scaling state kept outside parameters."""
+    """Like a Transformer Engine layer: FP8 scaling state kept outside parameters,
+    returned as JSON, as a tensor, or as a BytesIO (TE has used each)."""
 
-    def __init__(self):
+    def __init__(self, kind):
         super().__init__()
         self.lin = nn.Linear(2, 2)
-        self.amax = [1.0, 2.0]
+        self.kind = kind
+        self.amax = [1.0, float("inf")]
 
     def get_extra_state(self):
-        return {"amax": self.amax}
+        if self.kind == "json":
+            return {"amax": self.amax}
+        if self.kind == "tensor":
+            return torch.tensor(self.amax)
+        return io.BytesIO(np.array(self.amax, np.float64).tobytes())
 
     def set_extra_state(self, state):
-        self.amax = state["amax"]
+        if self.kind == "json":
+            self.amax = state["amax"]
+        elif self.kind == "tensor":
+            self.amax = state.tolist()
+        else:
+            self.amax = np.frombuffer(state.getvalue(), np.float64).tolist()
 
 
-def test_extra_state_is_refused_by_name_not_dropped(tmp_path):
-    model = nn.Sequential(nn.Linear(2, 2), WithExtraState())
-    with pytest.raises(gs.LayoutError, match=r"1: WithExtraState keeps extra state"):
-        gt.save_checkpoint(tmp_path / "c", model=model, layout=ONE, rules=REPLICATED)
+def test_extra_state_round_trips_and_a_tp_change_is_named_not_dropped(tmp_path):
+    model = nn.Sequential(WithExtraState("json"), WithExtraState("tensor"), WithExtraState("bytes"))
+    for m in model:
+        m.amax = [3.5, -2.0]
+    gt.save_checkpoint(tmp_path / "c", model=model, layout=ONE, rules=REPLICATED)
+    target = nn.Sequential(WithExtraState("json"), WithExtraState("tensor"), WithExtraState("bytes"))
+    gt.load_checkpoint(tmp_path / "c", model=target, layout=ONE, rules=REPLICATED)
+    assert [m.amax for m in target] == [[3.5, -2.0]] * 3
+    # At TP=2 there is no per-rank state to give back: every such module is named.
+    tp2 = gt.ParallelLayout(tp_rank=0, tp_size=2)
+    fresh = nn.Sequential(WithExtraState("json"), WithExtraState("tensor"), WithExtraState("bytes"))
+    with pytest.raises(gs.MismatchError, match=r"(?s)0: WithExtraState's extra state is saved at TP=\[1\].*2: "):
+        gt.load_checkpoint(tmp_path / "c", model=fresh, layout=tp2, rules=REPLICATED)
+    gt.load_checkpoint(tmp_path / "c", model=fresh, layout=tp2, rules=REPLICATED, extra_state="skip")
+    assert [m.amax for m in fresh] == [[1.0, float("inf")]] * 3  # kept as it was, by request
+
+
+def test_extra_state_that_needs_pickle_is_refused_by_name(tmp_path):
+    class Opaque(WithExtraState):
+        def get_extra_state(self):
+            return object()
+
+    with pytest.raises(gs.LayoutError, match=r"1: Opaque.get_extra_state\(\) returned a object"):
+        gt.save_checkpoint(tmp_path / "c", model=nn.Sequential(nn.Linear(2, 2), Opaque("json")), layout=ONE,
+                           rules=REPLICATED)
     assert not (tmp_path / "c" / "metadata.json").exists()
 
 

@@ -37,7 +37,10 @@ import globalshard as gs
 from globalshard.comm import Comm, SingleProcessComm, run_collectively
 from globalshard.errors import LayoutError, MetadataError, MismatchError, format_problems
 from globalshard.storage import Location
+from globalshard_torch import extra_state
 from globalshard_torch.comm import default_comm
+from globalshard_torch.extra_state import finish as extra_state_finish
+from globalshard_torch.extra_state import restore_targets as extra_state_restore
 from globalshard_torch.model import Entry, model_entries, outside_mesh
 from globalshard_torch.parallel import ParallelLayout
 from globalshard_torch.rules import ShardingRules
@@ -46,7 +49,12 @@ from globalshard_torch.tensors import HostStaging, numpy_view, torch_dtype
 
 __all__ = ["CheckpointManager", "LoadResult", "load_checkpoint", "save_checkpoint"]
 
-_RESERVED = ("parallel_config", "lr_scheduler", "optimizer", "rng")
+_RESERVED = ("parallel_config", "lr_scheduler", "optimizer", "rng", "extra_state")
+_LAYERS = r"(^|\.)layers\.(\d+)(?=\.|$)"  # model_entries' default: local layer indices in names
+
+
+def _chunks(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    return [model] if isinstance(model, nn.Module) else list(model)
 _OPT = "optimizer."
 
 
@@ -146,12 +154,19 @@ def save_checkpoint(
                         shards[f"opt/{item}/{e.name}"] = _scalar_shard(key, numpy_view(local).copy(), e.scalar_main)
                     else:
                         shards[f"opt/{item}/{e.name}"] = e.shard(key, numpy_view(local))
+        extra = extra_state.collect(_chunks(model), layout, _LAYERS, shards)
         staging.ready()
-        return {"rng": rng_state(), "membership": membership}
+        return {"rng": rng_state(), "membership": membership, "extra": extra if layout.dp_rank == 0 else {}}
 
     _, gathered = run_collectively(comm, "save_checkpoint: describing", describe)
     state = dict(user)
     state["parallel_config"] = layout.config_json()
+    extras: dict[str, list[dict[str, Any]]] = {}
+    for g in gathered:
+        for gname, record in g["extra"].items():
+            if record not in extras.setdefault(gname, []):
+                extras[gname].append(record)
+    state["extra_state"] = extras
     state["lr_scheduler"] = jsonable(scheduler.state_dict(), "$.lr_scheduler") if scheduler is not None else None
     if optimizer is not None:
         membership: dict[str, int] = {}
@@ -180,6 +195,7 @@ def load_checkpoint(
     allow_lossy_cast: bool = False,
     restore_rng: bool = True,
     kvstore: Any = None,
+    extra_state: str = "load",
 ) -> LoadResult:
     """Load a checkpoint saved under any layout into this rank's model, optimizer
     and scheduler (in place). Call on every rank.
@@ -188,6 +204,9 @@ def load_checkpoint(
     for, in the dtype the optimizer's parameter has (exact widening is
     automatic; narrowing needs ``allow_lossy_cast``). RNG states are restored
     only when the layout and world size are the ones that saved them.
+    Modules' ``get_extra_state()`` comes back per TP rank; when the TP size
+    changed that is an error naming the modules, unless
+    ``extra_state="skip"`` (their extra state then stays as it is).
 
     Raises:
         the core's errors (MismatchError, CastError, MetadataError, ...) and
@@ -198,6 +217,9 @@ def load_checkpoint(
     targets: dict[str, gs.ShardedTensor] = {}
     new_state: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
     opened: list[gs.Checkpoint] = []
+    extras: list[Any] = []
+    if extra_state not in ("load", "skip"):
+        raise ValueError(f"extra_state must be 'load' or 'skip', got {extra_state!r}")
 
     def prepare() -> None:
         checkpoint = gs.Checkpoint(path, kvstore=kvstore)  # parsed once, used for planning and loading
@@ -209,6 +231,8 @@ def load_checkpoint(
         entries = model_entries(model, layout, rules)
         for e in entries:
             targets[f"model/{e.name}"] = e.shard(e.key, numpy_view(staging.host(e.tensor, for_save=False)))
+        extras.extend(extra_state_restore(_chunks(model), layout, _LAYERS, ts.get("extra_state") or {},
+                                          metadata, targets, extra_state))
         if optimizer is None:
             return
         if ts.get("optimizer") is None:
@@ -255,6 +279,7 @@ def load_checkpoint(
     stats = gs.IOStats()
     trainer = opened[0].load(targets, comm=comm, allow_lossy_cast=allow_lossy_cast, stats=stats)
     staging.finish_load()
+    extra_state_finish(extras)
     if optimizer is not None:
         for p, st in new_state:
             optimizer.state[p] = {k: _like_param(p, v) for k, v in st.items()}

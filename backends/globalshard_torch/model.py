@@ -160,7 +160,7 @@ def model_entries(
     modules = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
     if len(modules) != layout.vpp_size:
         raise LayoutError(f"{len(modules)} model chunks given, the layout has vpp_size={layout.vpp_size}")
-    problems = _unsupported_state(modules)
+    problems: list[str] = []
     entries: list[Entry] = []
     for c, module in enumerate(modules):
         named: list[tuple[str, torch.Tensor]] = list(module.named_parameters(remove_duplicate=False))
@@ -215,20 +215,6 @@ def _canonical_alias(aliases: list[str], layout: ParallelLayout, chunk: int, lay
         except LayoutError:
             continue
     return aliases[0]
-
-
-def _unsupported_state(modules: list[nn.Module]) -> list[str]:
-    """State the adapter cannot save yet, named, so that nothing is dropped silently."""
-    problems = []
-    for c, module in enumerate(modules):
-        for name, sub in module.named_modules():
-            # TODO(limitation): nn.Module.get_extra_state() (Transformer Engine's FP8
-            # scaling state) is not saved; a module that has it is refused.
-            if type(sub).get_extra_state is not nn.Module.get_extra_state:
-                where = f"chunk{c}/{name}" if len(modules) > 1 else (name or "the model")
-                problems.append(f"{where}: {type(sub).__name__} keeps extra state (get_extra_state), which "
-                                "globalshard_torch does not save yet; refusing rather than dropping it")
-    return problems
 
 
 def _persistent(module: nn.Module, name: str) -> bool:

@@ -1,0 +1,140 @@
+"""``nn.Module.get_extra_state()``: state a module keeps outside its parameters
+(Transformer Engine keeps its FP8 scaling state there).
+
+Extra state is per TP rank (an FP8 amax history belongs to one TP shard) and
+the same on every DP replica. Each module's state is saved for each TP rank:
+
+* a JSON value (numbers, strings, lists, dicts; ``inf`` included) goes into
+  the trainer state, under ``extra_state[<global module name>]``;
+* a tensor, or ``bytes`` / ``io.BytesIO``, becomes an array stored under
+  ``_extra_state.<global module name>.tp<r>of<T>``, written by DP rank 0.
+
+No pickle is read or written here (a module's own ``set_extra_state`` decides
+what it does with the bytes it gets back). On load, each module gets back the
+state its TP rank saved; when the TP size changed there is no such thing, and
+the load fails naming the module unless ``extra_state="skip"`` says to leave
+the modules' extra state as it is.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import globalshard as gs
+from globalshard.errors import LayoutError, MismatchError, TrainerStateError, format_problems
+from globalshard_torch.parallel import ParallelLayout
+from globalshard_torch.state import from_jsonable, jsonable
+from globalshard_torch.tensors import numpy_view, torch_dtype
+
+__all__ = ["collect", "has_extra_state", "restore_targets"]
+
+_PREFIX = "_extra_state."
+
+
+def has_extra_state(module: nn.Module) -> bool:
+    return type(module).get_extra_state is not nn.Module.get_extra_state
+
+
+def _modules(chunks: Sequence[nn.Module], layout: ParallelLayout, layer_pattern: str) -> list[tuple[str, nn.Module]]:
+    out = []
+    for c, chunk in enumerate(chunks):
+        for name, module in chunk.named_modules():
+            if has_extra_state(module):
+                out.append((layout.global_name(name, c, layer_pattern) or "<root>", module))
+    return out
+
+
+def _key(gname: str, layout: ParallelLayout) -> str:
+    return f"{_PREFIX}{gname}.tp{layout.tp_rank}of{layout.tp_size}"
+
+
+def collect(chunks: Sequence[nn.Module], layout: ParallelLayout, layer_pattern: str,
+            shards: dict[str, gs.ShardedTensor]) -> dict[str, Any]:
+    """This rank's extra state: arrays added to ``shards``; returns the JSON part
+    as ``{global module name: {"tp": T, "rank": r, "kind": ..., "value": ...}}``."""
+    out: dict[str, Any] = {}
+    problems = []
+    for gname, module in _modules(chunks, layout, layer_pattern):
+        value = module.get_extra_state()
+        record: dict[str, Any] = {"tp": layout.tp_size, "rank": layout.tp_rank}
+        if isinstance(value, io.BytesIO):
+            value, record["kind"] = value.getvalue(), "bytesio"
+        if isinstance(value, (bytes, bytearray)):
+            record.setdefault("kind", "bytes")
+            data: np.ndarray = np.frombuffer(bytes(value), np.uint8).copy()
+        elif torch.is_tensor(value):
+            record["kind"], data = "tensor", numpy_view(value.detach().cpu().contiguous()).copy()
+        else:
+            try:
+                record["kind"], record["value"] = "json", jsonable(value, f"extra state of {gname}")
+            except TrainerStateError as e:
+                problems.append(f"{gname}: {type(module).__name__}.get_extra_state() returned a "
+                                f"{type(value).__name__}, which cannot be saved without pickle ({e})")
+            out[gname] = record
+            continue
+        key = _key(gname, layout)
+        shards[f"extra/{gname}"] = gs.ShardedTensor.from_offset(
+            key, data, global_shape=tuple(data.shape), global_offset=(0,) * data.ndim,
+            replica_id=0 if layout.dp_rank == 0 else 1)
+        out[gname] = record
+    if problems:
+        raise LayoutError(format_problems("cannot save the modules' extra state", problems))
+    return out
+
+
+def restore_targets(chunks: Sequence[nn.Module], layout: ParallelLayout, layer_pattern: str,
+                    saved: dict[str, list[dict[str, Any]]], metadata: gs.Metadata,
+                    targets: dict[str, gs.ShardedTensor], mode: str) -> list[tuple[nn.Module, dict[str, Any], Any]]:
+    """Plan the restore: arrays to load are added to ``targets``; returns
+    ``(module, record, array or None)`` for :func:`finish`.
+
+    Raises:
+        MismatchError: a module's extra state was not saved for this TP rank
+            (or at all), listing every such module; unless ``mode == "skip"``.
+    """
+    plans, problems = [], []
+    for gname, module in _modules(chunks, layout, layer_pattern):
+        records = saved.get(gname, [])
+        record = next((r for r in records if r["tp"] == layout.tp_size and r["rank"] == layout.tp_rank), None)
+        if record is None:
+            # TODO(limitation): per-TP-rank extra state is not split or merged across a TP change.
+            if mode != "skip":
+                tps = sorted({r["tp"] for r in records})
+                why = f"saved at TP={tps}, loading at TP={layout.tp_size}" if tps else "not in the checkpoint"
+                problems.append(f"{gname}: {type(module).__name__}'s extra state is {why}; per-rank extra state "
+                                "cannot be split or merged (pass extra_state='skip' to keep the module's own)")
+            continue
+        array = None
+        if record["kind"] != "json":
+            key = _key(gname, layout)
+            stored = metadata.tensors.get(key)
+            if stored is None:
+                problems.append(f"{gname}: the extra state array {key!r} is missing")
+                continue
+            array = torch.zeros(stored.global_shape, dtype=torch_dtype(stored.dtype))
+            targets[f"extra/{gname}"] = gs.ShardedTensor.from_offset(
+                key, numpy_view(array), global_shape=stored.global_shape,
+                global_offset=(0,) * len(stored.global_shape))
+        plans.append((module, record, array))
+    if problems:
+        raise MismatchError(format_problems("the modules' extra state does not match the checkpoint", problems))
+    return plans
+
+
+def finish(plans: list[tuple[nn.Module, dict[str, Any], Any]]) -> None:
+    """Hand each module its state back, in the form it gave it."""
+    for module, record, array in plans:
+        kind = record["kind"]
+        if kind == "json":
+            module.set_extra_state(from_jsonable(record["value"]))
+        elif kind == "tensor":
+            module.set_extra_state(array)
+        else:
+            data = array.numpy().tobytes()
+            module.set_extra_state(io.BytesIO(data) if kind == "bytesio" else data)
