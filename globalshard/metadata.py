@@ -476,7 +476,7 @@ def _decode_json_value(value: Any, depth: int = 0) -> Any:
     if isinstance(value, dict):
         if len(value) == 1 and _FLOAT_TAG in value:
             tag = value[_FLOAT_TAG]
-            if tag not in _NON_FINITE:
+            if not isinstance(tag, str) or tag not in _NON_FINITE:
                 raise MetadataError(f"{TRAINER_STATE_FILE}: {_FLOAT_TAG!r} must be one of "
                                     f"{sorted(_NON_FINITE)}, got {_short(tag)}")
             return _NON_FINITE[tag]
@@ -522,5 +522,6 @@ def parse_trainer_state(data: bytes, ref: TrainerStateRef) -> dict[str, Any]:
         out = _decode_json_value(doc)
     except RecursionError:
         raise MetadataError(f"{ref.path}: nested more than {MAX_DEPTH} deep") from None
-    assert isinstance(out, dict)
+    if not isinstance(out, dict):
+        raise MetadataError(f"{ref.path}: $ must be an object, got a tagged {_json_type(out)}")
     return out

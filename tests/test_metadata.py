@@ -297,3 +297,11 @@ def test_version_1_documents_still_parse():
     assert md.version == 1 and md.save_id is None
     with pytest.raises(MetadataError, match="save_id"):
         parse_metadata(_one_tensor([2], [([0], [2])], version=1).replace('"version": 1', '"version": 2'))
+
+
+@pytest.mark.parametrize("doc", [b'{"x": {"$float": ["inf"]}}', b'{"x": {"$float": {"a": 1}}}', b'{"$float": "inf"}'])
+def test_a_malformed_float_tag_is_a_metadata_error(doc):
+    # Found by tests/fuzz_metadata.py at 100,000 inputs: TypeError and AssertionError escaped.
+    import hashlib
+    with pytest.raises(MetadataError):
+        parse_trainer_state(doc, TrainerStateRef(len(doc), hashlib.sha256(doc).hexdigest()))
