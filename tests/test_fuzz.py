@@ -7,6 +7,6 @@ from fuzz_metadata import run
 
 
 def test_parsers_answer_every_hostile_input_with_their_own_error():
-    result = run(int(os.environ.get("GLOBALSHARD_FUZZ_INPUTS", "1500")), seed=7)
+    result = run(int(os.environ.get("GLOBALSHARD_FUZZ_INPUTS", "4000")), seed=7)
     assert result["failures"] == [], result["failures"][:5]
     assert result["metadata refused"] > 0 and result["trainer state accepted"] > 0  # both paths exercised

@@ -708,3 +708,26 @@ def partial_job(rank: int, *, path: str) -> str:
         return "saved"
     except gs.LayoutError as e:
         return str(e)
+
+
+def moe_save_job(rank: int, *, path: str) -> dict[str, Any]:
+    """DP=2 carved into EP=2 (TP=1): each rank holds 2 of 4 experts, one module
+    each (Megatron-Core's SequentialMLP), trained one AdamW step."""
+    from test_torch_moe import MoE, reference, rules
+
+    layout = gt.ParallelLayout(dp_rank=rank, dp_size=2, ep_size=2)
+    model = MoE("sequential", layout)
+    ref = reference()
+    with torch.no_grad():
+        model.router.weight.copy_(torch.from_numpy(ref["router"]))
+        for i, ex in enumerate(model.experts.local_experts):
+            ex.linear_fc1.weight.copy_(torch.from_numpy(ref["fc1"][2 * rank + i]))
+            ex.linear_fc2.weight.copy_(torch.from_numpy(ref["fc2"][2 * rank + i]))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float(rank + 1))
+    opt.step()
+    gt.save_checkpoint(path, model=model, layout=layout, rules=rules("sequential"), optimizer=opt)
+    exs = model.experts.local_experts
+    return {"fc1": [ex.linear_fc1.weight.detach().numpy().tolist() for ex in exs],
+            "exp_avg": [opt.state[ex.linear_fc1.weight]["exp_avg"].numpy().tolist() for ex in exs]}

@@ -24,6 +24,7 @@ from globalshard_torch.model import Entry, model_entries
 from globalshard_torch.parallel import ParallelLayout
 from globalshard_torch.rules import (
     ColumnParallel,
+    Experts,
     MegatronQKV,
     PackedQKV,
     PackedSwiGLU,
@@ -33,6 +34,7 @@ from globalshard_torch.rules import (
     Rule,
     ShardingRules,
     Split,
+    StackedExperts,
     Tied,
     VocabParallel,
 )
@@ -43,6 +45,7 @@ from globalshard_torch.tensors import HostStaging, numpy_view, torch_dtype
 __all__ = [
     "CheckpointManager",
     "ColumnParallel",
+    "Experts",
     "Entry",
     "HostStaging",
     "LoadResult",
@@ -56,6 +59,7 @@ __all__ = [
     "Rule",
     "ShardingRules",
     "Split",
+    "StackedExperts",
     "Tied",
     "TorchComm",
     "VocabParallel",

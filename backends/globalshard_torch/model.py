@@ -47,7 +47,8 @@ class Entry:
                 f"{key!r}: local shape {data.shape} differs from the parameter's {tuple(self.tensor.shape)}"
             )
         if p.regions is not None:
-            return gs.ShardedTensor(key, data, p.global_shape, p.regions, replica)
+            view = data.reshape(p.local_view) if p.local_view is not None else data
+            return gs.ShardedTensor(key, view, p.global_shape, p.regions, replica)
         if p.segments is not None:
             return gs.ShardedTensor.from_segments(
                 key, data, global_shape=p.global_shape, axis=0, segments=p.segments,
@@ -188,10 +189,15 @@ def model_entries(
                     continue
                 if rules is None:
                     raise LayoutError("not a DTensor, and no sharding rules were given")
-                key, rule, tied_copy = rules.resolve(gname)
+                key, rule, tied_copy = rules.resolve_on(gname, layout)
                 placement = rule.place(tuple(tensor.shape), layout)
-                main = placement.tp_main and layout.dp_rank == 0 and not tied_copy
-                entries.append(Entry(label, key, tensor, placement, main, tensor, main and layout.tp_rank == 0))
+                replica_rank = layout.expert_dp_rank if placement.expert else layout.dp_rank
+                main = placement.tp_main and replica_rank == 0 and not tied_copy
+                # Per-parameter scalars (Adam's step): one main copy per key, and all
+                # experts share their key: the holder of global expert 0 keeps it.
+                scalar_main = main and layout.tp_rank == 0 and (
+                    not placement.expert or any(r.global_box.offset[0] == 0 for r in placement.regions or ()))
+                entries.append(Entry(label, key, tensor, placement, main, tensor, scalar_main))
             except LayoutError as e:
                 problems.append(f"{label}: {e}")
     if problems:

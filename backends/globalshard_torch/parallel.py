@@ -26,6 +26,10 @@ class ParallelLayout:
         pp_rank, pp_size: pipeline stage and number of stages.
         vpp_size: virtual pipeline chunks per stage (1: no interleaving).
         dp_rank, dp_size: data-parallel rank and size.
+        ep_size: expert-parallel size, carved out of data parallelism as in
+            Megatron-Core's ``tp-ep-dp`` rank order: ``ep_rank = dp_rank %
+            ep_size`` and the expert data-parallel rank is ``dp_rank //
+            ep_size`` (experts are TP-sharded with the dense TP size).
         num_layers: transformer layers in the whole model.
         stage_layers: a custom assignment: ``stage_layers[pp_rank][chunk]``
             lists the global layer indices of that chunk, in local order. When
@@ -43,6 +47,7 @@ class ParallelLayout:
     vpp_size: int = 1
     dp_rank: int = 0
     dp_size: int = 1
+    ep_size: int = 1
     num_layers: int = 0
     stage_layers: tuple[tuple[tuple[int, ...], ...], ...] | None = None
     groups: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -55,6 +60,8 @@ class ParallelLayout:
                 problems.append(f"{name}_rank {rank} is not in [0, {name}_size={size})")
         if self.vpp_size < 1:
             problems.append(f"vpp_size {self.vpp_size} < 1")
+        if self.ep_size < 1 or self.dp_size % self.ep_size:
+            problems.append(f"ep_size {self.ep_size} does not divide dp_size {self.dp_size}")
         if self.stage_layers is not None:
             stages = tuple(tuple(tuple(int(i) for i in chunk) for chunk in st) for st in self.stage_layers)
             object.__setattr__(self, "stage_layers", stages)
@@ -100,6 +107,16 @@ class ParallelLayout:
             )
         return layers[local]
 
+    @property
+    def ep_rank(self) -> int:
+        """This rank's expert-parallel rank (Megatron-Core's tp-ep-dp order)."""
+        return self.dp_rank % self.ep_size
+
+    @property
+    def expert_dp_rank(self) -> int:
+        """Which copy of its experts this rank holds (0: the main one)."""
+        return self.dp_rank // self.ep_size
+
     def global_name(self, name: str, chunk: int, pattern: str = r"(^|\.)layers\.(\d+)(?=\.|$)") -> str:
         """``name`` with its local layer index replaced by the global one."""
 
@@ -110,7 +127,7 @@ class ParallelLayout:
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: getattr(self, k) for k in (
-            "tp_rank", "tp_size", "pp_rank", "pp_size", "vpp_size", "dp_rank", "dp_size", "num_layers")}
+            "tp_rank", "tp_size", "pp_rank", "pp_size", "vpp_size", "dp_rank", "dp_size", "ep_size", "num_layers")}
         out["stage_layers"] = None if self.stage_layers is None else [[list(c) for c in st] for st in self.stage_layers]
         return out
 

@@ -16,6 +16,8 @@ rule                        local tensor on TP rank r of T
 ``MegatronQKV(heads, ng)``  Megatron-Core's ``linear_qkv``: per query group, its q heads, then k, then v
 ``PackedSwiGLU()``          ``[gate_r; up_r]`` of a global ``[gate; up]``
 ``Tied("embedding.weight")`` a copy of another parameter (tied input/output embeddings), stored once under its key
+``Experts(E, inner)``       one module per expert (``local_experts.<i>.`` or ``weight<i>``), global ``[E, ...]``
+``StackedExperts(E, inner)`` an EP rank's experts stacked on axis 0 (grouped GEMM), the same global ``[E, ...]``
 ==========================  ==================================================
 
 LoRA adapters use the same rules: B of a column-parallel layer is
@@ -27,14 +29,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from globalshard import Region, Segment
+from globalshard import Box, Region, Segment
 from globalshard.errors import LayoutError
 from globalshard_torch.parallel import ParallelLayout
 
 __all__ = [
     "ColumnParallel",
+    "Experts",
     "MegatronQKV",
     "PackedQKV",
     "PackedSwiGLU",
@@ -44,6 +47,7 @@ __all__ = [
     "Rule",
     "ShardingRules",
     "Split",
+    "StackedExperts",
     "Tied",
     "VocabParallel",
 ]
@@ -58,7 +62,9 @@ class Placement:
     segments: tuple[Segment, ...] | None = None  # along axis 0 when set
     allow_padding: bool = False
     tp_main: bool = True  # False on TP ranks that hold a copy of another rank's values
-    regions: tuple[Region, ...] | None = None  # when set, the layout itself (DTensors)
+    regions: tuple[Region, ...] | None = None  # when set, the layout itself (DTensors, experts)
+    expert: bool = False  # replicated over expert data parallelism, not dense DP
+    local_view: tuple[int, ...] | None = None  # the local tensor seen with this shape (an expert axis of 1)
 
 
 class Rule:
@@ -212,6 +218,108 @@ class PackedSwiGLU(Rule):
         return Placement((rows, *local_shape[1:]), (0,) * len(local_shape), segments)
 
 
+def _inner_regions(p: Placement, local_shape: tuple[int, ...]) -> list[Region]:
+    """A placement's regions (one box, or one per segment along axis 0)."""
+    if p.regions is not None:
+        return list(p.regions)
+    if p.allow_padding:
+        raise LayoutError("a padded layout (VocabParallel) cannot hold experts")
+    if p.segments is None:
+        return [Region(Box((0,) * len(local_shape), local_shape), Box(p.global_offset, local_shape))]
+    rest = local_shape[1:]
+    return [Region(Box((seg.local_offset,) + (0,) * len(rest), (seg.length, *rest)),
+                   Box((seg.global_offset, *p.global_offset[1:]), (seg.length, *rest))) for seg in p.segments]
+
+
+def _with_expert_axis(regions: list[Region], local_expert: int | None, global_expert: int) -> list[Region]:
+    """Regions of one expert with the expert axis in front, on both sides: the
+    local tensor stacks experts (``local_expert``), or is viewed with a
+    leading axis of one (None)."""
+    lo = 0 if local_expert is None else local_expert
+    return [Region(Box((lo, *r.local_box.offset), (1, *r.local_box.shape)),
+                   Box((global_expert, *r.global_box.offset), (1, *r.global_box.shape))) for r in regions]
+
+
+_LOCAL_EXPERT = re.compile(r"(?:^|\.)local_experts\.(\d+)(?=\.)|(?<=\.)(weight|bias)(\d+)$")
+
+
+@dataclass(frozen=True)
+class Experts(Rule):
+    """One module per expert (Megatron-Core's ``SequentialMLP``:
+    ``...experts.local_experts.<i>.linear_fc1.weight``; or Transformer Engine's
+    ``GroupedLinear``: ``...experts.linear_fc1.weight<i>``). Local expert i of
+    EP rank e is global expert ``e * num_experts / ep_size + i``; ``inner``
+    cuts one expert across TP. Stored, index removed from the key, as one
+    global ``[num_experts, *expert_shape]`` array, the same as
+    :class:`StackedExperts`, so either layout loads the other."""
+
+    num_experts: int
+    inner: Rule = field(default_factory=lambda: ColumnParallel())
+
+    def bind(self, name: str, layout: ParallelLayout) -> tuple[str, Rule]:
+        """The key (local expert index removed) and the rule for this expert."""
+        matches = list(_LOCAL_EXPERT.finditer(name))
+        if not matches:
+            raise LayoutError(f"{name!r}: no local expert index ('local_experts.<i>.' or 'weight<i>')")
+        m = matches[-1]
+        if m.group(1) is not None:
+            local = int(m.group(1))
+            key = name[:m.start()] + name[m.end():]
+        else:
+            local = int(m.group(3))
+            key = name[:m.start()] + m.group(2)
+        per_rank = _experts_per_rank(self.num_experts, layout)
+        if local >= per_rank:
+            raise LayoutError(f"{name!r}: local expert {local}, but each of {layout.ep_size} EP ranks holds "
+                              f"{per_rank} of {self.num_experts} experts")
+        return key, _OneExpert(self.inner, layout.ep_rank * per_rank + local, self.num_experts)
+
+    def place(self, local_shape: tuple[int, ...], layout: ParallelLayout) -> Placement:
+        raise LayoutError("Experts places a parameter through its name: use ShardingRules.resolve")
+
+
+@dataclass(frozen=True)
+class _OneExpert(Rule):
+    inner: Rule
+    expert: int
+    num_experts: int
+
+    def place(self, local_shape: tuple[int, ...], layout: ParallelLayout) -> Placement:
+        p = self.inner.place(local_shape, layout)
+        regions = _with_expert_axis(_inner_regions(p, local_shape), None, self.expert)
+        return Placement((self.num_experts, *p.global_shape), (0,) * (len(local_shape) + 1), regions=tuple(regions),
+                         tp_main=p.tp_main, expert=True, local_view=(1, *local_shape))
+
+
+@dataclass(frozen=True)
+class StackedExperts(Rule):
+    """This EP rank's experts stacked in one tensor ``[experts per rank,
+    *expert_shape]`` (grouped GEMM; torchtitan's ``GroupedExperts``); ``inner``
+    cuts each expert across TP. Stored as the global ``[num_experts,
+    *expert_shape]`` array :class:`Experts` uses."""
+
+    num_experts: int
+    inner: Rule = field(default_factory=lambda: ColumnParallel())
+
+    def place(self, local_shape: tuple[int, ...], layout: ParallelLayout) -> Placement:
+        per_rank = _experts_per_rank(self.num_experts, layout)
+        if not local_shape or local_shape[0] != per_rank:
+            raise LayoutError(f"stacked experts of shape {local_shape}: expected {per_rank} experts on axis 0 "
+                              f"({self.num_experts} over EP={layout.ep_size})")
+        p = self.inner.place(local_shape[1:], layout)
+        inner = _inner_regions(p, local_shape[1:])
+        regions = [r for j in range(per_rank)
+                   for r in _with_expert_axis(inner, j, layout.ep_rank * per_rank + j)]
+        return Placement((self.num_experts, *p.global_shape), (0,) * len(local_shape), regions=tuple(regions),
+                         tp_main=p.tp_main, expert=True)
+
+
+def _experts_per_rank(num_experts: int, layout: ParallelLayout) -> int:
+    if num_experts % layout.ep_size:
+        raise LayoutError(f"{num_experts} experts do not split over EP={layout.ep_size}")
+    return num_experts // layout.ep_size
+
+
 @dataclass(frozen=True)
 class Tied(Rule):
     """This parameter holds the same values as ``canonical`` (tied embeddings):
@@ -259,3 +367,10 @@ class ShardingRules:
                 raise LayoutError(f"{name!r} is tied to {rule.canonical!r}, which has no (untied) rule")
             return rule.canonical, target, True
         return name, rule, False
+
+    def resolve_on(self, name: str, layout: ParallelLayout) -> tuple[str, Rule, bool]:
+        """:meth:`resolve`, with per-expert rules bound to this rank's experts."""
+        key, rule, tied = self.resolve(name)
+        if isinstance(rule, Experts):
+            key, rule = rule.bind(key, layout)
+        return key, rule, tied
