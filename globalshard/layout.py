@@ -336,13 +336,21 @@ def shards_from_flat_range(
     global_shape: Sequence[int],
     start: int,
     replica_id: int = 0,
+    local_shape: Sequence[int] | None = None,
+    regions: Sequence[Region] | None = None,
 ) -> list[ShardedTensor]:
     """Shards for a 1-D ``flat`` array holding C-order elements ``[start, start +
-    len(flat))`` of the global array, as ZeRO / distributed optimizers keep them.
+    len(flat))`` of an array, as ZeRO / distributed optimizers keep them.
+
+    Without ``regions`` that array is the global one. With them, it is a
+    rank's local tensor of ``local_shape`` (a TP shard, a fused QKV, a padded
+    vocabulary), and ``regions`` say where its boxes lie in the global array:
+    the flat range is cut by them, and elements outside every region
+    (padding) are neither saved nor loaded.
 
     The range splits into at most ``2 * ndim - 1`` boxes, each a contiguous run
-    of ``flat``; each shard's data is a reshaped *view* of ``flat``, so a load
-    fills ``flat`` in place.
+    of ``flat``; each shard's data is a *view* of ``flat``, so a load fills
+    ``flat`` in place.
 
     >>> import numpy as np
     >>> flat = np.arange(2, 10, dtype=np.float32)        # elements 2..9 of a (3, 4) array
@@ -353,10 +361,21 @@ def shards_from_flat_range(
     if flat.ndim != 1 or not flat.flags.c_contiguous:
         raise LayoutError(f"{key!r}: a flat range must be a contiguous 1-D array, got shape {flat.shape}")
     gshape = _int_tuple(global_shape, f"{key!r} global_shape")
+    if (regions is None) != (local_shape is None):
+        raise LayoutError(f"{key!r}: local_shape and regions go together")
+    lshape = gshape if local_shape is None else _int_tuple(local_shape, f"{key!r} local_shape")
+    maps = [Region(Box.full(gshape), Box.full(gshape))] if regions is None else list(regions)
     out, pos = [], 0
-    for box in flat_range_boxes(gshape, start, start + flat.size):
+    for box in flat_range_boxes(lshape, start, start + flat.size):
         view = flat[pos:pos + box.volume].reshape(box.shape)
-        out.append(ShardedTensor(key, view, gshape, (Region(Box.full(box.shape), box),), replica_id))
         pos += box.volume
+        for region in maps:
+            inter = box.intersect(region.local_box)
+            if inter is None:
+                continue
+            sub = view[tuple(slice(o - b, o - b + n) for o, b, n in zip(inter.offset, box.offset, inter.shape))]
+            gbox = Box(tuple(g + o - lo for g, o, lo in
+                             zip(region.global_box.offset, inter.offset, region.local_box.offset)), inter.shape)
+            out.append(ShardedTensor(key, sub, gshape, (Region(Box.full(inter.shape), gbox),), replica_id))
     return out
 
