@@ -151,8 +151,10 @@ def test_flat_ranges_of_segmented_local_tensors_cover_the_global_array_exactly(d
     for r in range(tp):
         flat = local(r)
         for k, (a, b) in enumerate(cuts()):
-            for i, t in enumerate(gs.shards_from_flat_range("w", flat[a:b].copy(), global_shape=full.shape, start=a,
+            piece = flat[a:b].copy()
+            for i, t in enumerate(gs.shards_from_flat_range("w", piece, global_shape=full.shape, start=a,
                                                             local_shape=local_shape, regions=regions(r))):
+                assert np.shares_memory(t.data, piece)  # views of the rank's own piece: nothing gathered
                 state[f"{r}.{k}.{i}"] = t
     with tempfile.TemporaryDirectory() as d:
         gs.save(state, d)

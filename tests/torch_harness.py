@@ -731,3 +731,41 @@ def moe_save_job(rank: int, *, path: str) -> dict[str, Any]:
     exs = model.experts.local_experts
     return {"fc1": [ex.linear_fc1.weight.detach().numpy().tolist() for ex in exs],
             "exp_avg": [opt.state[ex.linear_fc1.weight]["exp_avg"].numpy().tolist() for ex in exs]}
+
+
+def _zero_model() -> tuple[nn.Module, Any]:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
+    return model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=0.01)
+
+
+def zero_save_job(rank: int, *, path: str) -> dict[str, Any]:
+    """DP=2, torch's ZeroRedundancyOptimizer: each rank holds the state of its partition."""
+    model, opt = _zero_model()
+    model(torch.randn(2, 6)).sum().backward()
+    opt.step()
+    gt.save_checkpoint(path, model=model, layout=gt.ParallelLayout(dp_rank=rank, dp_size=2),
+                       rules=gt.ShardingRules([(".*", gt.Replicated())]), optimizer=opt)
+    opt.consolidate_state_dict(to=0)  # the reference, gathered the way torch does it
+    if rank != 0:
+        return {}
+    full = opt.state_dict()
+    names = [n for n, _ in model.named_parameters()]
+    return {"params": {n: p.detach().numpy().tolist() for n, p in model.named_parameters()},
+            "exp_avg_sq": {names[i]: s["exp_avg_sq"].numpy().tolist() for i, s in full["state"].items()}}
+
+
+def zero_load_job(rank: int, *, path: str, expect: dict[str, Any]) -> list[str]:
+    model, opt = _zero_model()
+    gt.load_checkpoint(path, model=model, layout=gt.ParallelLayout(dp_rank=rank, dp_size=2),
+                       rules=gt.ShardingRules([(".*", gt.Replicated())]), optimizer=opt)
+    bad = []
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in opt.optim.param_groups:
+        for p in group["params"]:
+            got = opt.optim.state[p]["exp_avg_sq"].numpy()
+            if not np.array_equal(got, np.array(expect["exp_avg_sq"][names[id(p)]], np.float32)):
+                bad.append(names[id(p)])
+    return bad

@@ -41,11 +41,13 @@ from globalshard_torch.rules import (
 from globalshard_torch.state import jsonable, rng_state, set_rng_state
 from globalshard_torch.state_dict import load, save
 from globalshard_torch.tensors import HostStaging, numpy_view, torch_dtype
+from globalshard_torch.zero import FlatShard, megatron_param_ranges, zero_redundancy_shards
 
 __all__ = [
     "CheckpointManager",
     "ColumnParallel",
     "Experts",
+    "FlatShard",
     "Entry",
     "HostStaging",
     "LoadResult",
@@ -66,6 +68,7 @@ __all__ = [
     "default_comm",
     "jsonable",
     "load",
+    "megatron_param_ranges",
     "load_checkpoint",
     "model_entries",
     "numpy_view",
@@ -74,4 +77,5 @@ __all__ = [
     "save_checkpoint",
     "set_rng_state",
     "torch_dtype",
+    "zero_redundancy_shards",
 ]

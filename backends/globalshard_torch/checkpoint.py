@@ -46,6 +46,7 @@ from globalshard_torch.parallel import ParallelLayout
 from globalshard_torch.rules import ShardingRules
 from globalshard_torch.state import from_jsonable, jsonable, rng_state, set_rng_state
 from globalshard_torch.tensors import HostStaging, numpy_view, torch_dtype
+from globalshard_torch.zero import FlatShard, zero_redundancy_shards
 
 __all__ = ["CheckpointManager", "LoadResult", "load_checkpoint", "save_checkpoint"]
 
@@ -113,6 +114,7 @@ def save_checkpoint(
     scheduler: Any = None,
     trainer_state: dict[str, Any] | None = None,
     master_params: Mapping[str, torch.Tensor] | None = None,
+    optimizer_shards: Sequence[FlatShard] | None = None,
     comm: Comm | None = None,
     overwrite: bool = False,
     kvstore: Any = None,
@@ -122,8 +124,12 @@ def save_checkpoint(
 
     Call on every rank. ``model`` is this rank's module, or its virtual
     pipeline chunks in local order. ``master_params`` maps model tensor names
-    to the fp32 copies the optimizer holds, when it holds copies. A failure on
-    any rank raises on every rank and commits nothing.
+    to the fp32 copies the optimizer holds, when it holds copies. With a
+    distributed optimizer, ``optimizer_shards`` (:class:`FlatShard` s) are
+    this rank's pieces of the optimizer state, and ``optimizer`` (if given)
+    only supplies the hyper-parameters; a ``ZeroRedundancyOptimizer`` is
+    recognised by itself. A failure on any rank raises on every rank and
+    commits nothing.
     """
     comm = comm if comm is not None else (default_comm() or SingleProcessComm())
     user = dict(trainer_state or {})
@@ -133,12 +139,20 @@ def save_checkpoint(
     shards: dict[str, gs.ShardedTensor] = {}
     staging = HostStaging()
 
+    zero = _is_zero_redundancy(optimizer)
+    if zero:
+        optimizer_shards = zero_redundancy_shards(optimizer)
+
     def describe() -> dict[str, Any]:
         entries = model_entries(model, layout, rules)
         for e in entries:
             shards[f"model/{e.name}"] = e.shard(e.key, numpy_view(staging.host(e.tensor, for_save=True)))
         membership: dict[str, int] = {}
-        if optimizer is not None:
+        if optimizer_shards is not None:
+            for fs, e, item, key, t in _flat_items(optimizer_shards, entries):
+                host = staging.host(t.detach(), for_save=True)
+                _add_flat(shards, fs, e, item, key, numpy_view(host).copy() if t.ndim == 0 else numpy_view(host))
+        elif optimizer is not None:
             for g, p, e, is_master in _optimizer_params(optimizer, entries, master_params):
                 membership[e.key] = g
                 if is_master:
@@ -168,13 +182,14 @@ def save_checkpoint(
                 extras[gname].append(record)
     state["extra_state"] = extras
     state["lr_scheduler"] = jsonable(scheduler.state_dict(), "$.lr_scheduler") if scheduler is not None else None
-    if optimizer is not None:
+    if optimizer is not None or optimizer_shards is not None:
         membership: dict[str, int] = {}
         for g in gathered:
             membership.update(g["membership"])
         groups = [jsonable({k: v for k, v in group.items() if k != "params"}, f"$.optimizer.param_groups[{i}]")
-                  for i, group in enumerate(optimizer.param_groups)]
-        state["optimizer"] = {"class": type(optimizer).__name__, "param_groups": groups, "membership": membership}
+                  for i, group in enumerate(optimizer.param_groups if optimizer is not None else [])]
+        state["optimizer"] = {"class": _optimizer_class(optimizer), "param_groups": groups,
+                              "membership": membership}
     else:
         state["optimizer"] = None
     state["rng"] = {"world_size": comm.world_size, "parallel_config": layout.config_json(),
@@ -196,6 +211,7 @@ def load_checkpoint(
     restore_rng: bool = True,
     kvstore: Any = None,
     extra_state: str = "load",
+    optimizer_shards: Sequence[FlatShard] | None = None,
 ) -> LoadResult:
     """Load a checkpoint saved under any layout into this rank's model, optimizer
     and scheduler (in place). Call on every rank.
@@ -204,7 +220,10 @@ def load_checkpoint(
     for, in the dtype the optimizer's parameter has (exact widening is
     automatic; narrowing needs ``allow_lossy_cast``). RNG states are restored
     only when the layout and world size are the ones that saved them.
-    Modules' ``get_extra_state()`` comes back per TP rank; when the TP size
+    With a distributed optimizer, ``optimizer_shards`` name this rank's
+    pieces (their state tensors are filled in place, whatever DP size, TP
+    size or optimizer saved them); a ``ZeroRedundancyOptimizer`` gets the
+    state of its own partition. Modules' ``get_extra_state()`` comes back per TP rank; when the TP size
     changed that is an error naming the modules, unless
     ``extra_state="skip"`` (their extra state then stays as it is).
 
@@ -218,6 +237,8 @@ def load_checkpoint(
     new_state: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
     opened: list[gs.Checkpoint] = []
     extras: list[Any] = []
+    zero = _is_zero_redundancy(optimizer)
+    zero_pieces: list[FlatShard] = []
     if extra_state not in ("load", "skip"):
         raise ValueError(f"extra_state must be 'load' or 'skip', got {extra_state!r}")
 
@@ -233,16 +254,33 @@ def load_checkpoint(
             targets[f"model/{e.name}"] = e.shard(e.key, numpy_view(staging.host(e.tensor, for_save=False)))
         extras.extend(extra_state_restore(_chunks(model), layout, _LAYERS, ts.get("extra_state") or {},
                                           metadata, targets, extra_state))
-        if optimizer is None:
+        if optimizer is None and optimizer_shards is None:
             return
         if ts.get("optimizer") is None:
             raise MismatchError(f"{path}: the checkpoint holds no optimizer state (it was saved without "
                                 "optimizer=); pass optimizer=None to load the model alone")
+        if zero or optimizer_shards is not None:
+            if optimizer is not None and not zero:
+                _check_groups(optimizer, ts.get("optimizer"))
+            pieces = _zero_targets(optimizer, entries, metadata) if zero else list(optimizer_shards or [])
+            zero_pieces.extend(pieces)
+            problems = []
+            for fs, e, item, key, t in _flat_items(pieces, entries):
+                if key not in metadata.tensors:
+                    problems.append(f"{key!r}: not in the checkpoint ({item} of {e.key!r})")
+                    continue
+                if t.ndim:
+                    t.zero_()  # elements no region covers (padding) read as zeros
+                _add_flat(targets, fs, e, item, key, numpy_view(t if t.ndim == 0 else staging.host(t, for_save=False)))
+            if problems:
+                raise MismatchError(format_problems("the optimizer does not match the checkpoint", problems))
+            return
         items: dict[str, list[str]] = {}
         for k in metadata.tensors:
             if k.startswith(_OPT):
                 item, _, key = k[len(_OPT):].partition(".")
                 items.setdefault(key, []).append(item)
+        assert optimizer is not None  # the branches above return otherwise
         _check_groups(optimizer, ts.get("optimizer"))
         membership = (ts.get("optimizer") or {}).get("membership", {})
         problems = []
@@ -280,6 +318,10 @@ def load_checkpoint(
     trainer = opened[0].load(targets, comm=comm, allow_lossy_cast=allow_lossy_cast, stats=stats)
     staging.finish_load()
     extra_state_finish(extras)
+    if zero:
+        inner: Any = optimizer
+        for fs in zero_pieces:
+            inner.optim.state[fs.param] = {k: v.view(fs.param.shape) if v.ndim else v for k, v in fs.state.items()}
     if optimizer is not None:
         for p, st in new_state:
             optimizer.state[p] = {k: _like_param(p, v) for k, v in st.items()}
@@ -299,6 +341,78 @@ def load_checkpoint(
     return LoadResult(trainer, restored, stats)
 
 
+def _is_zero_redundancy(optimizer: Any) -> bool:
+    try:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def _optimizer_class(optimizer: Any) -> str | None:
+    """The class recorded for an optimizer: ZeRO's inner one, so that ZeRO and
+    the plain optimizer load each other's checkpoints."""
+    if optimizer is None:
+        return None
+    return type(optimizer.optim).__name__ if _is_zero_redundancy(optimizer) else type(optimizer).__name__
+
+
+def _flat_items(pieces: Sequence[FlatShard], entries: list[Entry]) -> Any:
+    """``(piece, entry, item, key, tensor)`` for every state item of every piece."""
+    by_id = {id(e.param): e for e in entries}
+    problems = []
+    out = []
+    for fs in pieces:
+        e = by_id.get(id(fs.param))
+        if e is None:
+            if outside_mesh(fs.param):
+                continue
+            problems.append(f"a flat optimizer shard of a tensor of shape {tuple(fs.param.shape)} that is not a "
+                            "parameter of the model")
+            continue
+        for item, t in fs.state.items():
+            out.append((fs, e, item, f"{_OPT}{item}.{e.key}", t))
+    if problems:
+        raise LayoutError(format_problems("cannot map the optimizer shards to checkpoint keys", problems))
+    return out
+
+
+def _add_flat(into: dict[str, gs.ShardedTensor], fs: FlatShard, e: Entry, item: str, key: str, data: Any) -> None:
+    """The ShardedTensors of one state item of one flat piece: a 0-d item is
+    the parameter's scalar (its main copy where the piece starts the
+    parameter), a 1-D one the piece's elements mapped through the entry's regions."""
+    main = e.main if e.main_across_dp is None else e.main_across_dp
+    scalar_main = e.scalar_main if e.scalar_main_across_dp is None else e.scalar_main_across_dp
+    if data.ndim == 0:
+        into[f"flat/{item}/{e.name}/{fs.start}"] = _scalar_shard(key, data, scalar_main and fs.start == 0)
+        return
+    local_shape, regions = e.regions()
+    for i, t in enumerate(gs.shards_from_flat_range(key, data, global_shape=e.placement.global_shape, start=fs.start,
+                                                   local_shape=local_shape, regions=regions,
+                                                   replica_id=0 if main else 1)):
+        into[f"flat/{item}/{e.name}/{fs.start}/{i}"] = t
+
+
+def _zero_targets(optimizer: Any, entries: list[Entry], metadata: gs.Metadata) -> list[FlatShard]:
+    """Fresh state for the parameters of a ZeroRedundancyOptimizer's own
+    partition: every item the checkpoint holds for their keys."""
+    by_id = {id(e.param): e for e in entries}
+    pieces = []
+    for group in optimizer.optim.param_groups:
+        for p in group["params"]:
+            e = by_id.get(id(p))
+            if e is None:
+                continue
+            state = {}
+            for key, stored in metadata.tensors.items():
+                if key.startswith(_OPT) and key.endswith(f".{e.key}") and not key.startswith(f"{_OPT}master."):
+                    item = key[len(_OPT):-len(e.key) - 1]
+                    state[item] = (torch.zeros((), dtype=torch_dtype(stored.dtype)) if stored.global_shape == ()
+                                   else torch.zeros(p.numel(), dtype=p.dtype))
+            pieces.append(FlatShard(p, 0, p.numel(), state))
+    return pieces
+
+
 def _like_param(p: Any, local: torch.Tensor) -> torch.Tensor:
     """Optimizer state for ``p``: a DTensor with p's placements when p is one."""
     if local.ndim == 0 or not hasattr(p, "to_local"):
@@ -311,9 +425,9 @@ def _like_param(p: Any, local: torch.Tensor) -> torch.Tensor:
 def _check_groups(optimizer: torch.optim.Optimizer, saved: dict[str, Any] | None) -> None:
     if saved is None:
         return
-    if saved.get("class") != type(optimizer).__name__:
+    if saved.get("class") != _optimizer_class(optimizer):
         raise MismatchError(f"the checkpoint holds {saved.get('class')} state; the optimizer is "
-                            f"{type(optimizer).__name__}")
+                            f"{_optimizer_class(optimizer)}")
     n_saved, n_now = len(saved.get("param_groups", [])), len(optimizer.param_groups)
     if n_saved != n_now:
         raise MismatchError(f"the checkpoint has {n_saved} optimizer param groups, the optimizer {n_now}")

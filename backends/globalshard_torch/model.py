@@ -36,6 +36,16 @@ class Entry:
     main: bool  # this rank's piece is the main replica of its region
     param: torch.Tensor  # the model's own object (a DTensor for DTensor parameters)
     scalar_main: bool  # the one rank whose per-parameter scalars (Adam's step) are the main copy
+    # The same, ignoring data parallelism: for state that DP ranks partition (a
+    # distributed optimizer) rather than replicate. None: as main / scalar_main.
+    main_across_dp: bool | None = None
+    scalar_main_across_dp: bool | None = None
+
+    def regions(self) -> tuple[tuple[int, ...], tuple[gs.Region, ...]]:
+        """``(local shape, regions)`` of this entry's layout, without its data."""
+        shape = tuple(self.tensor.shape)
+        t = self.shard(self.key, np.broadcast_to(np.zeros((), np.uint8), shape))
+        return tuple(t.data.shape), t.regions
 
     def shard(self, key: str, data: np.ndarray) -> gs.ShardedTensor:
         """A ShardedTensor with this entry's layout for ``data`` (the parameter,
@@ -185,7 +195,8 @@ def model_entries(
                         continue  # this rank is outside the DTensor's mesh: it holds nothing of it
                     local, placement, main, first = _dtensor_placement(tensor)
                     in_dp0 = layout.dp_rank == 0
-                    entries.append(Entry(label, gname, local, placement, main and in_dp0, tensor, first and in_dp0))
+                    entries.append(Entry(label, gname, local, placement, main and in_dp0, tensor, first and in_dp0,
+                                         main, first))
                     continue
                 if rules is None:
                     raise LayoutError("not a DTensor, and no sharding rules were given")
@@ -195,9 +206,11 @@ def model_entries(
                 main = placement.tp_main and replica_rank == 0 and not tied_copy
                 # Per-parameter scalars (Adam's step): one main copy per key, and all
                 # experts share their key: the holder of global expert 0 keeps it.
-                scalar_main = main and layout.tp_rank == 0 and (
-                    not placement.expert or any(r.global_box.offset[0] == 0 for r in placement.regions or ()))
-                entries.append(Entry(label, key, tensor, placement, main, tensor, scalar_main))
+                holds_first = not placement.expert or any(r.global_box.offset[0] == 0 for r in placement.regions or ())
+                across = placement.tp_main and not tied_copy
+                entries.append(Entry(label, key, tensor, placement, main, tensor,
+                                     main and layout.tp_rank == 0 and holds_first,
+                                     across, across and layout.tp_rank == 0 and holds_first))
             except LayoutError as e:
                 problems.append(f"{label}: {e}")
     if problems:

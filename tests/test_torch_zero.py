@@ -1,0 +1,246 @@
+"""Distributed optimizers: Megatron-Core's DistributedOptimizer layout and
+torch's ZeroRedundancyOptimizer, saved and loaded across DP, TP and PP changes,
+into plain optimizers and back. The ranks run as threads with a real
+communicator (every save/load code path is the multi-rank one), and ZeRO over
+gloo processes."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from threadcomm import run_ranks
+from torch import nn
+from torch_harness import run
+
+import globalshard as gs
+import globalshard_torch as gt
+
+VOCAB, H, HEADS, KV, HD, LAYERS = 10, 4, 8, 4, 2, 2
+QKV_ROWS = (HEADS + 2 * KV) * HD
+RULES = gt.ShardingRules([
+    (r"embedding\.weight", gt.VocabParallel(VOCAB)),
+    (r"layers\.\d+\.qkv\.weight", gt.PackedQKV(HEADS, KV)),
+    (r"layers\.\d+\.proj\.weight", gt.RowParallel()),
+    (r"layers\.\d+\.norm\.weight", gt.Replicated()),
+])
+ITEMS = ("exp_avg", "exp_avg_sq", "master")
+
+
+# ----------------------------------------------------------------------- Megatron's buffer layout
+
+
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=8), st.sampled_from([1, 2, 3, 4, 8]),
+       st.none() | st.integers(1, 500))
+def test_megatron_ranges_partition_every_parameter_exactly(sizes, dp, bucket_size):
+    params = [torch.zeros(n) for n in sizes]
+    covered = {id(p): np.zeros(p.numel(), int) for p in params}
+    for r in range(dp):
+        for p, start, stop in gt.megatron_param_ranges(params, dp_size=dp, dp_rank=r, bucket_size=bucket_size):
+            covered[id(p)][start:stop] += 1
+    assert all((c == 1).all() for c in covered.values())
+
+
+def test_megatron_ranges_pad_params_to_64_and_buckets_to_lcm_dp_128():
+    a, b, c = torch.zeros(100), torch.zeros(70), torch.zeros(5)
+    # Reversed: c [0, 5), b [64, 134) -> bucket full (bucket_size 100), its end padded to 384
+    # (lcm(3, 128)); a [384, 484) in a second bucket, padded to 768. Each of 3 ranks owns a third
+    # of each bucket: rank 0 [0, 128) and [384, 512), rank 1 [128, 256) and [512, 640), rank 2 the rest.
+    owned = [gt.megatron_param_ranges([a, b, c], dp_size=3, dp_rank=r, bucket_size=100) for r in range(3)]
+    named = [[({id(a): "a", id(b): "b", id(c): "c"}[id(p)], s, e) for p, s, e in o] for o in owned]
+    assert named == [[("c", 0, 5), ("b", 0, 64), ("a", 0, 100)], [("b", 64, 70)], []]
+
+
+# ----------------------------------------------------------------------- a model, sliced independently
+
+
+class Layer(nn.Module):
+    def __init__(self, tp):
+        super().__init__()
+        self.qkv = nn.Linear(H, QKV_ROWS // tp, bias=False)
+        self.proj = nn.Linear(HEADS * HD // tp, H, bias=False)
+        self.norm = nn.LayerNorm(H, bias=False)
+
+
+class Model(nn.Module):
+    def __init__(self, tp, layers):
+        super().__init__()
+        self.embedding = nn.Embedding(-(-VOCAB // tp), H)
+        self.layers = nn.ModuleList(Layer(tp) for _ in range(layers))
+
+
+def reference(seed):
+    rng = np.random.default_rng(seed)
+    shapes = {"embedding.weight": (VOCAB, H)}
+    for n in range(LAYERS):
+        shapes |= {f"layers.{n}.qkv.weight": (QKV_ROWS, H), f"layers.{n}.proj.weight": (H, HEADS * HD),
+                   f"layers.{n}.norm.weight": (H,)}
+    return {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+
+
+def local_slice(key, g, tp, r):
+    """Rank r's local tensor of global g (padding rows zero), written from the rules' definitions."""
+    if key.startswith("embedding"):
+        rows = -(-VOCAB // tp)
+        out = np.zeros((rows, H), np.float32)
+        real = g[r * rows:(r + 1) * rows]
+        out[:len(real)] = real
+        return out
+    if key.endswith("qkv.weight"):
+        q, kv = HEADS * HD // tp, KV * HD // tp
+        return np.concatenate([g[r * q:(r + 1) * q], g[HEADS * HD + r * kv:HEADS * HD + (r + 1) * kv],
+                               g[(HEADS + KV) * HD + r * kv:(HEADS + KV) * HD + (r + 1) * kv]])
+    if key.endswith("proj.weight"):
+        n = g.shape[1] // tp
+        return g[:, r * n:(r + 1) * n]
+    return g
+
+
+def build(tp, pp, tp_rank, pp_rank, dp_rank=0, dp=1, fill=None):
+    layout = gt.ParallelLayout(tp_rank=tp_rank, tp_size=tp, pp_rank=pp_rank, pp_size=pp, dp_rank=dp_rank,
+                               dp_size=dp, num_layers=LAYERS)
+    model = Model(tp, LAYERS // pp)
+    if pp > 1 and pp_rank > 0:
+        del model.embedding  # the embedding lives on the first stage
+    if fill is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                key = layout.global_name(name, 0)
+                p.copy_(torch.from_numpy(local_slice(key, fill[key], tp, tp_rank)))
+    return layout, model
+
+
+def keyed_params(layout, model):
+    return [(layout.global_name(n, 0), p) for n, p in model.named_parameters()]
+
+
+def do_shards(layout, model, moments, bucket_size, empty=False):
+    """This rank's Megatron-style pieces of every moment, from the global moments."""
+    key_of = {id(p): k for k, p in keyed_params(layout, model)}
+    pieces = []
+    for p, start, stop in gt.megatron_param_ranges([p for _, p in keyed_params(layout, model)],
+                                                   dp_size=layout.dp_size, dp_rank=layout.dp_rank,
+                                                   bucket_size=bucket_size):
+        key = key_of[id(p)]
+        state = {}
+        for item in ITEMS:
+            flat = local_slice(key, moments[item][key], layout.tp_size, layout.tp_rank).reshape(-1)[start:stop]
+            state[item] = torch.zeros(stop - start) if empty else torch.from_numpy(flat.copy())
+        state["step"] = torch.tensor(0.0 if empty else 3.0)
+        pieces.append(gt.FlatShard(p, start, stop, state))
+    return pieces
+
+
+def topology(tp, pp, dp):
+    return [(t, s, d) for d, s, t in itertools.product(range(dp), range(pp), range(tp))]
+
+
+@pytest.mark.parametrize("save,load", [((2, 2, 4), (4, 1, 2)), ((4, 1, 2), (2, 2, 4)), ((2, 1, 3), (1, 1, 5))],
+                         ids=["tp2pp2dp4-to-tp4dp2", "tp4dp2-to-tp2pp2dp4", "tp2dp3-to-dp5"])
+def test_distributed_optimizer_state_reshards_across_dp_tp_and_pp(tmp_path, save, load):
+    weights = reference(1)
+    moments = {item: reference(10 + i) for i, item in enumerate(ITEMS)}
+    hparams = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=0.003, betas=(0.8, 0.95))
+    tp, pp, dp = save
+
+    def save_rank(comm):
+        t, s, d = topology(tp, pp, dp)[comm.rank]
+        layout, model = build(tp, pp, t, s, d, dp, fill=weights)
+        gt.save_checkpoint(tmp_path / "c", model=model, layout=layout, rules=RULES, comm=comm, optimizer=hparams,
+                           optimizer_shards=do_shards(layout, model, moments, bucket_size=150))
+
+    assert all(r is None for r in run_ranks(tp * pp * dp, save_rank)), "a saving rank failed"
+    for item in ITEMS:
+        for key, g in moments[item].items():
+            assert np.array_equal(gs.read_array(tmp_path / "c", f"optimizer.{item}.{key}"), g), (item, key)
+    assert float(gs.read_array(tmp_path / "c", f"optimizer.step.{next(iter(weights))}")) == 3.0
+
+    tp, pp, dp = load
+
+    def load_rank(comm):
+        t, s, d = topology(tp, pp, dp)[comm.rank]
+        layout, model = build(tp, pp, t, s, d, dp)
+        pieces = do_shards(layout, model, moments, bucket_size=100, empty=True)
+        inner = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=0.5)
+        gt.load_checkpoint(tmp_path / "c", model=model, layout=layout, rules=RULES, comm=comm, optimizer=inner,
+                           optimizer_shards=pieces)
+        wrong = [f"{k}: weights" for k, p in keyed_params(layout, model)
+                 if not np.array_equal(p.detach().numpy(), local_slice(k, weights[k], tp, t))]
+        want = do_shards(layout, model, moments, bucket_size=100)
+        for got, exp in zip(pieces, want):
+            for item in (*ITEMS, "step"):
+                if not torch.equal(got.state[item], exp.state[item]):
+                    wrong.append(f"{item} [{got.start}, {got.stop})")
+        if inner.param_groups[0]["lr"] != 0.003 or inner.param_groups[0]["betas"] != (0.8, 0.95):
+            wrong.append("hyper-parameters")
+        return wrong
+
+    assert run_ranks(tp * pp * dp, load_rank) == [[]] * (tp * pp * dp)
+
+
+def test_distributed_optimizer_and_plain_adamw_load_each_other(tmp_path):
+    weights = reference(2)
+    moments = {item: reference(20 + i) for i, item in enumerate(ITEMS)}
+    # A plain AdamW at TP=1, DP=1 (master weights as "master"), saved...
+    layout, model = build(1, 1, 0, 0, fill=weights)
+    masters = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(list(masters.values()), lr=0.02)
+    for name, m in masters.items():
+        key = layout.global_name(name, 0)
+        opt.state[m] = {"exp_avg": torch.from_numpy(moments["exp_avg"][key].copy()),
+                        "exp_avg_sq": torch.from_numpy(moments["exp_avg_sq"][key].copy()),
+                        "step": torch.tensor(3.0)}
+        m.data.copy_(torch.from_numpy(moments["master"][key]))
+    gt.save_checkpoint(tmp_path / "plain", model=model, layout=layout, rules=RULES, optimizer=opt,
+                       master_params=masters)
+
+    # ... loads into a distributed optimizer at TP=2, DP=2 ...
+    def load_rank(comm):
+        t, s, d = topology(2, 1, 2)[comm.rank]
+        lay, m = build(2, 1, t, s, d, 2)
+        pieces = do_shards(lay, m, moments, bucket_size=None, empty=True)
+        gt.load_checkpoint(tmp_path / "plain", model=m, layout=lay, rules=RULES, comm=comm,
+                           optimizer=torch.optim.AdamW([nn.Parameter(torch.zeros(1))]), optimizer_shards=pieces)
+        want = do_shards(lay, m, moments, bucket_size=None)
+        bad = [f"{it} of [{g.start},{g.stop})" for g, w in zip(pieces, want) for it in (*ITEMS, "step")
+               if not torch.equal(g.state[it], w.state[it])]
+        gt.save_checkpoint(tmp_path / "dist", model=m, layout=lay, rules=RULES, comm=comm, optimizer_shards=pieces,
+                           optimizer=torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=0.02))
+        return bad
+
+    assert run_ranks(4, load_rank) == [[]] * 4
+    # ... and back into the plain AdamW.
+    layout, model = build(1, 1, 0, 0)
+    masters = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(list(masters.values()), lr=0.5)
+    gt.load_checkpoint(tmp_path / "dist", model=model, layout=layout, rules=RULES, optimizer=opt,
+                       master_params=masters)
+    for name, m in masters.items():
+        key = layout.global_name(name, 0)
+        assert np.array_equal(opt.state[m]["exp_avg_sq"].numpy(), moments["exp_avg_sq"][key]), key
+        assert np.array_equal(m.detach().numpy(), moments["master"][key]), key
+    assert opt.param_groups[0]["lr"] == 0.02
+
+
+def _ok(outcomes):
+    for r, o in enumerate(outcomes):
+        assert o["ok"], f"rank {r}: {o.get('type')}: {o.get('message')}\n{o.get('trace')}"
+    return [o["value"] for o in outcomes]
+
+
+def test_zero_redundancy_optimizer_saves_its_partitions_and_loads_anywhere(tmp_path):
+    ckpt = str(tmp_path / "c")
+    held = _ok(run(2, "zero_save_job", str(tmp_path / "s"), path=ckpt))[0]
+    model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    gt.load_checkpoint(ckpt, model=model, layout=gt.ParallelLayout(), rules=gt.ShardingRules([(".*", gt.Replicated())]),
+                       optimizer=opt)
+    for name, p in model.named_parameters():
+        assert np.array_equal(p.detach().numpy(), np.array(held["params"][name], np.float32)), name
+        assert np.array_equal(opt.state[p]["exp_avg_sq"].numpy(), np.array(held["exp_avg_sq"][name], np.float32))
+    assert opt.param_groups[0]["lr"] == 0.01
+    # And back into ZeRO, on 2 ranks: each rank gets its own partition's state.
+    for r in _ok(run(2, "zero_load_job", str(tmp_path / "l"), path=ckpt, expect=held)):
+        assert r == [], r
