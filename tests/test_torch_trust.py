@@ -180,3 +180,26 @@ def test_a_load_failing_on_one_rank_changes_nothing_on_any_rank(tmp_path):
     assert results[0]["outcome"].startswith("CommError"), results[0]
     for r in results:
         assert r["untouched"] and r["no_state"] and r["lr"] == 0.5, r
+
+
+def test_ema_shadows_and_per_rank_state_round_trip(tmp_path):
+    model = nn.Sequential(nn.Linear(3, 2), nn.LayerNorm(2))
+    ema = {n: p.detach() * 0.5 + 1 for n, p in model.named_parameters()}
+    gt.save_checkpoint(tmp_path / "c", model=model, layout=ONE, rules=REPLICATED, shadows={"ema": ema},
+                       rank_state={"sampler_index": 1234, "epoch": 2})
+    assert "ema.0.weight" in gs.read_metadata(tmp_path / "c").tensors
+    target = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    result = gt.load_checkpoint(tmp_path / "c", model=nn.Sequential(nn.Linear(3, 2), nn.LayerNorm(2)), layout=ONE,
+                                rules=REPLICATED, shadows={"ema": target})
+    assert all(torch.equal(target[n], ema[n]) for n in ema)
+    assert result.rank_state == {"sampler_index": 1234, "epoch": 2}
+    # On another layout there is no such rank: None, said plainly.
+    other = gt.load_checkpoint(tmp_path / "c", model=nn.Sequential(nn.Linear(3, 2), nn.LayerNorm(2)),
+                               layout=gt.ParallelLayout(tp_rank=0, tp_size=2), rules=REPLICATED)
+    assert other.rank_state is None and not other.rng_restored
+    with pytest.raises(gs.LayoutError, match="'missing' is not a tensor of the model"):
+        gt.save_checkpoint(tmp_path / "d", model=model, layout=ONE, rules=REPLICATED,
+                           shadows={"ema": {"missing": torch.zeros(1)}})
+    with pytest.raises(gs.MismatchError, match=r"swa.0.weight.*no such key"):
+        gt.load_checkpoint(tmp_path / "c", model=model, layout=ONE, rules=REPLICATED,
+                           shadows={"ema": target, "swa": {"0.weight": torch.zeros(2, 3)}})

@@ -50,7 +50,7 @@ from globalshard_torch.zero import FlatShard, zero_redundancy_shards
 
 __all__ = ["CheckpointManager", "LoadResult", "load_checkpoint", "save_checkpoint"]
 
-_RESERVED = ("parallel_config", "lr_scheduler", "optimizer", "rng", "extra_state")
+_RESERVED = ("parallel_config", "lr_scheduler", "optimizer", "rng", "extra_state", "rank_state")
 _LAYERS = r"(^|\.)layers\.(\d+)(?=\.|$)"  # model_entries' default: local layer indices in names
 
 
@@ -66,6 +66,9 @@ class LoadResult:
     trainer_state: dict[str, Any]
     rng_restored: bool
     stats: gs.IOStats = field(default_factory=gs.IOStats)
+    #: This rank's ``rank_state`` as saved, when the layout and world size are
+    #: the ones that saved it (per-rank state has no counterpart on another); else None.
+    rank_state: Any = None
 
 
 def _optimizer_params(
@@ -115,6 +118,8 @@ def save_checkpoint(
     trainer_state: dict[str, Any] | None = None,
     master_params: Mapping[str, torch.Tensor] | None = None,
     optimizer_shards: Sequence[FlatShard] | None = None,
+    shadows: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+    rank_state: Any = None,
     comm: Comm | None = None,
     overwrite: bool = False,
     kvstore: Any = None,
@@ -128,8 +133,11 @@ def save_checkpoint(
     distributed optimizer, ``optimizer_shards`` (:class:`FlatShard` s) are
     this rank's pieces of the optimizer state, and ``optimizer`` (if given)
     only supplies the hyper-parameters; a ``ZeroRedundancyOptimizer`` is
-    recognised by itself. A failure on any rank raises on every rank and
-    commits nothing.
+    recognised by itself. ``shadows`` are copies laid out like their
+    parameters, by kind and model tensor name (``{"ema": {name: tensor}}``),
+    stored as ``<kind>.<param key>``. ``rank_state`` is this rank's own JSON
+    state (a dataloader's or sampler's position), kept per rank. A failure on
+    any rank raises on every rank and commits nothing.
     """
     comm = comm if comm is not None else (default_comm() or SingleProcessComm())
     user = dict(trainer_state or {})
@@ -168,9 +176,13 @@ def save_checkpoint(
                         shards[f"opt/{item}/{e.name}"] = _scalar_shard(key, numpy_view(local).copy(), e.scalar_main)
                     else:
                         shards[f"opt/{item}/{e.name}"] = e.shard(key, numpy_view(local))
+        for kind, e, tensor in _shadow_items(shadows, entries):
+            shards[f"shadow/{kind}/{e.name}"] = e.shard(f"{kind}.{e.key}",
+                                                        numpy_view(staging.host(_local(tensor), for_save=True)))
         extra = extra_state.collect(_chunks(model), layout, _LAYERS, shards)
         staging.ready()
-        return {"rng": rng_state(), "membership": membership, "extra": extra if layout.dp_rank == 0 else {}}
+        return {"rng": rng_state(), "membership": membership, "extra": extra if layout.dp_rank == 0 else {},
+                "rank_state": jsonable(rank_state, "$.rank_state")}
 
     _, gathered = run_collectively(comm, "save_checkpoint: describing", describe)
     state = dict(user)
@@ -194,6 +206,8 @@ def save_checkpoint(
         state["optimizer"] = None
     state["rng"] = {"world_size": comm.world_size, "parallel_config": layout.config_json(),
                     "ranks": [g["rng"] for g in gathered]}
+    if rank_state is not None:
+        state["rank_state"] = [g["rank_state"] for g in gathered]
     gs.save(shards, path, trainer_state=state, comm=comm, overwrite=overwrite, kvstore=kvstore, stats=stats)
 
 
@@ -206,6 +220,7 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Any = None,
     master_params: Mapping[str, torch.Tensor] | None = None,
+    shadows: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
     comm: Comm | None = None,
     allow_lossy_cast: bool = False,
     restore_rng: bool = True,
@@ -252,6 +267,9 @@ def load_checkpoint(
         entries = model_entries(model, layout, rules)
         for e in entries:
             targets[f"model/{e.name}"] = e.shard(e.key, numpy_view(staging.host(e.tensor, for_save=False)))
+        for kind, e, tensor in _shadow_items(shadows, entries):
+            targets[f"shadow/{kind}/{e.name}"] = e.shard(f"{kind}.{e.key}",
+                                                         numpy_view(staging.host(_local(tensor), for_save=False)))
         extras.extend(extra_state_restore(_chunks(model), layout, _LAYERS, ts.get("extra_state") or {},
                                           metadata, targets, extra_state))
         if optimizer is None and optimizer_shards is None:
@@ -331,14 +349,41 @@ def load_checkpoint(
     if scheduler is not None and trainer.get("lr_scheduler") is not None:
         scheduler.load_state_dict(from_jsonable(trainer["lr_scheduler"]))
     restored = False
-    rng = trainer.get("rng")
+    rng: dict[str, Any] = trainer.get("rng") or {}
     # TODO(limitation): RNG states come back only on the layout that saved them;
     # on another layout there is no rank-for-rank correspondence to restore.
-    if restore_rng and rng and rng.get("world_size") == comm.world_size \
-            and rng.get("parallel_config") == layout.config_json():
+    same_layout = bool(rng) and rng.get("world_size") == comm.world_size \
+        and rng.get("parallel_config") == layout.config_json()
+    if restore_rng and same_layout:
         set_rng_state(rng["ranks"][comm.rank])
         restored = True
-    return LoadResult(trainer, restored, stats)
+    # TODO(limitation): per-rank state (a dataloader's position) comes back only on the
+    # layout that saved it, like RNG states.
+    own = trainer["rank_state"][comm.rank] if same_layout and trainer.get("rank_state") else None
+    return LoadResult(trainer, restored, stats, own)
+
+
+def _shadow_items(shadows: Mapping[str, Mapping[str, torch.Tensor]] | None,
+                  entries: list[Entry]) -> list[tuple[str, Entry, torch.Tensor]]:
+    """``(kind, entry, tensor)`` for each shadow copy, checked against its parameter."""
+    out, problems = [], []
+    by_name = {e.name: e for e in entries}
+    for kind, tensors in (shadows or {}).items():
+        if not kind or kind in ("optimizer", "_extra_state") or "." in kind:
+            problems.append(f"shadow kind {kind!r}: a plain name other than 'optimizer' is needed")
+            continue
+        for name, tensor in tensors.items():
+            e = by_name.get(name)
+            if e is None:
+                problems.append(f"{kind}: {name!r} is not a tensor of the model")
+            elif tuple(_local(tensor).shape) != tuple(e.tensor.shape):
+                problems.append(f"{kind}: {name!r} has shape {tuple(_local(tensor).shape)}, its parameter "
+                                f"{tuple(e.tensor.shape)}")
+            else:
+                out.append((kind, e, tensor))
+    if problems:
+        raise LayoutError(format_problems("cannot place the shadow copies", problems))
+    return out
 
 
 def _is_zero_redundancy(optimizer: Any) -> bool:
