@@ -11,12 +11,16 @@ parameters by checkpoint key, never by position.
 Keys in the checkpoint::
 
     <param key>                          the parameter (global layer index)
-    optimizer.<item>.<param key>         optimizer state item (exp_avg, exp_avg_sq, step, ...)
-    optimizer.master.<param key>         the fp32 master copy, with master_params
+    optimizer.<item>.<param key>         optimizer state item (exp_avg, exp_avg_sq, step, ...), from a
+                                         plain optimizer or a distributed one's flat pieces alike
+    optimizer.master.<param key>         the fp32 master copy, with master_params (or a piece's "master")
+    <kind>.<param key>                   a shadow copy (shadows={"ema": ...})
+    _extra_state.<module>.tp<r>of<T>     a module's get_extra_state() when it is not JSON
 
-trainer_state.json holds the caller's ``trainer_state`` plus
+The trainer state holds the caller's ``trainer_state`` plus
 ``parallel_config``, ``lr_scheduler``, ``optimizer`` (hyper-parameters and
-group membership by key) and ``rng`` (every rank's RNG states).
+group membership by key), ``rng`` (every rank's RNG states), ``extra_state``
+(modules' JSON extra state, per TP rank) and ``rank_state`` (per rank).
 """
 
 from __future__ import annotations
