@@ -244,3 +244,20 @@ def test_zero_redundancy_optimizer_saves_its_partitions_and_loads_anywhere(tmp_p
     # And back into ZeRO, on 2 ranks: each rank gets its own partition's state.
     for r in _ok(run(2, "zero_load_job", str(tmp_path / "l"), path=ckpt, expect=held)):
         assert r == [], r
+
+
+def test_distributed_optimizer_over_gloo_loads_into_one_plain_adamw(tmp_path):
+    ckpt = str(tmp_path / "c")
+    _ok(run(4, "do_save_job", str(tmp_path / "s"), path=ckpt))
+    moments = {item: reference(30 + i) for i, item in enumerate(ITEMS)}
+    layout, model = build(1, 1, 0, 0)
+    masters = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(list(masters.values()), lr=0.5)
+    gt.load_checkpoint(ckpt, model=model, layout=layout, rules=RULES, optimizer=opt, master_params=masters)
+    for name, m in masters.items():
+        key = layout.global_name(name, 0)
+        assert np.array_equal(opt.state[m]["exp_avg"].numpy(), moments["exp_avg"][key]), key
+        assert np.array_equal(m.detach().numpy(), moments["master"][key]), key
+        assert float(opt.state[m]["step"]) == 3.0
+    assert np.array_equal(model.embedding.weight.detach().numpy(), reference(3)["embedding.weight"])
+    assert opt.param_groups[0]["lr"] == 0.004

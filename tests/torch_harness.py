@@ -769,3 +769,21 @@ def zero_load_job(rank: int, *, path: str, expect: dict[str, Any]) -> list[str]:
             if not np.array_equal(got, np.array(expect["exp_avg_sq"][names[id(p)]], np.float32)):
                 bad.append(names[id(p)])
     return bad
+
+
+def do_save_job(rank: int, *, path: str) -> int:
+    """TP=2 x DP=2 over gloo, Megatron-style distributed optimizer pieces.
+    Returns the peak RSS growth of this rank during the save, in bytes."""
+    import resource
+
+    from test_torch_zero import ITEMS, RULES, build, do_shards, reference, topology
+
+    weights = reference(3)
+    moments = {item: reference(30 + i) for i, item in enumerate(ITEMS)}
+    t, s, d = topology(2, 1, 2)[rank]
+    layout, model = build(2, 1, t, s, d, 2, fill=weights)
+    pieces = do_shards(layout, model, moments, bucket_size=120)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    gt.save_checkpoint(path, model=model, layout=layout, rules=RULES, optimizer_shards=pieces,
+                       optimizer=torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=0.004))
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
