@@ -203,3 +203,25 @@ def test_ema_shadows_and_per_rank_state_round_trip(tmp_path):
     with pytest.raises(gs.MismatchError, match=r"swa.0.weight.*no such key"):
         gt.load_checkpoint(tmp_path / "c", model=model, layout=ONE, rules=REPLICATED,
                            shadows={"ema": target, "swa": {"0.weight": torch.zeros(2, 3)}})
+
+
+class Wrapper(nn.Module):
+    """What DDP (module.) and torch.compile (_orig_mod.) do to parameter names."""
+
+    def __init__(self, inner, attr):
+        super().__init__()
+        setattr(self, attr, inner)
+
+
+def test_wrapped_models_save_and_load_under_plain_names(tmp_path):
+    plain = nn.Sequential(nn.Linear(2, 3), nn.LayerNorm(3))
+    wrapped = Wrapper(Wrapper(plain, "_orig_mod"), "module")
+    assert next(iter(dict(wrapped.named_parameters()))) == "module._orig_mod.0.weight"
+    gt.save_checkpoint(tmp_path / "c", model=wrapped, layout=ONE, rules=REPLICATED)
+    assert set(gs.read_metadata(tmp_path / "c").tensors) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+    target = nn.Sequential(nn.Linear(2, 3), nn.LayerNorm(3))
+    gt.load_checkpoint(tmp_path / "c", model=target, layout=ONE, rules=REPLICATED)
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), target.parameters()))
+    own = Wrapper(nn.Linear(2, 2), "module")  # a model's own submodule named 'module' deeper down keeps it
+    assert {e.key for e in gt.model_entries(nn.Sequential(own), ONE, REPLICATED)} == {"0.module.weight",
+                                                                                     "0.module.bias"}

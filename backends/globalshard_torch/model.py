@@ -22,7 +22,7 @@ from globalshard.errors import LayoutError, format_problems
 from globalshard_torch.parallel import ParallelLayout
 from globalshard_torch.rules import Placement, ShardingRules
 
-__all__ = ["Entry", "model_entries", "outside_mesh"]
+__all__ = ["Entry", "model_entries", "outside_mesh", "unwrapped_name"]
 
 
 @dataclass(frozen=True)
@@ -187,6 +187,7 @@ def model_entries(
         for tid, aliases in names.items():
             tensor = tensors[tid]
             name = _canonical_alias(aliases, layout, c, layer_pattern, rules) if len(aliases) > 1 else aliases[0]
+            name = unwrapped_name(name)
             label = f"chunk{c}/{name}" if len(modules) > 1 else name
             try:
                 gname = layout.global_name(name, c, layer_pattern)
@@ -216,6 +217,16 @@ def model_entries(
     if problems:
         raise LayoutError(format_problems("cannot place the model's tensors", problems))
     return entries
+
+
+def unwrapped_name(name: str) -> str:
+    """``name`` without the components wrappers add: ``_orig_mod`` (torch.compile,
+    of the model or of any submodule) anywhere, and the leading ``module``
+    (DDP wraps the whole model), so a wrapped model's names are a plain one's."""
+    parts = [p for p in name.split(".") if p != "_orig_mod"]
+    while len(parts) > 1 and parts[0] == "module":
+        parts = parts[1:]
+    return ".".join(parts) if parts else name
 
 
 def outside_mesh(tensor: torch.Tensor) -> bool:

@@ -36,28 +36,14 @@ from globalshard.comm import Comm, SingleProcessComm, run_collectively
 from globalshard.errors import LayoutError, MismatchError, format_problems
 from globalshard.planner import missing_key
 from globalshard_torch.comm import default_comm
-from globalshard_torch.model import _dtensor_placement, _is_dtensor, outside_mesh
+from globalshard_torch.model import _dtensor_placement, _is_dtensor, outside_mesh, unwrapped_name
 from globalshard_torch.state import from_jsonable, jsonable
 from globalshard_torch.tensors import HostStaging, numpy_view
 
 __all__ = ["load", "save"]
 
-_WRAPPERS = ("_orig_mod.", "module.")
 _VALUES = "state_dict_values"  # trainer-state member holding the JSON leaves, by key
 _BYTES = "state_dict_bytes"  # the keys stored as uint8 arrays from bytes
-
-
-def _strip(component: str) -> str:
-    changed = True
-    while changed:
-        changed = False
-        for prefix in _WRAPPERS:
-            if component.startswith(prefix):
-                component, changed = component[len(prefix):], True
-        for wrapper in (".module.", "._orig_mod."):
-            if wrapper in component:
-                component, changed = component.replace(wrapper, "."), True
-    return component
 
 
 def _holds_tensors(value: Any) -> bool:
@@ -89,7 +75,7 @@ def _walk(state: Any, visit: Visit, prefix: str = "", seen: dict[str, str] | Non
     for k, value in items:
         if isinstance(state, dict) and not isinstance(k, str):
             raise LayoutError(f"{prefix or '$'}: key {k!r} is a {type(k).__name__}; state dict keys are strings")
-        component = _strip(str(k))
+        component = unwrapped_name(str(k))
         key = f"{prefix}.{component}" if prefix else component
         if isinstance(value, dict) or (isinstance(value, (list, tuple)) and _holds_tensors(value)):
             if isinstance(value, tuple) and _holds_tensors(value):
