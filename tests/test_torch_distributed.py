@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 import pytest
-from torch_harness import Topo, assemble, run, topo_dict, write_expected
+from torch_harness import Topo, assemble, run, topo_dict, values_of, write_expected
 
 # (saving topology, loading topology, parameter dtype, fp32 master weights)
 CASES = [
@@ -21,17 +21,13 @@ CASES = [
 ]
 
 
-def _ok(outcomes):
-    for r, o in enumerate(outcomes):
-        assert o["ok"], f"rank {r}: {o.get('type')}: {o.get('message')}\n{o.get('trace')}"
-    return [o["value"] for o in outcomes]
 
 
 @pytest.mark.parametrize("save_topo,load_topo,dtype,master", CASES)
 def test_save_on_one_topology_load_on_another(tmp_path, save_topo, load_topo, dtype, master):
     ckpt, dumps, expect = str(tmp_path / "ckpt"), str(tmp_path / "dumps"), str(tmp_path / "expect")
     os.makedirs(dumps)
-    saved = _ok(run(save_topo.world, "save_job", str(tmp_path / "save"), topo=topo_dict(save_topo), dtype=dtype,
+    saved = values_of(run(save_topo.world, "save_job", str(tmp_path / "save"), topo=topo_dict(save_topo), dtype=dtype,
                     path=ckpt, dump_dir=dumps, master=master))
     # Every rank writes its share, data-parallel replicas included (not only dp rank 0).
     assert all(s["bytes_written"] > 0 for s in saved), [s["bytes_written"] for s in saved]
@@ -41,7 +37,7 @@ def test_save_on_one_topology_load_on_another(tmp_path, save_topo, load_topo, dt
             if arr.ndim and arr.dtype.kind == "f":
                 assert not np.isnan(arr.astype(np.float32)).any(), f"dump of {item} {key} incomplete"
     write_expected(held, expect)
-    results = _ok(run(load_topo.world, "load_job", str(tmp_path / "load"), topo=topo_dict(load_topo), dtype=dtype,
+    results = values_of(run(load_topo.world, "load_job", str(tmp_path / "load"), topo=topo_dict(load_topo), dtype=dtype,
                       path=ckpt, expect_dir=expect, master=master))
     for r, res in enumerate(results):
         assert res["mismatches"] == [], f"rank {r}: {res['mismatches'][:10]}"
@@ -60,15 +56,15 @@ def test_same_topology_resume_is_bit_exact_and_restores_rng(tmp_path):
     # Uninterrupted: 2 steps. Interrupted: 1 step, save, load, 1 step.
     uninterrupted = str(tmp_path / "two")
     os.makedirs(uninterrupted)
-    _ok(run(topo.world, "save_job", str(tmp_path / "a"), topo=topo_dict(topo), dtype="float32",
+    values_of(run(topo.world, "save_job", str(tmp_path / "a"), topo=topo_dict(topo), dtype="float32",
             path=str(tmp_path / "unused"), dump_dir=uninterrupted, steps=2))
-    _ok(run(topo.world, "save_job", str(tmp_path / "b"), topo=topo_dict(topo), dtype="float32", path=ckpt,
+    values_of(run(topo.world, "save_job", str(tmp_path / "b"), topo=topo_dict(topo), dtype="float32", path=ckpt,
             dump_dir=dumps))
     write_expected(assemble(dumps), str(tmp_path / "expect"))
     after = str(tmp_path / "after")
     os.makedirs(after)
-    results = _ok(run(topo.world, "load_job", str(tmp_path / "c"), topo=topo_dict(topo), dtype="float32", path=ckpt,
-                      expect_dir=str(tmp_path / "expect"), steps_after=1, after_dir=after))
+    results = values_of(run(topo.world, "load_job", str(tmp_path / "c"), topo=topo_dict(topo), dtype="float32",
+                            path=ckpt, expect_dir=str(tmp_path / "expect"), steps_after=1, after_dir=after))
     assert all(r["rng_restored"] for r in results)
     a, b = assemble(uninterrupted), assemble(after)
     for item in ("param", "exp_avg", "exp_avg_sq", "step"):

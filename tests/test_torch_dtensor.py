@@ -2,17 +2,13 @@
 place themselves: no rules. Moments stay DTensors with the parameter's placements."""
 
 import pytest
-from torch_harness import dtensor_single_process_load, run
+from torch_harness import dtensor_single_process_load, run, values_of
 
 SAVE_1D = {"w_uneven": ["S0"], "w_cols": ["S1"], "bias": ["R"]}          # 5 rows over 2 ranks: 3 + 2
 SAVE_2D = {"w_uneven": ["S0", "S1"], "w_cols": ["R", "S0"], "bias": ["R", "R"]}
 LOAD_1D = {"w_uneven": ["S1"], "w_cols": ["R"], "bias": ["S0"]}
 
 
-def _ok(outcomes):
-    for r, o in enumerate(outcomes):
-        assert o["ok"], f"rank {r}: {o.get('type')}: {o.get('message')}\n{o.get('trace')}"
-    return [o["value"] for o in outcomes]
 
 
 @pytest.mark.parametrize("save_mesh,save_pl,load_mesh,load_pl", [
@@ -22,9 +18,9 @@ def _ok(outcomes):
 ], ids=["1d-to-1d", "2d-to-1d", "1d-to-2d"])
 def test_dtensor_resharding(tmp_path, save_mesh, save_pl, load_mesh, load_pl):
     ckpt, dump = str(tmp_path / "ckpt"), str(tmp_path / "held.npz")
-    _ok(run(save_mesh[0] * (save_mesh[1] if len(save_mesh) > 1 else 1), "dtensor_save_job", str(tmp_path / "s"),
+    values_of(run(save_mesh[0] * (save_mesh[1] if len(save_mesh) > 1 else 1), "dtensor_save_job", str(tmp_path / "s"),
             mesh_shape=save_mesh, placements=save_pl, path=ckpt, dump=dump))
-    results = _ok(run(load_mesh[0] * (load_mesh[1] if len(load_mesh) > 1 else 1), "dtensor_load_job",
+    results = values_of(run(load_mesh[0] * (load_mesh[1] if len(load_mesh) > 1 else 1), "dtensor_load_job",
                       str(tmp_path / "l"), mesh_shape=load_mesh, placements=load_pl, path=ckpt, dump=dump))
     assert all(r == [] for r in results), results
     # And into one process with plain tensors.
@@ -38,12 +34,12 @@ def test_fsdp2_over_tp_strided_shards_are_mapped_exactly(tmp_path, rows):
     import globalshard as gs
 
     ckpt = str(tmp_path / "ckpt")
-    saved = _ok(run(4, "strided_job", str(tmp_path / "s"), path=ckpt, rows=rows, save=True))
+    saved = values_of(run(4, "strided_job", str(tmp_path / "s"), path=ckpt, rows=rows, save=True))
     assert np.array_equal(gs.read_array(ckpt, "w"), np.arange(rows * 3, dtype=np.float32).reshape(rows, 3))
     assert all(s["regions"] >= 1 for s in saved)
-    assert all(r["ok"] for r in _ok(run(4, "strided_job", str(tmp_path / "l"), path=ckpt, rows=rows, save=False)))
+    assert all(r["ok"] for r in values_of(run(4, "strided_job", str(tmp_path / "l"), path=ckpt, rows=rows, save=False)))
 
 
 def test_partial_placements_are_refused_by_name(tmp_path):
-    for message in _ok(run(2, "partial_job", str(tmp_path / "p"), path=str(tmp_path / "ckpt"))):
+    for message in values_of(run(2, "partial_job", str(tmp_path / "p"), path=str(tmp_path / "ckpt"))):
         assert "Partial" in message and "pending sum" in message

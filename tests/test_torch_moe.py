@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch_harness import run
+from torch_harness import run, values_of
 
 import globalshard as gs
 import globalshard_torch as gt
@@ -136,15 +136,11 @@ def test_expert_rules_name_their_problems():
         gt.ParallelLayout(dp_size=3, ep_size=2)
 
 
-def _ok(outcomes):
-    for r, o in enumerate(outcomes):
-        assert o["ok"], f"rank {r}: {o.get('type')}: {o.get('message')}\n{o.get('trace')}"
-    return [o["value"] for o in outcomes]
 
 
 def test_experts_with_adam_state_over_gloo_then_one_process(tmp_path):
     ckpt = str(tmp_path / "c")
-    held = _ok(run(2, "moe_save_job", str(tmp_path / "s"), path=ckpt))
+    held = values_of(run(2, "moe_save_job", str(tmp_path / "s"), path=ckpt))
     layout = gt.ParallelLayout()
     model = MoE("stacked", layout)
     opt = torch.optim.AdamW(model.parameters(), lr=0.5)

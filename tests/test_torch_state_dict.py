@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch_harness import run
+from torch_harness import run, values_of
 
 import globalshard as gs
 import globalshard_torch as gt
@@ -97,17 +97,13 @@ def test_what_cannot_be_saved_or_found_is_named(tmp_path):
         gt.load({"w": target}, tmp_path / "c")
 
 
-def _ok(outcomes):
-    for r, o in enumerate(outcomes):
-        assert o["ok"], f"rank {r}: {o.get('type')}: {o.get('message')}\n{o.get('trace')}"
-    return [o["value"] for o in outcomes]
 
 
 def test_dtensor_state_dicts_reshard_between_placements(tmp_path):
     ckpt, dump = str(tmp_path / "ckpt"), str(tmp_path / "held.npz")
-    _ok(run(2, "state_dict_save_job", str(tmp_path / "s"), path=ckpt, dump=dump))
+    values_of(run(2, "state_dict_save_job", str(tmp_path / "s"), path=ckpt, dump=dump))
     held = dict(np.load(dump))
-    for got in _ok(run(2, "state_dict_load_job", str(tmp_path / "l"), path=ckpt)):
+    for got in values_of(run(2, "state_dict_load_job", str(tmp_path / "l"), path=ckpt)):
         assert np.array_equal(np.array(got["w"], np.float32), held["w"])
         assert np.array_equal(np.array(got["b"], np.float32), held["b"])
         assert np.array_equal(np.array(got["exp_avg.w"], np.float32), held["exp_avg.w"])

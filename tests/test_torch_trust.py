@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch_harness import run
+from torch_harness import run, values_of
 
 import globalshard as gs
 import globalshard_torch as gt
@@ -17,10 +17,6 @@ REPLICATED = gt.ShardingRules([(".*", gt.Replicated())])
 ONE = gt.ParallelLayout()
 
 
-def _ok(outcomes):
-    for r, o in enumerate(outcomes):
-        assert o["ok"], f"rank {r}: {o.get('type')}: {o.get('message')}\n{o.get('trace')}"
-    return [o["value"] for o in outcomes]
 
 
 class WithExtraState(nn.Module):
@@ -162,7 +158,7 @@ def test_every_standard_scheduler_round_trips_exactly(tmp_path, name):
 
 def test_submesh_dtensor_ranks_outside_the_mesh_contribute_nothing(tmp_path):
     ckpt, dump = str(tmp_path / "ckpt"), str(tmp_path / "w.npy")
-    _ok(run(3, "submesh_save_job", str(tmp_path / "s"), path=ckpt, dump=dump))
+    values_of(run(3, "submesh_save_job", str(tmp_path / "s"), path=ckpt, dump=dump))
     got = gs.read_array(ckpt, "w")
     assert np.array_equal(got, np.load(dump))
     assert gs.read_array(ckpt, "optimizer.exp_avg.w").shape == (4, 3)
@@ -175,7 +171,7 @@ def test_a_load_failing_on_one_rank_changes_nothing_on_any_rank(tmp_path):
         p.grad = torch.ones_like(p)
     opt.step()
     gt.save_checkpoint(tmp_path / "c", model=model, layout=ONE, rules=REPLICATED, optimizer=opt)
-    results = _ok(run(2, "failing_load_job", str(tmp_path / "l"), path=str(tmp_path / "c")))
+    results = values_of(run(2, "failing_load_job", str(tmp_path / "l"), path=str(tmp_path / "c")))
     assert results[1]["outcome"].startswith("MissingKeyError"), results[1]
     assert results[0]["outcome"].startswith("CommError"), results[0]
     for r in results:

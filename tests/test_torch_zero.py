@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from threadcomm import run_ranks
 from torch import nn
-from torch_harness import run
+from torch_harness import run, values_of
 
 import globalshard as gs
 import globalshard_torch as gt
@@ -224,15 +224,11 @@ def test_distributed_optimizer_and_plain_adamw_load_each_other(tmp_path):
     assert opt.param_groups[0]["lr"] == 0.02
 
 
-def _ok(outcomes):
-    for r, o in enumerate(outcomes):
-        assert o["ok"], f"rank {r}: {o.get('type')}: {o.get('message')}\n{o.get('trace')}"
-    return [o["value"] for o in outcomes]
 
 
 def test_zero_redundancy_optimizer_saves_its_partitions_and_loads_anywhere(tmp_path):
     ckpt = str(tmp_path / "c")
-    held = _ok(run(2, "zero_save_job", str(tmp_path / "s"), path=ckpt))[0]
+    held = values_of(run(2, "zero_save_job", str(tmp_path / "s"), path=ckpt))[0]
     model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
     opt = torch.optim.AdamW(model.parameters(), lr=0.5)
     gt.load_checkpoint(ckpt, model=model, layout=gt.ParallelLayout(), rules=gt.ShardingRules([(".*", gt.Replicated())]),
@@ -242,13 +238,13 @@ def test_zero_redundancy_optimizer_saves_its_partitions_and_loads_anywhere(tmp_p
         assert np.array_equal(opt.state[p]["exp_avg_sq"].numpy(), np.array(held["exp_avg_sq"][name], np.float32))
     assert opt.param_groups[0]["lr"] == 0.01
     # And back into ZeRO, on 2 ranks: each rank gets its own partition's state.
-    for r in _ok(run(2, "zero_load_job", str(tmp_path / "l"), path=ckpt, expect=held)):
+    for r in values_of(run(2, "zero_load_job", str(tmp_path / "l"), path=ckpt, expect=held)):
         assert r == [], r
 
 
 def test_distributed_optimizer_over_gloo_loads_into_one_plain_adamw(tmp_path):
     ckpt = str(tmp_path / "c")
-    _ok(run(4, "do_save_job", str(tmp_path / "s"), path=ckpt))
+    values_of(run(4, "do_save_job", str(tmp_path / "s"), path=ckpt))
     moments = {item: reference(30 + i) for i, item in enumerate(ITEMS)}
     layout, model = build(1, 1, 0, 0)
     masters = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -787,3 +787,11 @@ def do_save_job(rank: int, *, path: str) -> int:
     gt.save_checkpoint(path, model=model, layout=layout, rules=RULES, optimizer_shards=pieces,
                        optimizer=torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=0.004))
     return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+
+
+def values_of(outcomes: list[dict[str, Any]]) -> list[Any]:
+    """Each rank's returned value from :func:`run`, failing with the rank's
+    traceback if any rank raised."""
+    for r, o in enumerate(outcomes):
+        assert o["ok"], f"rank {r}: {o.get('type')}: {o.get('message')}\n{o.get('trace')}"
+    return [o["value"] for o in outcomes]
