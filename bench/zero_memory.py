@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+import globalshard as gs
 import globalshard_torch as gt
 
 DP = 4
@@ -61,15 +62,21 @@ def _rank(rank: int, port: int, path: str, width: int, layers: int, out: str) ->
 
     mine = pieces(True)
     own = sum(t.numel() * 4 for fs in mine for t in fs.state.values())
+    saved = gs.IOStats()
     before = _peak()
-    gt.save_checkpoint(path, model=model, layout=layout, rules=rules, optimizer_shards=mine, overwrite=True)
+    gt.save_checkpoint(path, model=model, layout=layout, rules=rules, optimizer_shards=mine, overwrite=True,
+                       stats=saved)
     after_save = _peak()
     del mine
     fresh = pieces(False)
+    for fs in fresh:
+        for t in fs.state.values():
+            t.fill_(1.0)  # touch the pages: the targets' memory is counted before the load, not in it
     before_load = _peak()
-    gt.load_checkpoint(path, model=model, layout=layout, rules=rules, optimizer_shards=fresh)
+    loaded = gt.load_checkpoint(path, model=model, layout=layout, rules=rules, optimizer_shards=fresh).stats
     after_load = _peak()
-    result = {"rank": rank, "own_state_bytes": own, "save_peak_rise_bytes": after_save - before,
+    result = {"rank": rank, "own_state_bytes": own, "bytes_written": saved.bytes_written,
+              "save_peak_rise_bytes": after_save - before, "bytes_read": loaded.bytes_read,
               "load_peak_rise_bytes": after_load - before_load}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -103,10 +110,12 @@ def main() -> None:
     print(f"distributed optimizer, DP={DP}, {layers} x [{width}, {width}] fp32, 3 state items: "
           f"whole state {report['whole_model_state_bytes'] / mib:.0f} MiB, "
           f"largest parameter's {report['largest_parameter_state_bytes'] / mib:.0f} MiB")
-    print("| rank | own pieces MiB | save: peak RSS rise MiB | load: peak RSS rise MiB |")
-    print("| --- | --- | --- | --- |")
+    print("| rank | own pieces MiB | save: wrote MiB | save: peak RSS rise MiB | load: read MiB "
+          "| load: peak RSS rise MiB |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for r in ranks:
-        print(f"| {r['rank']} | {r['own_state_bytes'] / mib:.0f} | {r['save_peak_rise_bytes'] / mib:.0f} "
+        print(f"| {r['rank']} | {r['own_state_bytes'] / mib:.0f} | {r['bytes_written'] / mib:.0f} "
+              f"| {r['save_peak_rise_bytes'] / mib:.0f} | {r['bytes_read'] / mib:.0f} "
               f"| {r['load_peak_rise_bytes'] / mib:.0f} |")
 
 
