@@ -60,8 +60,8 @@ def test_packed_qkv_gqa():
                         ("[12:16, 0:3]", "[28:32, 0:3]")]
     single = entry_for(gt.PackedQKV(8, 4), (32, 3), tp_rank=0, tp_size=1)
     assert sum(r.global_box.volume for r in single.regions) == 32 * 3
-    with pytest.raises(gs.LayoutError, match="divide by TP"):
-        gt.PackedQKV(8, 2).place((12, 3), gt.ParallelLayout(tp_rank=0, tp_size=4))
+    with pytest.raises(gs.LayoutError, match="kv heads divide TP or be divided by it"):
+        gt.PackedQKV(8, 3).place((12, 3), gt.ParallelLayout(tp_rank=0, tp_size=4))
 
 
 def test_packed_swiglu():

@@ -257,3 +257,40 @@ def test_distributed_optimizer_over_gloo_loads_into_one_plain_adamw(tmp_path):
         assert float(opt.state[m]["step"]) == 3.0
     assert np.array_equal(model.embedding.weight.detach().numpy(), reference(3)["embedding.weight"])
     assert opt.param_groups[0]["lr"] == 0.004
+
+
+def test_replicated_kv_heads_with_plain_and_distributed_optimizer_state(tmp_path):
+    # 4 query heads, 1 kv head, head dim 2, hidden 3, TP=2: the kv head lives on both TP ranks.
+    rule = gt.ShardingRules([(r"qkv\.weight", gt.PackedQKV(4, 1))])
+    rng = np.random.default_rng(5)
+    glob = {name: rng.standard_normal((12, 3)).astype(np.float32) for name in ("w", "exp_avg", "master")}
+
+    def local(g, r):
+        return np.concatenate([g[r * 4:(r + 1) * 4], g[8:10], g[10:12]])  # q_r (2 heads), k, v
+
+    def run_rank(comm, distributed):
+        tp_rank, dp_rank = comm.rank % 2, comm.rank // 2
+        layout = gt.ParallelLayout(tp_rank=tp_rank, tp_size=2, dp_rank=dp_rank, dp_size=comm.world_size // 2)
+        model = nn.Module()
+        model.qkv = nn.Linear(3, 8, bias=False)
+        with torch.no_grad():
+            model.qkv.weight.copy_(torch.from_numpy(local(glob["w"], tp_rank)))
+        hp = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=0.01)
+        if distributed:
+            pieces = [gt.FlatShard(p, s, e, {it: torch.from_numpy(local(glob[it], tp_rank).reshape(-1)[s:e].copy())
+                                             for it in ("exp_avg", "master")})
+                      for p, s, e in gt.megatron_param_ranges([model.qkv.weight], dp_size=layout.dp_size,
+                                                              dp_rank=dp_rank)]
+            gt.save_checkpoint(tmp_path / "d", model=model, layout=layout, rules=rule, comm=comm, optimizer=hp,
+                               optimizer_shards=pieces)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+            opt.state[model.qkv.weight] = {"exp_avg": torch.from_numpy(local(glob["exp_avg"], tp_rank))}
+            gt.save_checkpoint(tmp_path / "p", model=model, layout=layout, rules=rule, comm=comm, optimizer=opt)
+
+    assert run_ranks(2, lambda c: run_rank(c, False)) == [None, None]
+    assert run_ranks(4, lambda c: run_rank(c, True)) == [None] * 4
+    for ckpt, items in (("p", ("exp_avg",)), ("d", ("exp_avg", "master"))):
+        assert np.array_equal(gs.read_array(tmp_path / ckpt, "qkv.weight"), glob["w"])
+        for item in items:
+            assert np.array_equal(gs.read_array(tmp_path / ckpt, f"optimizer.{item}.qkv.weight"), glob[item])

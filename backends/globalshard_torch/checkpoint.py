@@ -158,7 +158,7 @@ def save_checkpoint(
     def describe() -> dict[str, Any]:
         entries = model_entries(model, layout, rules)
         for e in entries:
-            shards[f"model/{e.name}"] = e.shard(e.key, numpy_view(staging.host(e.tensor, for_save=True)))
+            shards.update(e.shards(f"model/{e.name}", e.key, numpy_view(staging.host(e.tensor, for_save=True))))
         membership: dict[str, int] = {}
         if optimizer_shards is not None:
             for fs, e, item, key, t in _flat_items(optimizer_shards, entries):
@@ -169,7 +169,7 @@ def save_checkpoint(
                 membership[e.key] = g
                 if is_master:
                     host = staging.host(_local(p), for_save=True)
-                    shards[f"master/{e.name}"] = e.shard(f"{_OPT}master.{e.key}", numpy_view(host))
+                    shards.update(e.shards(f"master/{e.name}", f"{_OPT}master.{e.key}", numpy_view(host)))
                 for item, value in optimizer.state.get(p, {}).items():
                     key = f"{_OPT}{item}.{e.key}"
                     if not torch.is_tensor(value):
@@ -179,10 +179,10 @@ def save_checkpoint(
                     if local.ndim == 0:
                         shards[f"opt/{item}/{e.name}"] = _scalar_shard(key, numpy_view(local).copy(), e.scalar_main)
                     else:
-                        shards[f"opt/{item}/{e.name}"] = e.shard(key, numpy_view(local))
+                        shards.update(e.shards(f"opt/{item}/{e.name}", key, numpy_view(local)))
         for kind, e, tensor in _shadow_items(shadows, entries):
-            shards[f"shadow/{kind}/{e.name}"] = e.shard(f"{kind}.{e.key}",
-                                                        numpy_view(staging.host(_local(tensor), for_save=True)))
+            shards.update(e.shards(f"shadow/{kind}/{e.name}", f"{kind}.{e.key}",
+                                                        numpy_view(staging.host(_local(tensor), for_save=True))))
         extra = extra_state.collect(_chunks(model), layout, _LAYERS, shards)
         staging.ready()
         return {"rng": rng_state(), "membership": membership, "extra": extra if layout.dp_rank == 0 else {},
@@ -270,10 +270,10 @@ def load_checkpoint(
                                 "scheduler=); pass scheduler=None to leave the scheduler as it is")
         entries = model_entries(model, layout, rules)
         for e in entries:
-            targets[f"model/{e.name}"] = e.shard(e.key, numpy_view(staging.host(e.tensor, for_save=False)))
+            targets.update(e.shards(f"model/{e.name}", e.key, numpy_view(staging.host(e.tensor, for_save=False))))
         for kind, e, tensor in _shadow_items(shadows, entries):
-            targets[f"shadow/{kind}/{e.name}"] = e.shard(f"{kind}.{e.key}",
-                                                         numpy_view(staging.host(_local(tensor), for_save=False)))
+            targets.update(e.shards(f"shadow/{kind}/{e.name}", f"{kind}.{e.key}",
+                                                         numpy_view(staging.host(_local(tensor), for_save=False))))
         extras.extend(extra_state_restore(_chunks(model), layout, _LAYERS, ts.get("extra_state") or {},
                                           metadata, targets, extra_state))
         if optimizer is None and optimizer_shards is None:
@@ -313,8 +313,8 @@ def load_checkpoint(
                 if "master" not in items.get(e.key, []):
                     problems.append(f"{e.key!r}: the checkpoint holds no fp32 master copy")
                     continue
-                targets[f"master/{e.name}"] = e.shard(
-                    f"{_OPT}master.{e.key}", numpy_view(staging.host(_local(p), for_save=False)))
+                targets.update(e.shards(f"master/{e.name}",
+                    f"{_OPT}master.{e.key}", numpy_view(staging.host(_local(p), for_save=False))))
             st: dict[str, torch.Tensor] = {}
             for item in items.get(e.key, []):
                 if item == "master":
@@ -327,8 +327,8 @@ def load_checkpoint(
                                                                     e.scalar_main)
                 else:
                     t = torch.zeros_like(local)
-                    targets[f"opt/{item}/{e.name}"] = e.shard(
-                        f"{_OPT}{item}.{e.key}", numpy_view(staging.host(t, for_save=False)))
+                    targets.update(e.shards(f"opt/{item}/{e.name}",
+                        f"{_OPT}{item}.{e.key}", numpy_view(staging.host(t, for_save=False))))
                 st[item] = t
             if st:
                 new_state.append((p, st))
@@ -436,10 +436,14 @@ def _add_flat(into: dict[str, gs.ShardedTensor], fs: FlatShard, e: Entry, item: 
         into[f"flat/{item}/{e.name}/{fs.start}"] = _scalar_shard(key, data, scalar_main and fs.start == 0)
         return
     local_shape, regions = e.regions()
-    for i, t in enumerate(gs.shards_from_flat_range(key, data, global_shape=e.placement.global_shape, start=fs.start,
-                                                   local_shape=local_shape, regions=regions,
-                                                   replica_id=0 if main else 1)):
-        into[f"flat/{item}/{e.name}/{fs.start}/{i}"] = t
+    for replica in (False, True):  # regions this rank holds as main, then those another TP rank also holds
+        part = [r for r, shared in regions if shared == replica]
+        if not part:
+            continue
+        for i, t in enumerate(gs.shards_from_flat_range(
+                key, data, global_shape=e.placement.global_shape, start=fs.start, local_shape=local_shape,
+                regions=part, replica_id=0 if main and not replica else 1)):
+            into[f"flat/{item}/{e.name}/{fs.start}/{int(replica)}/{i}"] = t
 
 
 def _zero_targets(optimizer: Any, entries: list[Entry], metadata: gs.Metadata) -> list[FlatShard]:

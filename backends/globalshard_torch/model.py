@@ -41,17 +41,46 @@ class Entry:
     main_across_dp: bool | None = None
     scalar_main_across_dp: bool | None = None
 
-    def regions(self) -> tuple[tuple[int, ...], tuple[gs.Region, ...]]:
-        """``(local shape, regions)`` of this entry's layout, without its data."""
+    def regions(self) -> tuple[tuple[int, ...], list[tuple[gs.Region, bool]]]:
+        """``(local shape, [(region, is a replica on every rank)])`` of this
+        entry's layout, without its data. A region is a replica regardless of
+        data parallelism when its segment is (kv heads shared by TP ranks)."""
         shape = tuple(self.tensor.shape)
+        p = self.placement
+        if p.segment_replicas is not None:
+            assert p.segments is not None
+            rest = shape[1:]
+            return shape, [(gs.Region(gs.Box((seg.local_offset, *(0,) * len(rest)), (seg.length, *rest)),
+                                      gs.Box((seg.global_offset, *p.global_offset[1:]), (seg.length, *rest))), rep > 0)
+                           for seg, rep in zip(p.segments, p.segment_replicas)]
         t = self.shard(self.key, np.broadcast_to(np.zeros((), np.uint8), shape))
-        return tuple(t.data.shape), t.regions
+        return tuple(t.data.shape), [(r, False) for r in t.regions]
+
+    def shards(self, name: str, key: str, data: np.ndarray) -> dict[str, gs.ShardedTensor]:
+        """:meth:`shard` under ``name``; several (``name#i``) when parts of the
+        local tensor are replicas of another TP rank's and the rest are not."""
+        p = self.placement
+        if p.segment_replicas is None:
+            return {name: self.shard(key, data)}
+        assert p.segments is not None
+        if tuple(data.shape) != tuple(self.tensor.shape):
+            raise LayoutError(f"{key!r}: local shape {data.shape} differs from the parameter's "
+                              f"{tuple(self.tensor.shape)}")
+        out = {}
+        for i, (seg, rep) in enumerate(zip(p.segments, p.segment_replicas)):
+            rows = data[seg.local_offset:seg.local_offset + seg.length]
+            out[f"{name}#{i}"] = gs.ShardedTensor.from_offset(
+                key, rows, global_shape=p.global_shape, global_offset=(seg.global_offset, *p.global_offset[1:]),
+                replica_id=0 if self.main and rep == 0 else 1)
+        return out
 
     def shard(self, key: str, data: np.ndarray) -> gs.ShardedTensor:
         """A ShardedTensor with this entry's layout for ``data`` (the parameter,
         or an optimizer moment of the same local shape)."""
         p = self.placement
         replica = 0 if self.main else 1
+        if p.segment_replicas is not None:
+            raise LayoutError(f"{key!r}: part of this layout is another rank's replica; use Entry.shards")
         if tuple(data.shape) != tuple(self.tensor.shape):
             raise LayoutError(
                 f"{key!r}: local shape {data.shape} differs from the parameter's {tuple(self.tensor.shape)}"

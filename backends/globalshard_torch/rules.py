@@ -65,6 +65,7 @@ class Placement:
     regions: tuple[Region, ...] | None = None  # when set, the layout itself (DTensors, experts)
     expert: bool = False  # replicated over expert data parallelism, not dense DP
     local_view: tuple[int, ...] | None = None  # the local tensor seen with this shape (an expert axis of 1)
+    segment_replicas: tuple[int, ...] | None = None  # per segment: 0 main, >0 a copy another TP rank also holds
 
 
 class Rule:
@@ -135,7 +136,12 @@ class VocabParallel(Rule):
 class PackedQKV(Rule):
     """Fused QKV: global rows ``[Q; K; V]`` with ``num_heads`` query heads and
     ``num_kv_heads`` key/value heads of equal size; TP rank r holds
-    ``[q_r; k_r; v_r]``. Grouped-query attention: ``num_kv_heads < num_heads``."""
+    ``[q_r; k_r; v_r]``. Grouped-query attention: ``num_kv_heads < num_heads``.
+
+    With TP larger than ``num_kv_heads`` (as vLLM lays it out), each kv head
+    is held by ``TP / num_kv_heads`` consecutive ranks: rank r holds its own
+    query heads and the key and value of head ``r // (TP / num_kv_heads)``;
+    the first of those ranks holds the main copy, the others replicas."""
 
     num_heads: int
     num_kv_heads: int
@@ -143,19 +149,33 @@ class PackedQKV(Rule):
     def place(self, local_shape: tuple[int, ...], layout: ParallelLayout) -> Placement:
         tp, r = layout.tp_size, layout.tp_rank
         heads = self.num_heads + 2 * self.num_kv_heads
-        rows = local_shape[0] * tp
-        if rows % heads or self.num_heads % tp or self.num_kv_heads % tp:
-            # TODO(limitation): TP larger than the number of kv heads (Megatron
-            # then replicates kv heads across TP ranks) is not mapped.
-            raise LayoutError(
-                f"fused QKV of {local_shape[0]} local rows at TP={tp} does not fit {self.num_heads} query and "
-                f"{self.num_kv_heads} key/value heads (each head count must divide by TP)"
-            )
-        hd = rows // heads
-        q, kv = self.num_heads * hd // tp, self.num_kv_heads * hd // tp
+        if self.num_heads % tp or (self.num_kv_heads % tp and tp % self.num_kv_heads):
+            raise LayoutError(f"fused QKV at TP={tp} does not fit {self.num_heads} query and {self.num_kv_heads} "
+                              "key/value heads (query heads must divide by TP, and kv heads divide TP or be "
+                              "divided by it)")
+        if self.num_kv_heads % tp == 0:
+            rows = local_shape[0] * tp
+            if rows % heads:
+                raise LayoutError(f"fused QKV of {local_shape[0]} local rows at TP={tp} does not fit "
+                                  f"{self.num_heads} query and {self.num_kv_heads} key/value heads")
+            hd = rows // heads
+            q, kv = self.num_heads * hd // tp, self.num_kv_heads * hd // tp
+            qh, kh = self.num_heads * hd, self.num_kv_heads * hd
+            segments = (Segment(0, r * q, q), Segment(q, qh + r * kv, kv), Segment(q + kv, qh + kh + r * kv, kv))
+            return Placement((rows, *local_shape[1:]), (0,) * len(local_shape), segments)
+        # TP > kv heads: one kv head per rank, shared by `share` ranks.
+        share = tp // self.num_kv_heads
+        per_rank_q = self.num_heads // tp
+        if local_shape[0] % (per_rank_q + 2):
+            raise LayoutError(f"fused QKV of {local_shape[0]} local rows at TP={tp} is not {per_rank_q} query "
+                              "heads plus one key and one value head")
+        hd = local_shape[0] // (per_rank_q + 2)
+        q, g = per_rank_q * hd, r // share
         qh, kh = self.num_heads * hd, self.num_kv_heads * hd
-        segments = (Segment(0, r * q, q), Segment(q, qh + r * kv, kv), Segment(q + kv, qh + kh + r * kv, kv))
-        return Placement((rows, *local_shape[1:]), (0,) * len(local_shape), segments)
+        segments = (Segment(0, r * q, q), Segment(q, qh + g * hd, hd), Segment(q + hd, qh + kh + g * hd, hd))
+        rep = r % share
+        return Placement((qh + 2 * kh, *local_shape[1:]), (0,) * len(local_shape), segments,
+                         segment_replicas=(0, rep, rep))
 
 
 @dataclass(frozen=True)
