@@ -218,6 +218,10 @@ def main() -> None:
     tensors = 100 if QUICK else 1000
     print("planning ...", flush=True)
     report["planning"] = [plan_tp_dp(1024, tensors, 8), plan_fragmented(1024, tensors // 10 if QUICK else 100)]
+    curve = [plan_tp_dp(ranks, tensors, 8) for ranks in ((128, 256) if QUICK else (512, 1024, 2048, 4096))]
+    report["planning_curve"] = [{"ranks": int(c["case"].split()[0]), "save_plan_s": c["save_plan_s"],
+                                 "load_plan_one_rank_s": c["load_plan_one_rank_s"]} for c in curve]
+    report["plan_4096_s"] = curve[-1]["save_plan_s"] if not QUICK else None
     print("coverage ...", flush=True)
     report["coverage"] = coverage(32 if QUICK else 64)
     print("I/O ...", flush=True)
@@ -237,6 +241,13 @@ def main() -> None:
         print(f"| {p['case']} | {p['shards']:,} | {p['stored_regions']:,} | {p['describe_s']:.1f} | "
               f"{p['save_plan_s']:.1f} | {p.get('load_plan_one_rank_s', float('nan')):.2f} | "
               f"{p['metadata_bytes'] / 1e6:.1f} | {p['metadata_parse_s']:.1f} |")
+    print(f"\n| ranks (TP=8, {tensors} tensors) | save plan s | x per doubling | one rank's load plan s |")
+    print("| --- | --- | --- | --- |")
+    prev = None
+    for c in report["planning_curve"]:
+        ratio = f"{c['save_plan_s'] / prev:.2f}" if prev else ""
+        print(f"| {c['ranks']} | {c['save_plan_s']:.2f} | {ratio} | {c['load_plan_one_rank_s']:.3f} |")
+        prev = c["save_plan_s"]
     p = report["planning"][0]
     print(f"\nWriters: {p['ranks_writing']} of 1024 ranks write; max/mean bytes per rank "
           f"{p['writer_bytes_max_over_mean']:.2f}.")
