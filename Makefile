@@ -42,6 +42,7 @@ reliability: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/run.py
 	$(PY) bench/zero_memory.py
+	$(PY) bench/io_memory.py
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .hypothesis

@@ -17,6 +17,7 @@ error, never a block of zeros.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import itertools
@@ -40,7 +41,7 @@ from globalshard.geometry import Box
 from globalshard.metadata import MAX_FILE_BYTES, check_relative_path
 from globalshard.planner import LoadPlan
 
-__all__ = ["CHUNK_BYTES", "WRITE_WINDOW_BYTES", "IOStats", "Location", "chunk_shape"]
+__all__ = ["CHUNK_BYTES", "READ_WINDOW_BYTES", "WRITE_WINDOW_BYTES", "IOStats", "Location", "chunk_shape"]
 
 #: Upper bound on the bytes of one (inner) chunk: the unit a load reads.
 CHUNK_BYTES = 1 << 20
@@ -58,7 +59,12 @@ _TMP_PREFIX = "."
 
 #: Bytes of writes in flight at once. TensorStore copies what it is given to
 #: write, so this bounds the extra memory a save needs.
-WRITE_WINDOW_BYTES = 1 << 30
+WRITE_WINDOW_BYTES = 64 << 20
+
+#: Bytes of reads in flight at once: TensorStore decodes each chunk into a
+#: buffer of its own before copying it into the target, so this bounds the
+#: memory a load needs beyond its targets.
+READ_WINDOW_BYTES = 32 << 20
 
 # One context for the process: the memory kvstore persists across calls, and
 # the chunk cache is off (every byte is read once, straight into its target).
@@ -594,10 +600,22 @@ class Location:
         # TODO(limitation): a chunk found corrupt or missing while reading raises
         # after other reads may already have landed in the targets; checking
         # every chunk first would read everything twice.
-        pending: list[tuple[str, Any, np.ndarray | None, Box]] = []
-        needed = 0
+        pending: collections.deque[tuple[str, Any, np.ndarray | None, Box, int]] = collections.deque()
+        problems: list[str] = []
+        needed = in_flight = 0
         touched: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
         chunks = {p: _read_chunk(s) for p, s in stores.items()}
+
+        def settle_oldest() -> int:
+            path, future, staged_into, box, nbytes = pending.popleft()
+            try:
+                value = future.result()
+                if staged_into is not None:
+                    cast_into(box.view(staged_into), value)
+            except Exception as e:
+                problems.append(f"{self.describe(path)}: {_error_text(e)}")
+            return nbytes
+
         for tp in plan.targets:
             data = datas[tp.target]
             direct = data.dtype == numpy_dtype(tp.stored_dtype) and data.dtype.isnative
@@ -605,20 +623,18 @@ class Location:
             itemsize = numpy_dtype(tp.stored_dtype).itemsize
             for r in tp.reads:
                 src = _at(stores[r.path], r.stored_box)
-                needed += r.stored_box.volume * itemsize
+                nbytes = r.stored_box.volume * itemsize
+                needed += nbytes
                 touched.setdefault(r.path, []).append(_chunk_span(r.stored_box, chunks[r.path]))
                 if view is not None:
-                    pending.append((r.path, _at(view, r.target_box).write(src), None, r.target_box))
+                    pending.append((r.path, _at(view, r.target_box).write(src), None, r.target_box, nbytes))
                 else:
-                    pending.append((r.path, src.read(), data, r.target_box))
-        problems: list[str] = []
-        for path, future, staged_into, box in pending:
-            try:
-                value = future.result()
-                if staged_into is not None:
-                    cast_into(box.view(staged_into), value)
-            except Exception as e:
-                problems.append(f"{self.describe(path)}: {_error_text(e)}")
+                    pending.append((r.path, src.read(), data, r.target_box, nbytes))
+                in_flight += nbytes
+                while in_flight > READ_WINDOW_BYTES and len(pending) > 1:
+                    in_flight -= settle_oldest()
+        while pending:
+            settle_oldest()
         if problems:
             raise StorageError(format_problems("cannot read the checkpoint's arrays", problems))
         for tp in plan.targets:

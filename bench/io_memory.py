@@ -1,0 +1,93 @@
+"""Peak memory of a save and of a resharding load, over the state they hold.
+
+    .venv/bin/python bench/io_memory.py [--quick]
+
+512 MiB of float32 (16 tensors; ``--quick``: 64 MiB) saved from TP=4 shards
+and loaded into TP=2 targets, each step in a fresh process so that its peak
+RSS (``ru_maxrss``) is its own. Reported: seconds, and how far the step
+raised the process's peak above what it held before it (the state, or the
+already-touched targets). The target is at most 10% of the state + 64 MiB.
+Writes build/bench/io_memory.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+import globalshard as gs
+
+ROWS, COLS = 4096, 2048  # 32 MiB of float32 per tensor
+
+
+def _peak() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _save(root: str, tensors: int) -> dict[str, float]:
+    state = {}
+    for k in range(tensors):
+        full = np.random.default_rng(k).standard_normal((ROWS, COLS), dtype=np.float32)
+        n = ROWS // 4
+        for r in range(4):
+            state[f"{k}.{r}"] = gs.ShardedTensor.from_offset(f"t{k}", full[r * n:(r + 1) * n].copy(),
+                                                             global_shape=(ROWS, COLS), global_offset=(r * n, 0))
+        del full
+    before = _peak()
+    start = time.perf_counter()
+    gs.save(state, root, overwrite=True)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "state_bytes": sum(s.data.nbytes for s in state.values()),
+            "peak_rise_bytes": _peak() - before}
+
+
+def _load(root: str, tensors: int) -> dict[str, float]:
+    n = ROWS // 2
+    targets = {f"{k}.{r}": gs.ShardedTensor.from_offset(f"t{k}", np.ones((n, COLS), np.float32),
+                                                        global_shape=(ROWS, COLS), global_offset=(r * n, 0))
+               for k in range(tensors) for r in range(2)}
+    before = _peak()
+    start = time.perf_counter()
+    gs.load(targets, root)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "state_bytes": sum(t.data.nbytes for t in targets.values()),
+            "peak_rise_bytes": _peak() - before}
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] in ("--save", "--load"):
+        fn = _save if sys.argv[1] == "--save" else _load
+        print(json.dumps(fn(sys.argv[2], int(sys.argv[3]))))
+        return
+    tensors = 2 if "--quick" in sys.argv else 16
+    report = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = os.path.join(tmp, "ckpt")
+        for step in ("save", "load"):
+            runs = [json.loads(subprocess.run([sys.executable, __file__, f"--{step}", root, str(tensors)],
+                                              check=True, capture_output=True, text=True).stdout)
+                    for _ in range(3)]
+            report[step] = sorted(runs, key=lambda r: r["peak_rise_bytes"])[1]  # the median by peak
+    for step in report.values():
+        allowed = 0.1 * step["state_bytes"] + (64 << 20)
+        step["peak_rise_over_allowed"] = step["peak_rise_bytes"] / allowed
+    os.makedirs("build/bench", exist_ok=True)
+    with open("build/bench/io_memory.json", "w") as f:
+        json.dump(report, f, indent=1)
+    mib = 2**20
+    print("| step | state MiB | seconds | peak RSS rise MiB | allowed (10% + 64 MiB) |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, r in report.items():
+        print(f"| {name} | {r['state_bytes'] / mib:.0f} | {r['seconds']:.2f} | {r['peak_rise_bytes'] / mib:.0f} "
+              f"| {(0.1 * r['state_bytes'] + (64 << 20)) / mib:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
