@@ -7,7 +7,7 @@ layout, reading only the bytes each needs. numpy and TensorStore only: no
 torch, no jax (those adapters live in ``backends/``).
 """
 
-from globalshard.api import Checkpoint, load, read_array, read_metadata, read_trainer_state, save
+from globalshard.api import AsyncSaver, Checkpoint, load, read_array, read_metadata, read_trainer_state, save
 from globalshard.comm import Comm, SingleProcessComm
 from globalshard.dtypes import SUPPORTED_DTYPES, is_exact_cast
 from globalshard.errors import (
@@ -34,6 +34,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FORMAT_VERSION",
+    "AsyncSaver",
     "SUPPORTED_DTYPES",
     "Box",
     "CastError",

@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -43,14 +44,23 @@ from globalshard.metadata import (
     parse_metadata,
     parse_trainer_state,
 )
-from globalshard.planner import SAVES_DIR, LoadPlan, LoadPlanner, SavePlanner, ShardInfo, missing_key, save_dir
+from globalshard.planner import (
+    SAVES_DIR,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    ShardInfo,
+    missing_key,
+    save_dir,
+)
 from globalshard.storage import LOCK_FILE, IOStats, Location, OpenedPlan, array_attributes
 
 _log = logging.getLogger("globalshard")
 #: An unlisted save directory on a kvstore root older than this is a leftover (spec 2.2).
 _LEFTOVER_AGE_MS = 24 * 3600 * 1000
 
-__all__ = ["Checkpoint", "load", "read_array", "read_metadata", "read_trainer_state", "save"]
+__all__ = ["AsyncSaver", "Checkpoint", "load", "read_array", "read_metadata", "read_trainer_state", "save"]
 
 
 
@@ -116,9 +126,8 @@ def save(
     comm = comm if comm is not None else SingleProcessComm()
     location = Location(path, kvstore)
     entries = _entries(state)
-    infos = [ShardInfo.of(t) for _, t in entries]
     with contextlib.ExitStack() as held:  # rank 0's lock, held until the cleanup is done
-        _save(location, comm, entries, infos, trainer_state, overwrite, stats, held)
+        _finish_save(_plan_save(location, comm, entries, trainer_state, overwrite, held), stats)
 
 
 @dataclasses.dataclass
@@ -130,9 +139,23 @@ class _Coordinator:
     trainer_blob: tuple[bytes, TrainerStateRef] | None = None
 
 
-def _save(location: Location, comm: Comm, entries: list[tuple[str, ShardedTensor]], infos: list[ShardInfo],
-          trainer_state: dict[str, Any] | None, overwrite: bool, stats: IOStats | None,
-          held: contextlib.ExitStack) -> None:
+@dataclasses.dataclass
+class _PlannedSave:
+    """A save planned and agreed on by every rank: what this rank writes."""
+
+    location: Location
+    comm: Comm
+    save_id: str
+    plan: SavePlan
+    items: list[tuple[str, str, np.ndarray, dict[str, Any]]]  # (path, dtype, data, attributes)
+    coordinator: _Coordinator
+
+
+def _plan_save(location: Location, comm: Comm, entries: list[tuple[str, ShardedTensor]],
+               trainer_state: dict[str, Any] | None, overwrite: bool, held: contextlib.ExitStack) -> _PlannedSave:
+    """Describe, validate and plan collectively; rank 0 takes the lock into
+    ``held`` and finds what the save replaces. Nothing on storage changes."""
+    infos = [ShardInfo.of(t) for _, t in entries]
     coordinator = _Coordinator()
 
     def describe() -> dict[str, Any]:
@@ -155,15 +178,20 @@ def _save(location: Location, comm: Comm, entries: list[tuple[str, ShardedTensor
     else:
         per_rank = [[ShardInfo.from_json(j) for j in g["shards"]] for g in gathered]
     plan = SavePlanner().plan(per_rank, save_id=save_id)  # pure: raises identically on every rank
+    items = []
+    for w in plan.for_rank(comm.rank):
+        tensor = entries[w.shard][1]
+        local = tensor.regions[w.region].global_to_local(w.box)
+        items.append((w.path, tensor.dtype, local.view(tensor.data), array_attributes(w.key, w.box.offset, save_id)))
+    return _PlannedSave(location, comm, save_id, plan, items, coordinator)
+
+
+def _finish_save(planned: _PlannedSave, stats: IOStats | None) -> None:
+    """Write, commit (rank 0, conditionally) and clean up, collectively."""
+    location, comm, save_id, coordinator = planned.location, planned.comm, planned.save_id, planned.coordinator
 
     def write() -> None:
-        items = []
-        for w in plan.for_rank(comm.rank):
-            tensor = entries[w.shard][1]
-            local = tensor.regions[w.region].global_to_local(w.box)
-            attributes = array_attributes(w.key, w.box.offset, save_id)
-            items.append((w.path, tensor.dtype, local.view(tensor.data), attributes))
-        location.write_arrays(items, stats)
+        location.write_arrays(planned.items, stats)
         if coordinator.trainer_blob is not None:
             data, ref = coordinator.trainer_blob
             location.write_file(ref.path, data)
@@ -171,7 +199,7 @@ def _save(location: Location, comm: Comm, entries: list[tuple[str, ShardedTensor
     def commit() -> None:
         if comm.rank == 0:
             ref = coordinator.trainer_blob[1] if coordinator.trainer_blob is not None else None
-            metadata = dataclasses.replace(plan.metadata, trainer_state=ref)
+            metadata = dataclasses.replace(planned.plan.metadata, trainer_state=ref)
             location.commit(METADATA_FILE, metadata.dumps().encode("utf-8"), coordinator.stamp)
 
     try:
@@ -184,6 +212,99 @@ def _save(location: Location, comm: Comm, entries: list[tuple[str, ShardedTensor
     if comm.rank == 0:
         _remove_superseded(location, coordinator.previous, save_id)
     comm.barrier()
+
+
+class AsyncSaver:
+    """Saves that return once this rank's data is copied to host memory, and
+    write, commit and clean up in a background thread.
+
+    :meth:`save` does in the caller's thread everything that can fail before
+    storage changes (describing, validating and planning on every rank; rank
+    0 takes the checkpoint's lock), then copies exactly the bytes this rank
+    will write into a host buffer that the saver keeps and reuses (host
+    memory stays at one snapshot, however many saves), and returns. The
+    arrays may then change: the checkpoint holds the values they had.
+
+    One save at a time: :meth:`save` first waits for the previous one (and
+    raises its error, if it failed). Call :meth:`wait` before the process
+    exits, and before loading with the same communicator (its collectives
+    run in the background thread meanwhile). A crash during the background
+    part leaves the previous checkpoint as it was (spec section 2.1).
+
+    >>> import numpy as np, tempfile
+    >>> w = np.ones((2, 3), np.float32)
+    >>> saver, d = AsyncSaver(), tempfile.mkdtemp()
+    >>> saver.save({"w": ShardedTensor.from_offset("w", w, global_shape=(2, 3), global_offset=(0, 0))}, d)
+    >>> w[:] = 7  # training goes on
+    >>> saver.wait()
+    >>> float(read_array(d, "w")[0, 0])
+    1.0
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._buffer: np.ndarray | None = None
+        #: Seconds the last :meth:`save` blocked the caller, and the copy's share of them.
+        self.blocking_seconds = 0.0
+        self.snapshot_seconds = 0.0
+
+    def save(self, state: Mapping[str, ShardedTensor], path: Any, *, trainer_state: dict[str, Any] | None = None,
+             comm: Comm | None = None, overwrite: bool = False, kvstore: Any = None,
+             stats: IOStats | None = None) -> None:
+        """As :func:`save`, returning after the host snapshot (see the class)."""
+        self.wait()
+        start = time.perf_counter()
+        comm = comm if comm is not None else SingleProcessComm()
+        location = Location(path, kvstore)
+        entries = _entries(state)
+        held = contextlib.ExitStack()
+        try:
+            planned = _plan_save(location, comm, entries, trainer_state, overwrite, held)
+            copied = time.perf_counter()
+            planned.items = self._snapshot(planned.items)
+            self.snapshot_seconds = time.perf_counter() - copied
+        except BaseException:
+            held.close()
+            raise
+
+        def background() -> None:
+            try:
+                with held:
+                    _finish_save(planned, stats)
+            except BaseException as e:  # raised by wait() in the caller's thread
+                self._error = e
+
+        self._thread = threading.Thread(target=background, name="globalshard-save")
+        self._thread.start()
+        self.blocking_seconds = time.perf_counter() - start
+
+    def _snapshot(self, items: list[tuple[str, str, np.ndarray, dict[str, Any]]]
+                  ) -> list[tuple[str, str, np.ndarray, dict[str, Any]]]:
+        total = sum(a.nbytes for _, _, a, _ in items)
+        if self._buffer is None or self._buffer.nbytes < total:
+            self._buffer = np.empty(total, np.uint8)
+        out, offset = [], 0
+        for path, dtype, array, attributes in items:
+            native = array.dtype if array.dtype.isnative else array.dtype.newbyteorder("=")
+            copy = np.ndarray(array.shape, native, buffer=self._buffer, offset=offset)
+            np.copyto(copy, array)
+            out.append((path, dtype, copy, attributes))
+            offset += array.nbytes
+        return out
+
+    def done(self) -> bool:
+        """Whether no save is in flight."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Wait for the save in flight; raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
 
 def new_save_id() -> str:

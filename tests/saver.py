@@ -126,6 +126,7 @@ def main() -> None:
     parser.add_argument("--kill-after", type=float)
     parser.add_argument("--count", action="store_true")
     parser.add_argument("--manager", action="store_true", help="save through globalshard_torch's manager")
+    parser.add_argument("--async-save", action="store_true", help="through gs.AsyncSaver")
     parser.add_argument("--ignore-sigxfsz", action="store_true",
                         help="under a file-size limit, fail writes with EFBIG instead of dying")
     args = parser.parse_args()
@@ -143,6 +144,13 @@ def main() -> None:
     start = time.perf_counter()
     if args.manager:
         _manager_save(args.path, args.tag, state)
+    elif args.async_save:
+        background = gs.AsyncSaver()
+        background.save(state, args.path, trainer_state={"tag": args.tag}, overwrite=args.overwrite,
+                        kvstore=kvstore)
+        for t in state.values():
+            t.data[...] = 0  # the snapshot, not the live arrays, is what gets written
+        background.wait()
     else:
         gs.save(state, args.path, trainer_state={"tag": args.tag}, overwrite=args.overwrite, kvstore=kvstore)
     if count is not None:

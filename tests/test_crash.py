@@ -87,6 +87,27 @@ def test_sigkill_at_every_phase_of_a_local_overwrite(tmp_path):
     _record("local, single process", len(points), survived, killed)
 
 
+def test_sigkill_during_the_background_part_of_an_async_save(tmp_path):
+    base = tmp_path / "base"
+    saver.save_stamped(base, 1)
+    shutil.copytree(base, tmp_path / "count")
+    counted = _saver(str(tmp_path / "count"), "--tag", "2", "--overwrite", "--async-save", "--count")
+    assert counted.returncode == 0, counted.stderr
+    events, duration = json.loads(counted.stdout)["events"], json.loads(counted.stdout)["seconds"]
+    n = POINTS // 2 if FULL else 3
+    points = [("at", k) for k in _spread(events, n)] + [("after", duration * (i + 0.5) / n) for i in range(n)]
+    killed = 0
+    for i, (how, when) in enumerate(points):
+        ckpt = tmp_path / f"a{i}"
+        shutil.copytree(base, ckpt)
+        out = _saver(str(ckpt), "--tag", "2", "--overwrite", "--async-save", f"--kill-{how}", str(when))
+        assert out.returncode in (0, -9), out.stderr
+        killed += out.returncode == -9
+        _check_after_kill(ckpt, 2)
+        shutil.rmtree(ckpt)
+    _record("async save (kills in the snapshot and in the background)", len(points), len(points), killed)
+
+
 def test_sigkill_of_one_rank_of_a_gloo_save(tmp_path):
     from torch_harness import run_tolerating_deaths
 

@@ -221,3 +221,18 @@ def test_wrapped_models_save_and_load_under_plain_names(tmp_path):
     own = Wrapper(nn.Linear(2, 2), "module")  # a model's own submodule named 'module' deeper down keeps it
     assert {e.key for e in gt.model_entries(nn.Sequential(own), ONE, REPLICATED)} == {"0.module.weight",
                                                                                      "0.module.bias"}
+
+
+def test_async_save_through_the_adapter_keeps_the_snapshot(tmp_path):
+    model = nn.Sequential(nn.Linear(3, 2), nn.LayerNorm(2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    saver = gs.AsyncSaver()
+    gt.save_checkpoint(tmp_path / "c", model=model, layout=ONE, rules=REPLICATED, optimizer=opt, saver=saver)
+    opt.step()  # training continues while the save is written
+    saver.wait()
+    target = nn.Sequential(nn.Linear(3, 2), nn.LayerNorm(2))
+    gt.load_checkpoint(tmp_path / "c", model=target, layout=ONE, rules=REPLICATED)
+    assert all(torch.equal(p, before[n]) for n, p in target.named_parameters())

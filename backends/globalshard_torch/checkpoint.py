@@ -128,6 +128,7 @@ def save_checkpoint(
     overwrite: bool = False,
     kvstore: Any = None,
     stats: gs.IOStats | None = None,
+    saver: gs.AsyncSaver | None = None,
 ) -> None:
     """Save this rank's part of the model, optimizer, scheduler and trainer state.
 
@@ -140,7 +141,10 @@ def save_checkpoint(
     recognised by itself. ``shadows`` are copies laid out like their
     parameters, by kind and model tensor name (``{"ema": {name: tensor}}``),
     stored as ``<kind>.<param key>``. ``rank_state`` is this rank's own JSON
-    state (a dataloader's or sampler's position), kept per rank. A failure on
+    state (a dataloader's or sampler's position), kept per rank. With
+    ``saver`` (a :class:`globalshard.AsyncSaver`) the call returns once this
+    rank's data is copied to host memory, and the rest runs in the
+    background: call ``saver.wait()`` before exiting or loading. A failure on
     any rank raises on every rank and commits nothing.
     """
     comm = comm if comm is not None else (default_comm() or SingleProcessComm())
@@ -212,7 +216,8 @@ def save_checkpoint(
                     "ranks": [g["rng"] for g in gathered]}
     if rank_state is not None:
         state["rank_state"] = [g["rank_state"] for g in gathered]
-    gs.save(shards, path, trainer_state=state, comm=comm, overwrite=overwrite, kvstore=kvstore, stats=stats)
+    save = saver.save if saver is not None else gs.save
+    save(shards, path, trainer_state=state, comm=comm, overwrite=overwrite, kvstore=kvstore, stats=stats)
 
 
 def load_checkpoint(
