@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(PY) bench/run.py
 	$(PY) bench/zero_memory.py
 	$(PY) bench/io_memory.py
+	$(PY) bench/compare.py
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .hypothesis

@@ -1,0 +1,225 @@
+"""globalshard against the disk and against torch DCP, on the same state.
+
+    .venv/bin/python bench/compare.py [--quick]
+
+The state: 8 float32 matrices (1 GiB; ``--quick``: 64 MiB) held as DTensors
+sharded on rows. Saved at TP=4 by 4 gloo processes, loaded at TP=2 by 2
+processes and at TP=1 by one, warm (page cache) and cold (each file evicted
+with posix_fadvise). Every system does the same: globalshard through
+``globalshard_torch.save/load`` (crc32c verified on every byte read), DCP
+through ``torch.distributed.checkpoint.save/load`` with its default
+filesystem writer. The physical limits: 4 threads writing the same bytes to
+files with fsync, and reading them back warm and cold. Each figure is the
+median of 3 runs; speeds are GB/s of state, and ratios are taken within this
+run. Writes build/bench/compare.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+QUICK = "--quick" in sys.argv
+TENSORS = 8
+ROWS, COLS = (256, 2048) if QUICK else (8192, 4096)
+STATE = TENSORS * ROWS * COLS * 4
+REPS = 3
+
+
+def _evict(root: str) -> None:
+    for d, _, files in os.walk(root):
+        for f in files:
+            fd = os.open(os.path.join(d, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def _full(k: int) -> torch.Tensor:
+    return torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) + k
+
+
+def _state(world: int, zeros: bool) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if world == 1:
+        return {f"w{k}": (torch.zeros(ROWS, COLS) if zeros else _full(k)) for k in range(TENSORS)}
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for k in range(TENSORS):
+        full = torch.zeros(ROWS, COLS) if zeros else _full(k)
+        out[f"w{k}"] = distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
+    return out
+
+
+def _rank(rank: int, world: int, port: int, system: str, action: str, path: str, out: str) -> None:
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=900))
+    state = _state(world, zeros=action != "save")
+    if world > 1:
+        dist.barrier()
+    start = time.perf_counter()
+    if system == "globalshard":
+        import globalshard_torch as gt
+
+        if action == "save":
+            gt.save(state, path, overwrite=True)
+        else:
+            gt.load(state, path)
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        if action == "save":
+            dcp.save(state, checkpoint_id=path)
+        else:
+            dcp.load(state, checkpoint_id=path)
+    if world > 1:
+        dist.barrier()
+    seconds = time.perf_counter() - start
+    if action != "save":  # the loaded values are right
+        t = state["w3"]
+        local = t.to_local() if hasattr(t, "to_local") else t
+        n = ROWS // world
+        if not torch.equal(local, _full(3)[rank * n:(rank + 1) * n]):
+            raise AssertionError(f"{system} loaded wrong values")
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"seconds": seconds}, f)
+    if world > 1:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def _run(world: int, system: str, action: str, path: str) -> float:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    if world == 1:
+        ctx = mp.get_context("spawn")
+        p = ctx.Process(target=_rank, args=(0, 1, 0, system, action, path, out))
+        p.start()
+        p.join()
+    else:
+        mp.start_processes(_rank, args=(world, _port(), system, action, path, out), nprocs=world, join=True,
+                           start_method="spawn")
+    with open(out) as f:
+        seconds = json.load(f)["seconds"]
+    os.unlink(out)
+    return seconds
+
+
+def _raw(root: str) -> dict[str, float]:
+    """4 threads write (with fsync) and read back the same bytes as files."""
+    data = [_full(k).numpy() for k in range(TENSORS)]
+    paths = [os.path.join(root, f"raw{k}.bin") for k in range(TENSORS)]
+
+    def threads(fn: Any) -> float:
+        start = time.perf_counter()
+        workers = [threading.Thread(target=fn, args=(i,)) for i in range(4)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        return time.perf_counter() - start
+
+    def write(i: int) -> None:
+        for k in range(i, TENSORS, 4):
+            with open(paths[k], "wb") as f:
+                f.write(memoryview(data[k]).cast("B"))
+                f.flush()
+                os.fsync(f.fileno())
+
+    buffers = [np.empty_like(d) for d in data]
+
+    def read(i: int) -> None:
+        for k in range(i, TENSORS, 4):
+            with open(paths[k], "rb", buffering=0) as f:
+                f.readinto(memoryview(buffers[k]).cast("B"))
+
+    writes, warm, cold = [], [], []
+    for _ in range(REPS):
+        writes.append(threads(write))
+        warm.append(threads(read))
+        _evict(root)
+        cold.append(threads(read))
+    return {"write_s": statistics.median(writes), "read_warm_s": statistics.median(warm),
+            "read_cold_s": statistics.median(cold)}
+
+
+def main() -> None:
+    report: dict[str, Any] = {"state_bytes": STATE, "quick": QUICK}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR", "build")) as tmp:
+        print("raw disk ...", flush=True)
+        report["raw"] = _raw(tmp)
+        for system in ("globalshard", "dcp"):
+            print(f"{system} ...", flush=True)
+            figures: dict[str, list[float]] = {"save_s": [], "load_tp2_warm_s": [], "load_tp2_cold_s": [],
+                                               "load_tp1_warm_s": []}
+            for rep in range(REPS):
+                path = os.path.join(tmp, f"{system}{rep}")
+                figures["save_s"].append(_run(4, system, "save", path))
+                _run(2, system, "load", path)  # warms the page cache
+                figures["load_tp2_warm_s"].append(_run(2, system, "load", path))
+                figures["load_tp1_warm_s"].append(_run(1, system, "load", path))
+                _evict(path)
+                figures["load_tp2_cold_s"].append(_run(2, system, "load", path))
+                shutil.rmtree(path)
+            report[system] = {k: statistics.median(v) for k, v in figures.items()}
+    gs_, dcp, raw = report["globalshard"], report["dcp"], report["raw"]
+    report["ratios"] = {
+        "save_vs_disk": raw["write_s"] / gs_["save_s"],
+        "save_vs_dcp": dcp["save_s"] / gs_["save_s"],
+        "load_warm_vs_page_cache": raw["read_warm_s"] / gs_["load_tp2_warm_s"],
+        "load_warm_vs_dcp": dcp["load_tp2_warm_s"] / gs_["load_tp2_warm_s"],
+        "load_tp1_warm_vs_dcp": dcp["load_tp1_warm_s"] / gs_["load_tp1_warm_s"],
+        "load_cold_vs_disk": raw["read_cold_s"] / gs_["load_tp2_cold_s"],
+        "load_cold_vs_dcp": dcp["load_tp2_cold_s"] / gs_["load_tp2_cold_s"],
+    }
+    os.makedirs("build/bench", exist_ok=True)
+    with open("build/bench/compare.json", "w") as f:
+        json.dump(report, f, indent=1)
+    gb = STATE / 1e9
+
+    def rate(s: float) -> str:
+        return f"{gb / s:.2f}"
+
+    print(f"\n{STATE / 2**30:.2f} GiB of float32, GB/s of state (median of {REPS}):\n")
+    print("| | save TP=4 | load TP4->2 warm | load TP4->2 cold | load TP4->1 warm |")
+    print("| --- | --- | --- | --- | --- |")
+    print(f"| disk (4 threads, fsync) / page cache | {rate(raw['write_s'])} | {rate(raw['read_warm_s'])} "
+          f"| {rate(raw['read_cold_s'])} | |")
+    for name, r in (("globalshard", gs_), ("torch DCP", dcp)):
+        print(f"| {name} | {rate(r['save_s'])} | {rate(r['load_tp2_warm_s'])} | {rate(r['load_tp2_cold_s'])} "
+              f"| {rate(r['load_tp1_warm_s'])} |")
+    print()
+    for k, v in report["ratios"].items():
+        print(f"{k}: {v:.2f}")
+
+
+if __name__ == "__main__":
+    main()
