@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(PY) bench/zero_memory.py
 	$(PY) bench/io_memory.py
 	$(PY) bench/compare.py
+	$(PY) bench/small_tensors.py
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .hypothesis

@@ -1,0 +1,87 @@
+"""Many small tensors against the same bytes in a few large ones.
+
+    .venv/bin/python bench/small_tensors.py [--quick]
+
+N tensors (2000; ``--quick``: 200) of log-uniform sizes between 4 KiB and
+1 MiB, saved and loaded whole in one process, against the same number of
+bytes in 8 tensors; on the plain file kvstore (a zarr array, so a zarr.json
+and a chunk file, per region) and on OCDBT over files (TensorStore packs
+keys into a few large files). Median of 3. Writes build/bench/small_tensors.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+import globalshard as gs
+
+QUICK = "--quick" in sys.argv
+N = 200 if QUICK else 2000
+
+
+def _states() -> tuple[dict[str, gs.ShardedTensor], dict[str, gs.ShardedTensor], int]:
+    rng = np.random.default_rng(0)
+    sizes = np.exp(rng.uniform(np.log(4 << 10), np.log(1 << 20), N)).astype(int) // 4
+    small = {f"s{i}": gs.ShardedTensor.from_offset(f"s{i}", np.full(n, i, np.float32), global_shape=(n,),
+                                                   global_offset=(0,)) for i, n in enumerate(sizes)}
+    total = int(sizes.sum())
+    per = -(-total // 8)
+    large = {f"l{i}": gs.ShardedTensor.from_offset(f"l{i}", np.full(per, i, np.float32), global_shape=(per,),
+                                                   global_offset=(0,)) for i in range(8)}
+    return small, large, total * 4
+
+
+def _targets(state: dict[str, gs.ShardedTensor]) -> dict[str, gs.ShardedTensor]:
+    return {k: gs.ShardedTensor.from_offset(t.key, np.zeros_like(t.data), global_shape=t.global_shape,
+                                            global_offset=(0,)) for k, t in state.items()}
+
+
+def _time(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    small, large, nbytes = _states()
+    report: dict[str, Any] = {"tensors": N, "bytes": nbytes}
+    os.makedirs("build", exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=os.path.abspath(os.environ.get("BENCH_DIR", "build"))) as tmp:
+        for store in ("file", "ocdbt"):
+            for name, state in (("small", small), ("large", large)):
+                saves, loads = [], []
+                for rep in range(3):
+                    root = os.path.join(tmp, f"{store}-{name}-{rep}")
+                    where: Any = root if store == "file" else {"driver": "ocdbt", "base": f"file://{root}/"}
+                    saves.append(_time(lambda w=where, s=state: gs.save(s, w)))
+                    targets = _targets(state)
+                    loads.append(_time(lambda w=where, t=targets: gs.load(t, w)))
+                report[f"{store}_{name}"] = {"save_s": statistics.median(saves), "load_s": statistics.median(loads)}
+    for store in ("file", "ocdbt"):
+        s, lg = report[f"{store}_small"], report[f"{store}_large"]
+        report[f"{store}_small_over_large"] = {"save": s["save_s"] / lg["save_s"], "load": s["load_s"] / lg["load_s"]}
+    os.makedirs("build/bench", exist_ok=True)
+    with open("build/bench/small_tensors.json", "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"{N} tensors of 4 KiB - 1 MiB ({nbytes / 2**20:.0f} MiB) vs the same bytes in 8 tensors, median of 3:\n")
+    print("| kvstore | layout | save s | load s |")
+    print("| --- | --- | --- | --- |")
+    for store in ("file", "ocdbt"):
+        for name in ("small", "large"):
+            r = report[f"{store}_{name}"]
+            print(f"| {store} | {name} | {r['save_s']:.2f} | {r['load_s']:.2f} |")
+    for store in ("file", "ocdbt"):
+        r = report[f"{store}_small_over_large"]
+        print(f"{store}: many small / few large = {r['save']:.2f}x (save), {r['load']:.2f}x (load)")
+
+
+if __name__ == "__main__":
+    main()
