@@ -365,6 +365,8 @@ def _remove_superseded(location: Location, previous: Metadata | None, save_id: s
         for name in location.listing(SAVES_DIR):
             if name == save_id or not is_save_id(name):
                 continue
+            # TODO(limitation): on a kvstore nothing tells a dead save from a running one,
+            # so an unlisted save directory is swept only once it is a day old.
             if location.local is not None or now_ms - int(name[:12], 16) > _LEFTOVER_AGE_MS:
                 _remove_quietly(location, f"{SAVES_DIR}/{name}")
         if location.local is not None:

@@ -371,6 +371,7 @@ class Location:
         if self.local is None:
             yield
             return
+        # TODO(limitation): flock, which network filesystems may not honour across hosts.
         try:
             os.makedirs(self.local, exist_ok=True)
             fd = os.open(os.path.join(self.local, LOCK_FILE), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0),
@@ -489,6 +490,8 @@ class Location:
         opened = []
         problems: list[str] = []
         for path, dtype, array, attributes in items:
+            # TODO(limitation): TensorStore fsyncs every file it writes (two per array), so
+            # thousands of small arrays save at 2.7x the time of the same bytes in a few.
             spec = _create_spec(self.array_kvstore(path), dtype, tuple(array.shape), attributes)
             try:
                 opened.append((path, array, ts.open(spec, create=True, delete_existing=True, context=_CONTEXT)))
@@ -648,6 +651,10 @@ class Location:
                 problems.append(f"{self.describe(path)}: {_error_text(e)}")
             return nbytes
 
+        # TODO(limitation): every chunk goes through TensorStore, which computes crc32c
+        # without the CPU's instructions and decodes into a buffer before copying into
+        # the target (0.10x the page cache warm); and ranks that need the same stored
+        # bytes each read them (no shared reads).
         for tp in plan.targets:
             data = datas[tp.target]
             direct = data.dtype == numpy_dtype(tp.stored_dtype) and data.dtype.isnative
