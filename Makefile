@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(PY) bench/io_memory.py
 	$(PY) bench/compare.py
 	$(PY) bench/small_tensors.py
+	$(PY) bench/summary.py
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .hypothesis
