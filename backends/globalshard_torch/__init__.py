@@ -6,8 +6,9 @@ A nested state dict (DTensors, plain tensors, optimizer state from
 ``get_state_dict``, Stateful objects, JSON values), as with
 ``torch.distributed.checkpoint``::
 
-    globalshard_torch.save({"model": model_sd, "optim": optim_sd, "step": 100}, path)
-    globalshard_torch.load(state_dict, path)   # in place, under any other layout
+    import globalshard_torch as gt
+    gt.save({"model": model_sd, "optim": optim_sd, "step": 100}, path)
+    gt.load(state_dict, path)   # in place, under any other layout
 
 Megatron-style models: save on one topology and load on another with one call each::
 

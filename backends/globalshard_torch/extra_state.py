@@ -9,8 +9,9 @@ the same on every DP replica. Each module's state is saved for each TP rank:
 * a tensor, or ``bytes`` / ``io.BytesIO``, becomes an array stored under
   ``_extra_state.<global module name>.tp<r>of<T>``, written by DP rank 0.
 
-No pickle is read or written here (a module's own ``set_extra_state`` decides
-what it does with the bytes it gets back). On load, each module gets back the
+No Python object is serialised here, only JSON and raw arrays (a module's
+own ``set_extra_state`` decides what it does with the bytes it gets back).
+On load, each module gets back the
 state its TP rank saved; when the TP size changed there is no such thing, and
 the load fails naming the module unless ``extra_state="skip"`` says to leave
 the modules' extra state as it is.
@@ -75,7 +76,7 @@ def collect(chunks: Sequence[nn.Module], layout: ParallelLayout, layer_pattern: 
                 record["kind"], record["value"] = "json", jsonable(value, f"extra state of {gname}")
             except TrainerStateError as e:
                 problems.append(f"{gname}: {type(module).__name__}.get_extra_state() returned a "
-                                f"{type(value).__name__}, which cannot be saved without pickle ({e})")
+                                f"{type(value).__name__}, which only a code-executing format could hold ({e})")
             out[gname] = record
             continue
         key = _key(gname, layout)
