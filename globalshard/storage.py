@@ -687,11 +687,6 @@ class Location:
                 stats.bytes_read += _union_volume(spans) * math.prod(chunks[path]) * itemsize
             stats.seconds += time.perf_counter() - start
 
-    def read_into(self, plan: LoadPlan, datas: Sequence[np.ndarray], expected: Mapping[str, dict[str, Any] | None],
-                  stats: IOStats | None = None) -> None:
-        """:meth:`open_plan`, then :meth:`read_opened`."""
-        self.read_opened(self.open_plan(plan, expected), datas, stats)
-
 
 @dataclass(frozen=True, slots=True)
 class OpenedPlan:
