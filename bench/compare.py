@@ -11,7 +11,8 @@ through ``torch.distributed.checkpoint.save/load`` with its default
 filesystem writer. The physical limits: 4 threads writing the same bytes to
 files with fsync, and reading them back warm and cold. Each figure is the
 median of 3 runs; speeds are GB/s of state, and ratios are taken within this
-run. Writes build/bench/compare.json.
+run. Then globalshard alone at 0.25, 0.5, 1 and 2 GiB (one run each), to
+see that time grows linearly with size. Writes build/bench/compare.json.
 """
 
 from __future__ import annotations
@@ -63,25 +64,26 @@ def _full(k: int) -> torch.Tensor:
     return torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) + k
 
 
-def _state(world: int, zeros: bool) -> dict[str, Any]:
+def _state(world: int, zeros: bool, tensors: int = TENSORS) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     if world == 1:
-        return {f"w{k}": (torch.zeros(ROWS, COLS) if zeros else _full(k)) for k in range(TENSORS)}
+        return {f"w{k}": (torch.zeros(ROWS, COLS) if zeros else _full(k)) for k in range(tensors)}
     mesh = init_device_mesh("cpu", (world,))
     out = {}
-    for k in range(TENSORS):
+    for k in range(tensors):
         full = torch.zeros(ROWS, COLS) if zeros else _full(k)
         out[f"w{k}"] = distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
     return out
 
 
-def _rank(rank: int, world: int, port: int, system: str, action: str, path: str, out: str) -> None:
+def _rank(rank: int, world: int, port: int, system: str, action: str, path: str, out: str,
+          tensors: int = TENSORS) -> None:
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=900))
-    state = _state(world, zeros=action != "save")
+    state = _state(world, zeros=action != "save", tensors=tensors)
     if world > 1:
         dist.barrier()
     start = time.perf_counter()
@@ -103,10 +105,11 @@ def _rank(rank: int, world: int, port: int, system: str, action: str, path: str,
         dist.barrier()
     seconds = time.perf_counter() - start
     if action != "save":  # the loaded values are right
-        t = state["w3"]
+        last = tensors - 1
+        t = state[f"w{last}"]
         local = t.to_local() if hasattr(t, "to_local") else t
         n = ROWS // world
-        if not torch.equal(local, _full(3)[rank * n:(rank + 1) * n]):
+        if not torch.equal(local, _full(last)[rank * n:(rank + 1) * n]):
             raise AssertionError(f"{system} loaded wrong values")
     if rank == 0:
         with open(out, "w") as f:
@@ -116,17 +119,17 @@ def _rank(rank: int, world: int, port: int, system: str, action: str, path: str,
     os._exit(0)
 
 
-def _run(world: int, system: str, action: str, path: str) -> float:
+def _run(world: int, system: str, action: str, path: str, tensors: int = TENSORS) -> float:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     if world == 1:
         ctx = mp.get_context("spawn")
-        p = ctx.Process(target=_rank, args=(0, 1, 0, system, action, path, out))
+        p = ctx.Process(target=_rank, args=(0, 1, 0, system, action, path, out, tensors))
         p.start()
         p.join()
     else:
-        mp.start_processes(_rank, args=(world, _port(), system, action, path, out), nprocs=world, join=True,
-                           start_method="spawn")
+        mp.start_processes(_rank, args=(world, _port(), system, action, path, out, tensors), nprocs=world,
+                           join=True, start_method="spawn")
     with open(out) as f:
         seconds = json.load(f)["seconds"]
     os.unlink(out)
@@ -190,6 +193,16 @@ def main() -> None:
                 figures["load_tp2_cold_s"].append(_run(2, system, "load", path))
                 shutil.rmtree(path)
             report[system] = {k: statistics.median(v) for k, v in figures.items()}
+        # Linear in the state's size: globalshard alone, TP=4 save and TP4->2 warm load, one run each.
+        report["size_curve"] = []
+        per = ROWS * COLS * 4
+        for tensors in ((1, 2) if QUICK else (2, 4, 8, 16)):
+            path = os.path.join(tmp, f"curve{tensors}")
+            save_s = _run(4, "globalshard", "save", path, tensors)
+            _run(2, "globalshard", "load", path, tensors)
+            load_s = _run(2, "globalshard", "load", path, tensors)
+            report["size_curve"].append({"bytes": tensors * per, "save_s": save_s, "load_tp2_warm_s": load_s})
+            shutil.rmtree(path)
     gs_, dcp, raw = report["globalshard"], report["dcp"], report["raw"]
     report["ratios"] = {
         "save_vs_disk": raw["write_s"] / gs_["save_s"],
@@ -216,6 +229,11 @@ def main() -> None:
     for name, r in (("globalshard", gs_), ("torch DCP", dcp)):
         print(f"| {name} | {rate(r['save_s'])} | {rate(r['load_tp2_warm_s'])} | {rate(r['load_tp2_cold_s'])} "
               f"| {rate(r['load_tp1_warm_s'])} |")
+    print("\n| state GiB | save s | save GB/s | load TP4->2 warm s | load GB/s |")
+    print("| --- | --- | --- | --- | --- |")
+    for c in report["size_curve"]:
+        print(f"| {c['bytes'] / 2**30:.2f} | {c['save_s']:.2f} | {c['bytes'] / 1e9 / c['save_s']:.2f} "
+              f"| {c['load_tp2_warm_s']:.2f} | {c['bytes'] / 1e9 / c['load_tp2_warm_s']:.2f} |")
     print()
     for k, v in report["ratios"].items():
         print(f"{k}: {v:.2f}")
