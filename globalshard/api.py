@@ -360,6 +360,7 @@ def _remove_superseded(location: Location, previous: Metadata | None, save_id: s
             _remove_quietly(location, path, tree=is_array)
         if previous.version == 1:
             _remove_quietly(location, TRAINER_STATE_FILE, tree=False)
+            location.remove_empty_parents([p for p in previous.paths() if p != TRAINER_STATE_FILE])
     now_ms = int(time.time() * 1000)
     try:
         for name in location.listing(SAVES_DIR):

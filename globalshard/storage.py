@@ -409,6 +409,21 @@ class Location:
         except (OSError, ValueError) as e:
             raise StorageError(f"cannot remove {self.describe(name)}: {_error_text(e)}") from None
 
+    def remove_empty_parents(self, paths: Sequence[str]) -> None:
+        """Remove the directories above ``paths`` that are now empty, up to but
+        never including the root (a local root's array tree; a kvstore has no
+        directories)."""
+        if self.local is None:
+            return
+        for path in paths:
+            parent = os.path.dirname(path)
+            while parent:
+                try:
+                    os.rmdir(os.path.join(self.local, parent))
+                except OSError:  # not empty, or already gone
+                    break
+                parent = os.path.dirname(parent)
+
     def listing(self, prefix: str = "") -> list[str]:
         """Names directly below the root (or below ``prefix/``): files and directories."""
         try:

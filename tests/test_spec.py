@@ -84,3 +84,15 @@ def test_schema_rejects_the_structural_invalid_examples(name):
 
 def test_schema_dtypes_match_the_library():
     assert _schema("metadata.schema.json")["$defs"]["dtype"]["enum"] == list(gs.SUPPORTED_DTYPES)
+
+
+def test_overwriting_a_version_1_checkpoint_removes_exactly_what_it_listed(tmp_path):
+    import shutil
+
+    ckpt = tmp_path / "c"
+    shutil.copytree(os.path.join(EXAMPLES, "checkpoint-v1"), ckpt)
+    (ckpt / "notes.txt").write_text("mine")
+    gen = _generator()
+    gs.save(gen.sharded_state(), ckpt, trainer_state={"step": 1}, overwrite=True)
+    assert sorted(os.listdir(ckpt)) == [".globalshard.lock", "metadata.json", "notes.txt", "saves"]
+    assert gs.read_metadata(ckpt).version == 2 and gs.read_trainer_state(ckpt) == {"step": 1}
