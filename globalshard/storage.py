@@ -668,7 +668,7 @@ class Location:
 
         # TODO(limitation): every chunk goes through TensorStore, which computes crc32c
         # without the CPU's instructions and decodes into a buffer before copying into
-        # the target (0.10x the page cache warm); and ranks that need the same stored
+        # the target (a tenth of the page cache's speed warm); and ranks that need the same stored
         # bytes each read them (no shared reads).
         for tp in plan.targets:
             data = datas[tp.target]
