@@ -39,7 +39,11 @@ reliability: $(STAMP)
 	$(PY) tests/fuzz_metadata.py --inputs 100000 > $(RELIABILITY)/fuzz.json
 	cat $(RELIABILITY)/report.json $(RELIABILITY)/fuzz.json
 
-bench: $(STAMP)
+$(VENV)/.bench-installed: $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/ci.txt -e '.[test,torch,bench]'
+	touch $@
+
+bench: $(VENV)/.bench-installed
 	$(PY) bench/run.py
 	$(PY) bench/zero_memory.py
 	$(PY) bench/io_memory.py

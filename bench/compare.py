@@ -8,7 +8,8 @@ processes and at TP=1 by one, warm (page cache) and cold (each file evicted
 with posix_fadvise). Every system does the same: globalshard through
 ``globalshard_torch.save/load`` (crc32c verified on every byte read), DCP
 through ``torch.distributed.checkpoint.save/load`` with its default
-filesystem writer. The physical limits: 4 threads writing the same bytes to
+filesystem writer, Orbax (when installed: ``.[bench]``) through
+bench/orbax_bench.py with jax's 4 forced CPU devices. The physical limits: 4 threads writing the same bytes to
 files with fsync, and reading them back warm and cold. Each figure is the
 median of 3 runs; speeds are GB/s of state, and ratios are taken within this
 run. Then globalshard alone at 0.25, 0.5, 1 and 2 GiB (one run each), to
@@ -17,11 +18,13 @@ see that time grows linearly with size. Writes build/bench/compare.json.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -193,6 +196,13 @@ def main() -> None:
                 figures["load_tp2_cold_s"].append(_run(2, system, "load", path))
                 shutil.rmtree(path)
             report[system] = {k: statistics.median(v) for k, v in figures.items()}
+        if importlib.util.find_spec("orbax") is not None:
+            print("orbax ...", flush=True)
+            out = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "orbax_bench.py"), tmp,
+                                  str(ROWS), str(COLS), str(TENSORS)], check=True, capture_output=True, text=True)
+            report["orbax"] = json.loads(out.stdout.strip().splitlines()[-1])
+        else:
+            print("orbax: not installed (pip install -e '.[bench]'), left out", flush=True)
         # Linear in the state's size: globalshard alone, TP=4 save and TP4->2 warm load, one run each.
         report["size_curve"] = []
         per = ROWS * COLS * 4
@@ -213,6 +223,11 @@ def main() -> None:
         "load_cold_vs_disk": raw["read_cold_s"] / gs_["load_tp2_cold_s"],
         "load_cold_vs_dcp": dcp["load_tp2_cold_s"] / gs_["load_tp2_cold_s"],
     }
+    if "orbax" in report:
+        orbax = report["orbax"]
+        report["ratios"] |= {"save_vs_orbax": orbax["save_s"] / gs_["save_s"],
+                             "load_warm_vs_orbax": orbax["load_tp2_warm_s"] / gs_["load_tp2_warm_s"],
+                             "load_cold_vs_orbax": orbax["load_tp2_cold_s"] / gs_["load_tp2_cold_s"]}
     os.makedirs("build/bench", exist_ok=True)
     with open("build/bench/compare.json", "w") as f:
         json.dump(report, f, indent=1)
@@ -226,7 +241,10 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- |")
     print(f"| disk (4 threads, fsync) / page cache | {rate(raw['write_s'])} | {rate(raw['read_warm_s'])} "
           f"| {rate(raw['read_cold_s'])} | |")
-    for name, r in (("globalshard", gs_), ("torch DCP", dcp)):
+    systems = [("globalshard", gs_), ("torch DCP", dcp)]
+    if "orbax" in report:
+        systems.append(("Orbax (jax, 4 CPU devices)", report["orbax"]))
+    for name, r in systems:
         print(f"| {name} | {rate(r['save_s'])} | {rate(r['load_tp2_warm_s'])} | {rate(r['load_tp2_cold_s'])} "
               f"| {rate(r['load_tp1_warm_s'])} |")
     print("\n| state GiB | save s | save GB/s | load TP4->2 warm s | load GB/s |")

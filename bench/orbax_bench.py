@@ -1,0 +1,79 @@
+"""Orbax's side of bench/compare.py: the same state, as jax arrays.
+
+    .venv/bin/python bench/orbax_bench.py DIR ROWS COLS TENSORS
+
+jax on the CPU with 4 forced host devices and Orbax's StandardCheckpointer
+(as the issue measured it): 8 float32 matrices sharded on rows over 4
+devices, saved (until wait_until_finished), restored onto 2 devices (warm,
+then cold: files evicted with posix_fadvise) and onto 1. Median of 3; prints
+JSON seconds. Needs ``pip install -e '.[bench]'`` (``make bench`` does it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+
+import jax  # after XLA_FLAGS is set
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def _evict(root: str) -> None:
+    for d, _, files in os.walk(root):
+        for f in files:
+            fd = os.open(os.path.join(d, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def main() -> None:
+    root, rows, cols, tensors = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    devices = jax.devices()
+
+    def full(k: int) -> np.ndarray:
+        return np.arange(rows * cols, dtype=np.float32).reshape(rows, cols) + k
+
+    def abstract(n: int) -> dict[str, jax.ShapeDtypeStruct]:
+        sharding = NamedSharding(Mesh(np.array(devices[:n]), ("x",)), P("x", None))
+        return {f"w{k}": jax.ShapeDtypeStruct((rows, cols), np.float32, sharding=sharding) for k in range(tensors)}
+
+    sharding4 = NamedSharding(Mesh(np.array(devices[:4]), ("x",)), P("x", None))
+    tree = {f"w{k}": jax.device_put(full(k), sharding4) for k in range(tensors)}
+    checkpointer = ocp.StandardCheckpointer()
+    figures: dict[str, list[float]] = {"save_s": [], "load_tp2_warm_s": [], "load_tp2_cold_s": [],
+                                       "load_tp1_warm_s": []}
+    for rep in range(3):
+        path = os.path.abspath(os.path.join(root, f"orbax{rep}"))
+        start = time.perf_counter()
+        checkpointer.save(path, tree, force=True)
+        checkpointer.wait_until_finished()
+        figures["save_s"].append(time.perf_counter() - start)
+        for label, n, cold in (("warmup", 2, False), ("load_tp2_warm_s", 2, False), ("load_tp1_warm_s", 1, False),
+                               ("load_tp2_cold_s", 2, True)):
+            if cold:
+                _evict(path)
+            start = time.perf_counter()
+            restored = checkpointer.restore(path, abstract(n))
+            jax.block_until_ready(restored)
+            seconds = time.perf_counter() - start
+            last = f"w{tensors - 1}"
+            if not np.array_equal(np.asarray(restored[last]), full(tensors - 1)):
+                raise SystemExit("orbax restored wrong values")
+            if label != "warmup":
+                figures[label].append(seconds)
+    print(json.dumps({k: statistics.median(v) for k, v in figures.items()}))
+
+
+if __name__ == "__main__":
+    main()
