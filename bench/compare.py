@@ -36,23 +36,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from pagecache import evict
 
 QUICK = "--quick" in sys.argv
 TENSORS = 8
 ROWS, COLS = (256, 2048) if QUICK else (8192, 4096)
 STATE = TENSORS * ROWS * COLS * 4
 REPS = 3
-
-
-def _evict(root: str) -> None:
-    for d, _, files in os.walk(root):
-        for f in files:
-            fd = os.open(os.path.join(d, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def _port() -> int:
@@ -171,7 +161,7 @@ def _raw(root: str) -> dict[str, float]:
     for _ in range(REPS):
         writes.append(threads(write))
         warm.append(threads(read))
-        _evict(root)
+        evict(root)
         cold.append(threads(read))
     return {"write_s": statistics.median(writes), "read_warm_s": statistics.median(warm),
             "read_cold_s": statistics.median(cold)}
@@ -192,7 +182,7 @@ def main() -> None:
                 _run(2, system, "load", path)  # warms the page cache
                 figures["load_tp2_warm_s"].append(_run(2, system, "load", path))
                 figures["load_tp1_warm_s"].append(_run(1, system, "load", path))
-                _evict(path)
+                evict(path)
                 figures["load_tp2_cold_s"].append(_run(2, system, "load", path))
                 shutil.rmtree(path)
             report[system] = {k: statistics.median(v) for k, v in figures.items()}

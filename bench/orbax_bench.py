@@ -24,17 +24,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-
-
-def _evict(root: str) -> None:
-    for d, _, files in os.walk(root):
-        for f in files:
-            fd = os.open(os.path.join(d, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+from pagecache import evict
 
 
 def main() -> None:
@@ -62,7 +52,7 @@ def main() -> None:
         for label, n, cold in (("warmup", 2, False), ("load_tp2_warm_s", 2, False), ("load_tp1_warm_s", 1, False),
                                ("load_tp2_cold_s", 2, True)):
             if cold:
-                _evict(path)
+                evict(path)
             start = time.perf_counter()
             restored = checkpointer.restore(path, abstract(n))
             jax.block_until_ready(restored)
