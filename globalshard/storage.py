@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import fcntl
 import itertools
 import json
@@ -35,6 +36,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from globalshard import localio
 from globalshard.dtypes import cast_into, numpy_dtype
 from globalshard.errors import ConcurrentSaveError, GlobalShardError, MetadataError, StorageError, format_problems
 from globalshard.geometry import Box
@@ -65,6 +67,13 @@ WRITE_WINDOW_BYTES = 64 << 20
 #: buffer of its own before copying it into the target, so this bounds the
 #: memory a load needs beyond its targets.
 READ_WINDOW_BYTES = 32 << 20
+
+#: How arrays in local directories are read and written: ``direct`` (default:
+#: :mod:`globalshard.localio`, the same zarr v3 files without TensorStore in
+#: the way) or ``tensorstore``. Object stores always use TensorStore.
+LOCAL_IO = os.environ.get("GLOBALSHARD_LOCAL_IO", "direct")
+if LOCAL_IO not in ("direct", "tensorstore"):
+    raise ImportError(f"GLOBALSHARD_LOCAL_IO must be 'direct' or 'tensorstore', not {LOCAL_IO!r}")
 
 # One context for the process: the memory kvstore persists across calls, and
 # the chunk cache is off (every byte is read once, straight into its target).
@@ -502,6 +511,57 @@ class Location:
             StorageError: listing every array that could not be written.
         """
         start = time.perf_counter()
+        if self._direct():
+            self._write_direct(items)
+        else:
+            self._write_tensorstore(items)
+        if stats is not None:
+            stats.arrays += len(items)
+            stats.bytes_written += sum(item[2].nbytes for item in items)
+            stats.seconds += time.perf_counter() - start
+
+    def _direct(self) -> bool:
+        return self.local is not None and LOCAL_IO == "direct"
+
+    def _write_direct(self, items: Sequence[tuple[str, str, np.ndarray, dict[str, Any]]]) -> None:
+        assert self.local is not None
+        pool = localio.pool()
+        problems: list[str] = []
+        futures: list[tuple[str, Any]] = []
+        directories: set[str] = set()
+        for path, dtype, array, attributes in items:
+            directory = os.path.join(self.local, path)
+            if not array.dtype.isnative:
+                array = array.astype(array.dtype.newbyteorder("="))
+            shape = tuple(array.shape)
+            inner: tuple[int, ...] | None = chunk_shape(shape, array.dtype.itemsize)
+            doc = localio.zarr_json(dtype, shape, None if inner == shape else inner, {ATTRIBUTE: attributes})
+            try:
+                for f in localio.write_array(directory, array, doc, pool):
+                    futures.append((path, f))
+            except OSError as e:
+                problems.append(f"{self.describe(path)}: {e.strerror or e}")
+                continue
+            child = os.path.join(directory, "c", *["0"] * (array.ndim - 1)) if array.ndim else directory
+            while _inside(child, self.local) and child not in directories:
+                directories.add(child)
+                child = os.path.dirname(child)
+        for path, f in futures:
+            try:
+                f.result()
+            except OSError as e:
+                problems.append(f"{self.describe(path)}: {e.strerror or e}")
+        if not problems:
+            # New directory entries are durable only once their directory is synced.
+            for f in [pool.submit(_sync_dir, d) for d in sorted(directories)]:
+                try:
+                    f.result()
+                except OSError as e:
+                    problems.append(f"{e.filename}: {e.strerror or e}")
+        if problems:
+            raise StorageError(format_problems("cannot write the checkpoint's arrays", problems))
+
+    def _write_tensorstore(self, items: Sequence[tuple[str, str, np.ndarray, dict[str, Any]]]) -> None:
         opened = []
         problems: list[str] = []
         for path, dtype, array, attributes in items:
@@ -538,10 +598,6 @@ class Location:
             settle(path, future)
         if problems:
             raise StorageError(format_problems("cannot write the checkpoint's arrays", problems))
-        if stats is not None:
-            stats.arrays += len(items)
-            stats.bytes_written += sum(item[2].nbytes for item in items)
-            stats.seconds += time.perf_counter() - start
 
     def open_plan(self, plan: LoadPlan, expected: Mapping[str, dict[str, Any] | None]) -> OpenedPlan:
         """Open every stored array a load plan reads, and check it, reading no data.
@@ -560,7 +616,17 @@ class Location:
         if problems:
             raise MetadataError(format_problems("checkpoint paths escape the checkpoint", problems))
         futures = {}
+        files: dict[str, localio.ArrayFile] = {}
         for path, (dtype, shape) in plan.arrays.items():
+            if self._direct():
+                try:
+                    found = self._open_direct(path, dtype, tuple(shape), expected.get(path))
+                except StorageError as e:
+                    problems.append(str(e))
+                    continue
+                if found is not None:
+                    files[path] = found
+                    continue
             spec = {"driver": "zarr3", "kvstore": self.array_kvstore(path), "fill_missing_data_reads": False}
             try:
                 futures[path] = ts.open(spec, open=True, read=True, dtype=ts.dtype(dtype), shape=shape,
@@ -581,7 +647,37 @@ class Location:
                 stores[path] = store
         if problems:
             raise StorageError(format_problems("cannot open the checkpoint's arrays", problems))
-        return OpenedPlan(plan, stores)
+        return OpenedPlan(plan, stores, files)
+
+    def _open_direct(self, path: str, dtype: str, shape: tuple[int, ...],
+                     want: dict[str, Any] | None) -> localio.ArrayFile | None:
+        """A local array's layout from its zarr.json, checked like TensorStore's
+        open plus :meth:`_not_the_array`; None if :mod:`localio` cannot serve it.
+
+        Raises:
+            StorageError: the array is missing or is not the one named.
+        """
+        assert self.local is not None
+        name = f"{path}/zarr.json"
+        raw = self._read_local(name)
+        if raw is None:
+            raise StorageError(f"{self.describe(path)}: the array is missing (no zarr.json)")
+        try:
+            doc = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise StorageError(f"{self.describe(name)}: not valid JSON ({e})") from None
+        layout = localio.parse(os.path.join(self.local, path), doc)
+        if layout is None:
+            return None
+        if layout.dtype != dtype or layout.shape != shape:
+            raise StorageError(f"{self.describe(name)}: the array is {layout.dtype} {list(layout.shape)}, "
+                               f"metadata.json says {dtype} {list(shape)}")
+        if want is not None:
+            got = layout.attributes.get(ATTRIBUTE) if isinstance(layout.attributes, dict) else None
+            if got != want:
+                raise StorageError(f"{self.describe(path)}: the array says it holds {_short_json(got)}, "
+                                   f"metadata.json expects {_short_json(want)}")
+        return layout
 
     def _not_the_array(self, path: str, store: Any, want: dict[str, Any] | None) -> str | None:
         """Why an opened array may not be read as the one metadata.json names, or None."""
@@ -610,6 +706,12 @@ class Location:
         problems = self.check_contained([path])
         if problems:
             raise MetadataError(format_problems("checkpoint paths escape the checkpoint", problems))
+        layout = self._open_direct(path, dtype, shape, want) if self._direct() else None
+        if layout is not None:
+            nbytes, problems = localio.Reader(localio.pool()).verify(layout)
+            if problems:
+                raise StorageError(format_problems(f"{self.describe(path)} is damaged", problems))
+            return nbytes
         spec = {"driver": "zarr3", "kvstore": self.array_kvstore(path), "fill_missing_data_reads": False}
         try:
             store = ts.open(spec, open=True, read=True, dtype=ts.dtype(dtype), shape=shape, context=_CONTEXT).result()
@@ -670,12 +772,18 @@ class Location:
         # without the CPU's instructions and decodes into a buffer before copying into
         # the target (a tenth of the page cache's speed warm); and ranks that need the same stored
         # bytes each read them (no shared reads).
+        files = opened.files
+        requests = []
         for tp in plan.targets:
             data = datas[tp.target]
             direct = data.dtype == numpy_dtype(tp.stored_dtype) and data.dtype.isnative
-            view = ts.array(data, copy=False, write=True) if direct else None
+            view = ts.array(data, copy=False, write=True) if direct and stores else None
             itemsize = numpy_dtype(tp.stored_dtype).itemsize
             for r in tp.reads:
+                if r.path in files:
+                    needed += r.stored_box.volume * itemsize
+                    requests.append((files[r.path], r.stored_box, data, r.target_box))
+                    continue
                 src = _at(stores[r.path], r.stored_box)
                 nbytes = r.stored_box.volume * itemsize
                 needed += nbytes
@@ -689,14 +797,19 @@ class Location:
                     in_flight -= settle_oldest()
         while pending:
             settle_oldest()
+        read_direct = 0
+        if requests:
+            read_direct, more = localio.Reader(localio.pool()).read(requests)
+            problems += more
         if problems:
             raise StorageError(format_problems("cannot read the checkpoint's arrays", problems))
         for tp in plan.targets:
             for box in tp.padding:
                 datas[tp.target][box.slices] = 0
         if stats is not None:
-            stats.arrays += len(stores)
+            stats.arrays += len(stores) + len(files)
             stats.bytes_needed += needed
+            stats.bytes_read += read_direct
             for path, spans in touched.items():
                 itemsize = numpy_dtype(plan.arrays[path][0]).itemsize
                 stats.bytes_read += _union_volume(spans) * math.prod(chunks[path]) * itemsize
@@ -709,6 +822,8 @@ class OpenedPlan:
 
     plan: LoadPlan
     stores: dict[str, Any]
+    #: Local arrays read by :mod:`localio` instead of TensorStore.
+    files: dict[str, localio.ArrayFile] = dataclasses.field(default_factory=dict)
 
 
 def _short_json(value: Any) -> str:

@@ -1,0 +1,511 @@
+"""Stored arrays in local files, read and written without TensorStore.
+
+The arrays are the same zarr v3 arrays TensorStore reads and writes (spec
+section 5): ``[bytes, crc32c]`` chunks, alone or inside one
+``sharding_indexed`` shard. Going around TensorStore for local files saves
+what a profile of a load showed to cost most of its time: TensorStore's
+portable crc32c (the ``crc32c`` package uses the CPU's instructions), its
+decode into a buffer of its own, and the copy from there into the target.
+Here a chunk is read with ``preadv`` straight into the target when it is a
+contiguous piece of it, otherwise into a reusable per-thread buffer, its
+checksum verified before a byte of it is copied out.
+
+Only layouts this module fully understands are served: anything else in a
+zarr.json (another codec, a big-endian ``bytes``, another chunk key
+encoding) makes :func:`parse` return None and the caller goes through
+TensorStore. Object stores always go through TensorStore.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import json
+import math
+import os
+import sys
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import crc32c
+import numpy as np
+
+from globalshard.dtypes import cast_into, numpy_dtype
+from globalshard.geometry import Box
+
+__all__ = ["ArrayFile", "parse", "zarr_json", "write_array", "Reader"]
+
+#: Threads doing local reads and writes: I/O and checksums release the GIL.
+WORKERS = 4
+
+#: Bytes of chunks one task reads or writes before it returns (its granularity).
+TASK_BYTES = 8 << 20
+
+_NATIVE_LITTLE = sys.byteorder == "little"
+_EMPTY = (1 << 64) - 1
+_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+
+
+def _crc(data: Any, value: int = 0) -> int:
+    return int(crc32c.crc32c(data, value))
+
+
+def _bytes_codec(itemsize: int) -> dict[str, Any]:
+    return {"name": "bytes"} if itemsize == 1 else {"name": "bytes", "configuration": {"endian": "little"}}
+
+
+def _fill_value(dtype: str) -> Any:
+    if dtype == "bool":
+        return False
+    if dtype.startswith("complex"):
+        return [0.0, 0.0]
+    if dtype.startswith(("int", "uint")):
+        return 0
+    return 0.0
+
+
+def zarr_json(dtype: str, shape: tuple[int, ...], inner: tuple[int, ...] | None,
+              attributes: dict[str, Any]) -> dict[str, Any]:
+    """The zarr.json of a stored region: one chunk of the whole region, or
+    (``inner`` given) one shard of it split into ``inner`` chunks."""
+    plain = [_bytes_codec(numpy_dtype(dtype).itemsize), {"name": "crc32c"}]
+    if inner is None:
+        grid, codecs = list(shape), plain
+    else:
+        grid = [-(-s // c) * c for s, c in zip(shape, inner)]
+        codecs = [{"name": "sharding_indexed", "configuration": {
+            "chunk_shape": list(inner), "codecs": plain, "index_location": "end",
+            "index_codecs": [_bytes_codec(8), {"name": "crc32c"}]}}]
+    return {
+        "zarr_format": 3, "node_type": "array", "shape": list(shape), "data_type": dtype,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": grid}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": _fill_value(dtype), "codecs": codecs, "attributes": attributes,
+    }
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ArrayFile:
+    """A stored array whose layout this module serves.
+
+    ``outer``: the chunk grid's chunk shape (one file per outer chunk).
+    ``inner``: the shard's inner chunk shape, or None when each file is one
+    chunk.
+    """
+
+    directory: str
+    dtype: str
+    shape: tuple[int, ...]
+    outer: tuple[int, ...]
+    inner: tuple[int, ...] | None
+    separator: str
+    attributes: Any
+
+    @property
+    def chunk(self) -> tuple[int, ...]:
+        """The unit of a read: the inner chunk, or the whole outer chunk."""
+        return self.inner if self.inner is not None else self.outer
+
+    def file_of(self, outer_index: Sequence[int]) -> str:
+        key = self.separator.join(["c", *map(str, outer_index)])
+        return os.path.join(self.directory, *key.split("/"))
+
+
+def _is_plain(codecs: Any, itemsize: int) -> bool:
+    """``[bytes (little-endian), crc32c]`` exactly."""
+    if not isinstance(codecs, list) or len(codecs) != 2 or codecs[1] != {"name": "crc32c"}:
+        return False
+    first = codecs[0]
+    if not isinstance(first, dict) or first.get("name") != "bytes" or set(first) - {"name", "configuration"}:
+        return False
+    conf = first.get("configuration", {})
+    if not isinstance(conf, dict) or set(conf) - {"endian"}:
+        return False
+    endian = conf.get("endian", "little" if itemsize == 1 else None)
+    return endian == "little" or itemsize == 1
+
+
+def _shape(value: Any, ndim: int) -> tuple[int, ...] | None:
+    if (not isinstance(value, list) or len(value) != ndim
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+        return None
+    return tuple(value)
+
+
+def parse(directory: str, doc: Any) -> ArrayFile | None:
+    """The layout of a zarr.json if this module can serve it, else None."""
+    if not _NATIVE_LITTLE or not isinstance(doc, dict):
+        return None
+    if doc.get("zarr_format") != 3 or doc.get("node_type") != "array" or doc.get("storage_transformers"):
+        return None
+    if set(doc) - {"zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding",
+                   "fill_value", "codecs", "attributes", "dimension_names"}:
+        return None
+    dtype, shape = doc.get("data_type"), doc.get("shape")
+    try:
+        itemsize = numpy_dtype(dtype).itemsize if isinstance(dtype, str) else 0
+    except Exception:
+        return None
+    if not itemsize or not isinstance(shape, list) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+        return None
+    ndim = len(shape)
+    grid = doc.get("chunk_grid")
+    if not isinstance(grid, dict) or grid.get("name") != "regular" or not isinstance(grid.get("configuration"), dict):
+        return None
+    outer = _shape(grid["configuration"].get("chunk_shape"), ndim)
+    encoding = doc.get("chunk_key_encoding")
+    if not isinstance(encoding, dict) or encoding.get("name") != "default":
+        return None
+    separator = (encoding.get("configuration") or {}).get("separator", "/")
+    if outer is None or separator not in ("/", "."):
+        return None
+    codecs = doc.get("codecs")
+    if _is_plain(codecs, itemsize):
+        inner = None
+    elif isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict) \
+            and codecs[0].get("name") == "sharding_indexed" and set(codecs[0]) <= {"name", "configuration"}:
+        conf = codecs[0].get("configuration")
+        if not isinstance(conf, dict) or set(conf) - {"chunk_shape", "codecs", "index_codecs", "index_location"}:
+            return None
+        inner = _shape(conf.get("chunk_shape"), ndim)
+        if (inner is None or any(o % i for o, i in zip(outer, inner)) or conf.get("index_location", "end") != "end"
+                or not _is_plain(conf.get("codecs"), itemsize) or not _is_plain(conf.get("index_codecs"), 8)):
+            return None
+    else:
+        return None
+    return ArrayFile(directory, str(dtype), tuple(shape), outer, inner, separator, doc.get("attributes"))
+
+
+# ------------------------------------------------------------------ writing
+
+
+def write_array(directory: str, array: np.ndarray, doc: dict[str, Any],
+                pool: concurrent.futures.Executor) -> list[concurrent.futures.Future[Any]]:
+    """Start writing one stored region (``doc`` from :func:`zarr_json`) into a new
+    directory; the futures end when every file is written and fsynced. The
+    caller fsyncs the directories."""
+    layout = parse(directory, doc)
+    assert layout is not None and array.dtype.isnative
+    assert all(s <= o for s, o in zip(array.shape, layout.outer)), "one outer chunk per region"
+    path = layout.file_of((0,) * array.ndim)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        itemsize = array.dtype.itemsize
+        futures = [pool.submit(_write_small, os.path.join(directory, "zarr.json"),
+                               json.dumps(doc, allow_nan=False).encode())]
+        if layout.inner is None:
+            futures.append(pool.submit(_write_chunks, fd, array, [((0,) * array.ndim, 0)], array.shape, itemsize))
+            return [_closing(pool, fd, futures)]
+        inner = layout.inner
+        chunk_bytes = math.prod(inner) * itemsize + 4
+        counts = [o // i for o, i in zip(layout.outer, inner)]
+        order = list(np.ndindex(*counts))
+        per_task = max(1, TASK_BYTES // chunk_bytes)
+        for start in range(0, len(order), per_task):
+            batch = [(idx, (start + k) * chunk_bytes) for k, idx in enumerate(order[start:start + per_task])]
+            futures.append(pool.submit(_write_chunks, fd, array, batch, inner, itemsize))
+        index = np.empty((len(order), 2), dtype="<u8")
+        index[:, 0] = np.arange(len(order), dtype=np.uint64) * chunk_bytes
+        index[:, 1] = chunk_bytes
+        raw = index.tobytes()
+        tail = raw + _crc(raw).to_bytes(4, "little")
+        futures.append(pool.submit(_pwritev, fd, [tail], len(order) * chunk_bytes))
+        return [_closing(pool, fd, futures)]
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _closing(pool: concurrent.futures.Executor, fd: int,
+             futures: list[concurrent.futures.Future[Any]]) -> concurrent.futures.Future[Any]:
+    """A future that waits for the writes into ``fd``, fsyncs and closes it."""
+    done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def finish(_: Any) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        try:
+            for f in futures:
+                f.result()
+            pool.submit(_sync_close, fd).add_done_callback(lambda f: _settle(done, f))
+        except BaseException as e:
+            os.close(fd)
+            done.set_exception(e)
+
+    for f in futures:
+        f.add_done_callback(finish)
+    return done
+
+
+def _settle(done: concurrent.futures.Future[Any], f: concurrent.futures.Future[Any]) -> None:
+    e = f.exception()
+    if e is not None:
+        done.set_exception(e)
+    else:
+        done.set_result(None)
+
+
+def _sync_close(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_small(path: str, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _at(offset: Sequence[int], shape: Sequence[int]) -> Any:
+    """An index of the box; with ``...`` so that a 0-d box gives a view, not a scalar."""
+    return (*(slice(o, o + s) for o, s in zip(offset, shape)), Ellipsis)
+
+
+_local = threading.local()
+
+
+def _staging(nbytes: int) -> np.ndarray:
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _local.buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+    return buf[:nbytes]
+
+
+def _write_chunks(fd: int, array: np.ndarray, batch: Sequence[tuple[tuple[int, ...], int]],
+                  chunk: tuple[int, ...], itemsize: int) -> None:
+    """Write chunks ``(chunk index, file offset)`` of ``array``, each followed by its crc32c."""
+    nbytes = math.prod(chunk) * itemsize
+    for index, offset in batch:
+        lo = tuple(i * c for i, c in zip(index, chunk))
+        part = array[_at(lo, chunk)]
+        if part.shape == chunk and part.flags.c_contiguous:
+            data = part.reshape(-1).view(np.uint8)
+        else:
+            # An edge chunk (zero beyond the array, as zarr stores it) or a strided one.
+            data = _staging(nbytes)
+            shaped = data.view(array.dtype).reshape(chunk)
+            if part.shape != chunk:
+                data[:] = 0
+            shaped[tuple(slice(0, s) for s in part.shape)] = part
+        tail = _crc(data).to_bytes(4, "little")
+        _pwritev(fd, [data, tail], offset)
+
+
+def _pwritev(fd: int, buffers: list[Any], offset: int) -> None:
+    views = [memoryview(b).cast("B") for b in buffers]
+    while views:
+        n = os.pwritev(fd, views, offset)
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
+# ------------------------------------------------------------------ reading
+
+
+@dataclass(slots=True)
+class _Destination:
+    """Where the part of a stored array's ``stored_box`` goes: ``target[target_box]``."""
+
+    target: np.ndarray | None  # None: only verify
+    stored_box: Box
+    target_box: Box
+
+
+class ChunkError(Exception):
+    """A chunk that is missing, truncated or fails its checksum (message names the file)."""
+
+
+class Reader:
+    """Reads chunks of local arrays into targets, each chunk once, in parallel."""
+
+    def __init__(self, pool: concurrent.futures.Executor) -> None:
+        self._pool = pool
+
+    def read(self, requests: Iterable[tuple[ArrayFile, Box, np.ndarray | None, Box]]) -> tuple[int, list[str]]:
+        """Fill ``target[target_box]`` from ``stored_box`` of each array (a None
+        target: only read and verify). Returns ``(bytes of chunks read,
+        problems)``; each problem names the file and the chunk."""
+        by_chunk: dict[tuple[ArrayFile, tuple[int, ...]], list[_Destination]] = {}
+        for layout, stored_box, target, target_box in requests:
+            if stored_box.volume == 0:
+                continue
+            dest = _Destination(target, stored_box, target_box)
+            chunk = layout.chunk
+            spans = [range(o // c, -(-(o + s) // c)) for o, s, c in zip(stored_box.offset, stored_box.shape, chunk)]
+            for index in itertools.product(*spans):
+                by_chunk.setdefault((layout, index), []).append(dest)
+        by_file: dict[tuple[ArrayFile, tuple[int, ...]], list[tuple[tuple[int, ...], list[_Destination]]]] = {}
+        for (layout, index), dests in by_chunk.items():
+            outer = tuple(i * c // o for i, c, o in zip(index, layout.chunk, layout.outer))
+            by_file.setdefault((layout, outer), []).append((index, dests))
+        futures = []
+        for (layout, outer), chunks in by_file.items():
+            chunk_bytes = math.prod(layout.chunk) * numpy_dtype(layout.dtype).itemsize
+            per_task = max(1, TASK_BYTES // max(chunk_bytes, 1))
+            chunks.sort()
+            for start in range(0, len(chunks), per_task):
+                futures.append(self._pool.submit(_read_file_chunks, layout, outer, chunks[start:start + per_task]))
+        total, problems = 0, []
+        for f in futures:
+            try:
+                total += f.result()
+            except ChunkError as e:
+                problems.append(str(e))
+            except OSError as e:
+                problems.append(f"{e.filename or ''}: {e.strerror or e}")
+        return total, problems
+
+    def verify(self, layout: ArrayFile) -> tuple[int, list[str]]:
+        """Read and check every chunk of an array; ``(bytes read, problems)``."""
+        box = Box._trusted((0,) * len(layout.shape), layout.shape)
+        return self.read([(layout, box, None, box)])
+
+
+def _shard_index(fd: int, path: str, layout: ArrayFile, size: int) -> np.ndarray:
+    assert layout.inner is not None
+    count = math.prod(o // i for o, i in zip(layout.outer, layout.inner))
+    nbytes = count * 16 + 4
+    if size < nbytes:
+        raise ChunkError(f"{path}: {size} bytes, too short for a shard index of {count} chunks (truncated?)")
+    raw = os.pread(fd, nbytes, size - nbytes)
+    if len(raw) != nbytes or _crc(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+        raise ChunkError(f"{path}: the shard index fails its crc32c checksum (damaged file)")
+    return np.frombuffer(raw, dtype="<u8", count=count * 2).reshape(count, 2)
+
+
+def _read_file_chunks(layout: ArrayFile, outer: tuple[int, ...],
+                      chunks: Sequence[tuple[tuple[int, ...], list[_Destination]]]) -> int:
+    path = layout.file_of(outer)
+    try:
+        fd = os.open(path, _FLAGS)
+    except FileNotFoundError:
+        raise ChunkError(f"{path}: the chunk file is missing") from None
+    try:
+        size = os.fstat(fd).st_size
+        itemsize = numpy_dtype(layout.dtype).itemsize
+        chunk = layout.chunk
+        nbytes = math.prod(chunk) * itemsize
+        dtype = numpy_dtype(layout.dtype)
+        index = _shard_index(fd, path, layout, size) if layout.inner is not None else None
+        per_outer = [o // c for o, c in zip(layout.outer, chunk)]
+        total = 0
+        for chunk_index, dests in chunks:
+            if index is not None:
+                local = tuple(i - o * n for i, o, n in zip(chunk_index, outer, per_outer))
+                offset, length = (int(v) for v in index[np.ravel_multi_index(local, per_outer) if local else 0])
+                where = f"{path} (inner chunk {list(local)})"
+                if offset == _EMPTY and length == _EMPTY:
+                    raise ChunkError(f"{where}: the chunk is missing from the shard")
+                if offset + length > size:
+                    raise ChunkError(f"{where}: the shard index points past the end of the file (truncated?)")
+            else:
+                offset, length, where = 0, size, path
+            if length != nbytes + 4:
+                raise ChunkError(f"{where}: {length} bytes stored, a chunk of {list(chunk)} {layout.dtype} "
+                                 f"takes {nbytes + 4} with its checksum")
+            _read_one(fd, where, offset, nbytes, chunk_index, chunk, dtype, layout.shape, dests)
+            total += nbytes
+        return total
+    finally:
+        os.close(fd)
+
+
+def _read_one(fd: int, where: str, offset: int, nbytes: int, chunk_index: tuple[int, ...],
+              chunk: tuple[int, ...], dtype: np.dtype[Any], shape: tuple[int, ...],
+              dests: list[_Destination]) -> None:
+    lo = tuple(i * c for i, c in zip(chunk_index, chunk))
+    inside = tuple(min(c, s - o) for o, c, s in zip(lo, chunk, shape))
+    crc_buf = bytearray(4)
+    direct = _direct_view(dests[0], lo, chunk, dtype) if len(dests) == 1 and inside == chunk else None
+    data = direct if direct is not None else _staging(nbytes)
+    _preadv_exact(fd, [data, crc_buf], offset, where)
+    if _crc(data) != int.from_bytes(crc_buf, "little"):
+        raise ChunkError(f"{where}: the chunk fails its crc32c checksum (damaged file)")
+    if direct is not None:
+        return
+    values = data.view(dtype).reshape(chunk)
+    chunk_box = Box._trusted(lo, inside)
+    for d in dests:
+        if d.target is None:
+            continue
+        part = chunk_box.intersect(d.stored_box)
+        if part is None or part.volume == 0:
+            continue
+        src = values[_at(tuple(p - c for p, c in zip(part.offset, lo)), part.shape)]
+        at = tuple(t + p - b for t, p, b in zip(d.target_box.offset, part.offset, d.stored_box.offset))
+        out = d.target[_at(at, part.shape)]
+        if out.dtype == dtype:
+            np.copyto(out, src)
+        else:
+            cast_into(out, src)
+
+
+def _direct_view(dest: _Destination, lo: tuple[int, ...], chunk: tuple[int, ...],
+                 dtype: np.dtype[Any]) -> np.ndarray | None:
+    """The target's bytes for a whole chunk when they are contiguous and need no cast."""
+    if dest.target is None or dest.target.dtype != dtype or not dest.target.dtype.isnative:
+        return None
+    box = dest.stored_box
+    if any(l < o or l + c > o + s for l, c, o, s in zip(lo, chunk, box.offset, box.shape)):
+        return None
+    at = tuple(t + l - o for t, l, o in zip(dest.target_box.offset, lo, box.offset))
+    out = dest.target[_at(at, chunk)]
+    if not out.flags.c_contiguous:
+        return None
+    return out.reshape(-1).view(np.uint8)
+
+
+def _preadv_exact(fd: int, buffers: list[Any], offset: int, where: str) -> None:
+    views = [memoryview(b).cast("B") for b in buffers]
+    while views:
+        n = os.preadv(fd, views, offset)
+        if n == 0:
+            raise ChunkError(f"{where}: the file ends before the chunk does (truncated?)")
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
+def make_pool() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="globalshard-io")
+
+
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's I/O threads (created on first use, after any fork)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = make_pool()
+        return _POOL
+
+
+def _forget_pool() -> None:
+    global _POOL
+    _POOL = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)

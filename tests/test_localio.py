@@ -1,0 +1,208 @@
+"""The local I/O path (globalshard.localio) against TensorStore, both ways.
+
+Local checkpoints are read and written without TensorStore, but the files
+must stay the zarr v3 arrays the spec names: TensorStore reads what localio
+writes and localio reads what TensorStore writes, bit for bit, whatever the
+dtype, shape, chunking, box or cast; a layout localio does not know goes
+through TensorStore; damage is an error naming the file and the chunk.
+"""
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+import tensorstore as ts
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import make_shard
+from test_property_roundtrip import _bits_equal, checkpoints
+
+import globalshard as gs
+from globalshard import localio, storage
+
+ENGINES = ["direct", "tensorstore"]
+
+
+@contextlib.contextmanager
+def engine(name, chunk_bytes=None):
+    """Local I/O through ``name``, with inner chunks of at most ``chunk_bytes``."""
+    saved = storage.LOCAL_IO, storage.CHUNK_BYTES
+    storage.LOCAL_IO = name
+    if chunk_bytes is not None:
+        storage.CHUNK_BYTES = chunk_bytes
+    try:
+        yield
+    finally:
+        storage.LOCAL_IO, storage.CHUNK_BYTES = saved
+
+
+@given(checkpoints(), st.sampled_from(ENGINES), st.sampled_from(ENGINES), st.sampled_from([2, 8, 24, 1 << 20]))
+def test_property_either_engine_reads_what_either_wrote(tensors, writer, reader, chunk_bytes):
+    # Tiny chunk limits shard even these small arrays into many inner chunks,
+    # with partial chunks at every edge.
+    directory = tempfile.mkdtemp()
+    try:
+        state, targets = {}, {}
+        for t in tensors:
+            for i, spec in enumerate(t["save"]):
+                state[f"{t['key']}/save{i}"] = make_shard(t["key"], spec, t["value"], seed=i)
+            for i, spec in enumerate(t["load"]):
+                targets[f"{t['key']}/load{i}"] = make_shard(t["key"], spec, t["value"], dtype=t["target_dtype"],
+                                                            fill="junk", seed=1000 + i)
+        with engine(writer, chunk_bytes):
+            gs.save(state, directory)
+        with engine(reader):
+            gs.load(targets, directory)
+            problems, _ = gs.Checkpoint(directory).verify()
+            assert problems == []
+            for t in tensors:
+                for i in range(len(t["load"])):
+                    target = targets[f"{t['key']}/load{i}"]
+                    expected = np.zeros(target.data.shape, target.data.dtype)
+                    for r in target.regions:
+                        part = np.empty(r.global_box.shape, target.data.dtype)
+                        gs.dtypes.cast_into(part, t["value"][r.global_box.slices])
+                        expected[r.local_box.slices] = part
+                    assert _bits_equal(target.data, expected), (t["key"], i)
+                assert _bits_equal(gs.read_array(directory, t["key"]), t["value"])
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def whole(data, offset=None, global_shape=None):
+    return gs.ShardedTensor.from_offset("w", data, global_shape=global_shape or data.shape,
+                                        global_offset=offset or (0,) * data.ndim)
+
+
+def one_array(root, shape=(600, 700), dtype=np.float32):
+    value = np.arange(np.prod(shape), dtype=dtype).reshape(shape)
+    gs.save({"w": whole(value)}, root)
+    return value, os.path.join(root, gs.read_metadata(root).tensors["w"].regions[0].path)
+
+
+def test_tensorstore_opens_what_localio_wrote_with_its_own_metadata(tmp_path):
+    value, array_dir = one_array(tmp_path / "c")
+    store = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": array_dir + "/"},
+                     "fill_missing_data_reads": False}).result()
+    assert np.array_equal(store.read().result(), value)
+    doc = json.load(open(os.path.join(array_dir, "zarr.json")))
+    assert doc["codecs"][0]["name"] == "sharding_indexed"
+    assert localio.parse(array_dir, doc).inner == (600, 350)
+
+
+def test_an_array_in_a_layout_localio_does_not_serve_goes_through_tensorstore(tmp_path):
+    # Another writer may compress (the spec allows any zarr v3 codecs before crc32c).
+    root = tmp_path / "c"
+    value, array_dir = one_array(root, (40, 30))
+    doc = json.load(open(os.path.join(array_dir, "zarr.json")))
+    shutil.rmtree(array_dir)
+    store = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": array_dir + "/"}, "metadata": {
+        "shape": [40, 30], "data_type": "float32", "attributes": doc["attributes"],
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [7, 30]}},
+        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "gzip"}, {"name": "crc32c"}]},
+        "create": True}).result()
+    store.write(value).result()
+    assert localio.parse(array_dir, json.load(open(os.path.join(array_dir, "zarr.json")))) is None
+    out = np.zeros((40, 30), np.float32)
+    gs.load({"w": whole(out)}, root)
+    assert np.array_equal(out, value)
+
+
+def test_localio_serves_other_regular_grids_and_key_separators(tmp_path):
+    root = tmp_path / "c"
+    value, array_dir = one_array(root, (40, 30))
+    doc = json.load(open(os.path.join(array_dir, "zarr.json")))
+    shutil.rmtree(array_dir)
+    store = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": array_dir + "/"}, "metadata": {
+        "shape": [40, 30], "data_type": "float32", "attributes": doc["attributes"],
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [16, 16]}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
+        "codecs": [{"name": "sharding_indexed", "configuration": {
+            "chunk_shape": [4, 8], "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                                              {"name": "crc32c"}],
+            "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]}}]},
+        "create": True}).result()
+    store.write(value).result()
+    layout = localio.parse(array_dir, json.load(open(os.path.join(array_dir, "zarr.json"))))
+    assert layout is not None and layout.outer == (16, 16) and layout.separator == "."
+    out = np.zeros((40, 30), np.float32)
+    stats = gs.IOStats()
+    gs.load({"w": whole(out[5:33], (5, 0), (40, 30))}, root, stats=stats)
+    assert np.array_equal(out[5:33], value[5:33])
+    # Rows 4..35 in chunks of 4 rows: 8 rows of chunks of 4x8 floats, 4 across.
+    assert stats.bytes_read == 8 * 4 * (4 * 8 * 4)
+
+
+def flip_byte(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 1]))
+
+
+@pytest.mark.parametrize("where", ["first chunk", "index"])
+def test_damage_is_an_error_naming_the_file_and_chunk(tmp_path, where):
+    root = tmp_path / "c"
+    _, array_dir = one_array(root)
+    chunk_file = os.path.join(array_dir, "c", "0", "0")
+    flip_byte(chunk_file, 10 if where == "first chunk" else os.path.getsize(chunk_file) - 10)
+    out = np.zeros((600, 700), np.float32)
+    with pytest.raises(gs.StorageError) as e:
+        gs.load({"w": whole(out)}, root)
+    assert chunk_file in str(e.value)
+    assert ("inner chunk [0, 0]" if where == "first chunk" else "shard index") in str(e.value)
+    problems, _ = gs.Checkpoint(root).verify()
+    assert len(problems) == 1 and chunk_file in problems[0]
+
+
+def test_truncated_and_missing_chunk_files(tmp_path):
+    root = tmp_path / "c"
+    _, array_dir = one_array(root)
+    chunk_file = os.path.join(array_dir, "c", "0", "0")
+    with open(chunk_file, "r+b") as f:
+        f.truncate(20)
+    out = np.zeros((600, 700), np.float32)
+    with pytest.raises(gs.StorageError, match="too short for a shard index"):
+        gs.load({"w": whole(out)}, root)
+    os.unlink(chunk_file)
+    with pytest.raises(gs.StorageError, match="chunk file is missing"):
+        gs.load({"w": whole(out)}, root)
+
+
+def test_a_chunk_of_the_wrong_length_is_refused(tmp_path):
+    root = tmp_path / "c"
+    _, array_dir = one_array(root, (3, 4))
+    chunk_file = os.path.join(array_dir, "c", "0", "0")
+    with open(chunk_file, "ab") as f:
+        f.write(b"\0" * 4)
+    out = np.zeros((3, 4), np.float32)
+    with pytest.raises(gs.StorageError, match="52 with its checksum"):
+        gs.load({"w": whole(out)}, root)
+
+
+def test_a_zarr_json_naming_another_shape_is_refused(tmp_path):
+    root = tmp_path / "c"
+    _, array_dir = one_array(root, (3, 4))
+    path = os.path.join(array_dir, "zarr.json")
+    doc = json.load(open(path))
+    doc["shape"] = [4, 3]
+    doc["chunk_grid"]["configuration"]["chunk_shape"] = [4, 3]
+    json.dump(doc, open(path, "w"))
+    with pytest.raises(gs.StorageError, match=r"is float32 \[4, 3\], metadata.json says float32 \[3, 4\]"):
+        gs.load({"w": whole(np.zeros((3, 4), np.float32))}, root)
+
+
+def test_contiguous_targets_are_read_in_place_and_others_through_a_buffer(tmp_path):
+    # Rows split: each inner chunk is a contiguous run of the target (read in
+    # place); columns split: each goes through the staging buffer. Same values.
+    root = tmp_path / "c"
+    value, _ = one_array(root, (1024, 1024))
+    for box in [gs.Box((256, 0), (512, 1024)), gs.Box((0, 256), (1024, 512))]:
+        out = np.full(box.shape, -1, np.float32)
+        gs.load({"w": whole(out, box.offset, (1024, 1024))}, root)
+        assert np.array_equal(out, value[box.slices])
