@@ -8,6 +8,7 @@ raises on every rank and a failed save never commits.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
 import dataclasses
@@ -15,7 +16,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -126,8 +127,20 @@ def save(
     comm = comm if comm is not None else SingleProcessComm()
     location = Location(path, kvstore)
     entries = _entries(state)
+    stats = stats if stats is not None else IOStats()
+    start = time.perf_counter()
+    _log.info("save begins: %s, %d tensors on rank %d of %d", location, len(entries), comm.rank, comm.world_size)
     with contextlib.ExitStack() as held:  # rank 0's lock, held until the cleanup is done
-        _finish_save(_plan_save(location, comm, entries, trainer_state, overwrite, held), stats)
+        planned = _plan_save(location, comm, entries, trainer_state, overwrite, held)
+        _log.debug("save %s planned: this rank writes %d arrays, %d bytes", planned.save_id, len(planned.items),
+                   sum(item[2].nbytes for item in planned.items))
+        _finish_save(planned, stats)
+    _log_end("save", location, stats.bytes_written, time.perf_counter() - start)
+
+
+def _log_end(what: str, location: Location, nbytes: int, seconds: float) -> None:
+    _log.info("%s done: %s, %d bytes in %.3f s (%.2f GB/s)", what, location, nbytes, seconds,
+              nbytes / 1e9 / seconds if seconds > 0 else float("inf"))
 
 
 @dataclasses.dataclass
@@ -535,6 +548,10 @@ class Checkpoint:
         comm = comm if comm is not None else SingleProcessComm()
         entries = _entries(state)
         opened: list[OpenedPlan] = []
+        stats = stats if stats is not None else IOStats()
+        start, before = time.perf_counter(), stats.bytes_read
+        _log.info("load begins: %s, %d targets on rank %d of %d", self._location, len(entries), comm.rank,
+                  comm.world_size)
 
         def check() -> None:
             frozen = [n for n, t in entries if not t.data.flags.writeable]
@@ -544,24 +561,40 @@ class Checkpoint:
                                     [n for n, _ in entries], allow_lossy_cast))
 
         run_collectively(comm, "load: checking", check)
+        _log.debug("load planned: %d stored arrays opened and checked, %d target reads", len(opened[0].plan.arrays),
+                   sum(len(t.reads) for t in opened[0].plan.targets))
         run_collectively(comm, "load: reading", lambda: _read(
             self._location, self.metadata, opened[0], [t.data for _, t in entries], stats))
+        _log_end("load", self._location, stats.bytes_read - before, time.perf_counter() - start)
         return self.trainer_state
 
 
-    def verify(self) -> tuple[list[str], int]:
-        """Read and checksum every stored byte, one array at a time and in
-        bounded memory. Returns ``(problems, bytes read)``: one line per
-        damaged or foreign array, naming its key, box and file (none: sound)."""
+    def verify(self, *, workers: int = 1,
+               progress: Callable[[int], None] | None = None) -> tuple[list[str], int]:
+        """Read and checksum every stored byte in bounded memory, ``workers``
+        arrays at a time. Returns ``(problems, bytes read)``: one line per
+        damaged or foreign array, naming its key, box and file (none: sound).
+        ``progress(nbytes)`` is called as each array is done."""
+        jobs = [(key, t.dtype, r) for key in sorted(self.metadata.tensors)
+                for t in [self.metadata.tensors[key]] for r in t.regions]
+
+        def one(job: tuple[str, str, Any]) -> tuple[str | None, int]:
+            key, dtype, r = job
+            want = array_attributes(key, r.box.offset, self.metadata.save_id) if self.metadata.save_id else None
+            try:
+                return None, self._location.verify_array(r.path, dtype, r.box.shape, want)
+            except GlobalShardError as e:
+                return f"{key} {r.box} ({r.path}): {e}", r.nbytes
+
         problems, nbytes = [], 0
-        for key in sorted(self.metadata.tensors):
-            t = self.metadata.tensors[key]
-            for r in t.regions:
-                want = array_attributes(key, r.box.offset, self.metadata.save_id) if self.metadata.save_id else None
-                try:
-                    nbytes += self._location.verify_array(r.path, t.dtype, r.box.shape, want)
-                except GlobalShardError as e:
-                    problems.append(f"{key} {r.box} ({r.path}): {e}")
+        with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+            for problem, n in pool.map(one, jobs):
+                if problem is not None:
+                    problems.append(problem)
+                else:
+                    nbytes += n
+                if progress is not None:
+                    progress(n)
         return problems, nbytes
 
 
