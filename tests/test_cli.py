@@ -1,7 +1,10 @@
+import json
 import os
 import shutil
 import subprocess
 import sys
+
+import numpy as np
 
 import globalshard as gs
 
@@ -35,3 +38,101 @@ def test_verify_passes_then_catches_damage(tmp_path):
 def test_not_a_checkpoint(tmp_path):
     out = run("inspect", str(tmp_path))
     assert out.returncode == 1 and "no metadata.json" in out.stderr
+
+
+def test_every_verb_speaks_json():
+    out = run("inspect", EXAMPLE, "--json")
+    doc = json.loads(out.stdout)
+    assert out.returncode == 0 and doc["tensors"]["embedding.weight"]["dtype"] == "bfloat16"
+    assert doc["regions"] == 15
+    out = run("verify", EXAMPLE, "--json", "--workers", "3")
+    doc = json.loads(out.stdout)
+    assert out.returncode == 0 and doc["ok"] and doc["problems"] == [] and doc["bytes_read"] > 0
+
+
+def test_version():
+    out = run("--version")
+    assert out.returncode == 0 and out.stdout.startswith("globalshard ")
+
+
+def test_verify_json_reports_damage_with_exit_1(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(EXAMPLE, ckpt)
+    region = gs.read_metadata(ckpt).tensors["layers.0.mlp.gate_up.weight"].regions[0].path
+    chunk = ckpt / region / "c" / "0" / "0"
+    data = chunk.read_bytes()
+    chunk.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    out = run("verify", str(ckpt), "--json")
+    doc = json.loads(out.stdout)
+    assert out.returncode == 1 and not doc["ok"] and region in doc["problems"][0]
+
+
+def save(path, arrays):
+    gs.save({k: gs.ShardedTensor.from_offset(k, v, global_shape=v.shape, global_offset=(0,) * v.ndim)
+             for k, v in arrays.items()}, path)
+
+
+def test_diff_names_keys_shapes_and_value_differences(tmp_path, monkeypatch):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((300, 40)).astype(np.float32)
+    save(tmp_path / "a", {"w": w, "only_a": np.ones(2, np.int32), "s": np.ones((2, 3), np.float32),
+                          "nan": np.array([np.nan, 1.0])})
+    w2 = w.copy()
+    w2[250, 7] += 0.5
+    save(tmp_path / "b", {"w": w2, "only_b": np.ones(2, np.int32), "s": np.ones((3, 2), np.float32),
+                          "nan": np.array([np.nan, 1.0])})
+    out = run("diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json")
+    assert out.returncode == 1, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["only_in_a"] == ["only_a"] and doc["only_in_b"] == ["only_b"]
+    assert doc["dtype_or_shape"][0]["key"] == "s"
+    values = {v["key"]: v for v in doc["values"]}
+    assert values["nan"]["identical"] and values["nan"]["max_abs_diff"] == 0
+    assert not values["w"]["identical"] and abs(values["w"]["max_abs_diff"] - 0.5) < 1e-6
+    # Read chunk by chunk: a window far smaller than the tensor finds the same difference.
+    import globalshard.cli as cli
+
+    monkeypatch.setattr(cli, "DIFF_WINDOW_BYTES", 160)
+    assert cli.main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    same = run("diff", str(tmp_path / "a"), str(tmp_path / "a"))
+    assert same.returncode == 0 and "same" in same.stdout
+    assert run("diff", str(tmp_path / "a"), str(tmp_path / "b"), "--atol", "1").returncode == 1  # keys still differ
+
+
+def test_diff_of_a_missing_checkpoint_is_trouble_not_a_difference(tmp_path):
+    save(tmp_path / "a", {"w": np.ones(3, np.float32)})
+    out = run("diff", str(tmp_path / "a"), str(tmp_path / "nothing"))
+    assert out.returncode == 3 and "no metadata.json" in out.stderr
+
+
+def test_export_safetensors_from_the_command_line(tmp_path):
+    from safetensors.numpy import load_file
+
+    w = np.arange(60, dtype=np.float32).reshape(6, 10)
+    save(tmp_path / "a", {"w": w, "b": np.ones(4, np.float32)})
+    out = run("export", str(tmp_path / "a"), str(tmp_path / "hf"), "--format", "safetensors", "--max-shard-size",
+              "100B", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["tensors"] == 2 and len(doc["files"]) == 2
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    got = load_file(str(tmp_path / "hf" / index["weight_map"]["w"]))
+    assert np.array_equal(got["w"], w)
+    bad = run("export", str(tmp_path / "a"), str(tmp_path / "hf2"), "--map", "llama")
+    assert bad.returncode == 2 and "match no rule" in bad.stderr
+    bad = run("export", str(tmp_path / "a"), str(tmp_path / "hf2"), "--max-shard-size", "lots")
+    assert bad.returncode == 2 and "not a size" in bad.stderr
+
+
+def test_kvstore_option(tmp_path):
+    save(tmp_path / "root" / "run1", {"w": np.ones(3, np.float32)})
+    out = run("inspect", "run1", "--kvstore", f"file://{tmp_path / 'root'}/", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["tensors"]["w"]["global_shape"] == [3]
+    spec = json.dumps({"driver": "file", "path": str(tmp_path / "root") + "/"})
+    assert run("verify", "run1", "--kvstore", spec).returncode == 0
+
+
+def test_usage_errors_exit_2():
+    assert run("inspect").returncode == 2
+    assert run("frobnicate", EXAMPLE).returncode == 2

@@ -21,6 +21,7 @@ Megatron-style models: save on one topology and load on another with one call ea
 
 from globalshard_torch.checkpoint import CheckpointManager, LoadResult, load_checkpoint, save_checkpoint
 from globalshard_torch.comm import TorchComm, default_comm
+from globalshard_torch.hf import load_hf
 from globalshard_torch.model import Entry, model_entries
 from globalshard_torch.parallel import ParallelLayout
 from globalshard_torch.rules import (
@@ -45,6 +46,7 @@ from globalshard_torch.tensors import HostStaging, numpy_view, torch_dtype
 from globalshard_torch.zero import FlatShard, megatron_param_ranges, zero_redundancy_shards
 
 __all__ = [
+    "load_hf",
     "CheckpointManager",
     "ColumnParallel",
     "Experts",

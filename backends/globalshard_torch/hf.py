@@ -1,0 +1,81 @@
+"""Fill any TP/PP/VPP layout straight from a Hugging Face safetensors directory.
+
+No conversion step: each rank computes, with the same rules as a checkpoint
+load, which global box of which key each of its tensors holds, maps the key
+to Hugging Face names through the mapping read in reverse (fused ``[Q; K;
+V]`` is concatenated from ``q_proj``, ``k_proj``, ``v_proj``), and reads
+only the rows of those files that its boxes cover.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from torch import nn
+
+import globalshard as gs
+from globalshard.dtypes import canonical_name, is_exact_cast
+from globalshard.errors import CastError, MismatchError, format_problems
+from globalshard.hf import NameMapping, SafetensorsSource
+from globalshard_torch.model import model_entries
+from globalshard_torch.parallel import ParallelLayout
+from globalshard_torch.rules import ShardingRules
+from globalshard_torch.tensors import HostStaging, numpy_view
+
+__all__ = ["load_hf"]
+
+
+def load_hf(directory: str, model: nn.Module | Sequence[nn.Module], layout: ParallelLayout,
+            rules: ShardingRules | None, *, mapping: NameMapping | str | None = None,
+            params: dict[str, int] | None = None, allow_lossy_cast: bool = False) -> dict[str, Any]:
+    """Load this rank's part of every parameter and persistent buffer from safetensors.
+
+    Args:
+        directory: ``model.safetensors`` or ``model.safetensors.index.json`` with its files.
+        mapping: a :class:`~globalshard.hf.NameMapping`, a mapping file or a shipped
+            mapping's name (``"llama"``); None: the names are the checkpoint keys.
+        params: values for the mapping's ``params`` (``{"heads": 32, "kv_heads": 8}``).
+        allow_lossy_cast: allow e.g. a bfloat16 model from float32 files.
+
+    Returns:
+        Figures: ``{"bytes_read": ..., "tensors": ...}`` for this rank.
+
+    Raises:
+        MismatchError: a key absent from the files, or a global shape that differs,
+            listing every one before anything is written.
+        CastError: a lossy conversion not allowed.
+    """
+    if isinstance(mapping, str):
+        mapping = NameMapping.load(mapping, params)
+    source = SafetensorsSource(directory, mapping)
+    staging = HostStaging()
+    targets: dict[str, gs.ShardedTensor] = {}
+    for e in model_entries(model, layout, rules):
+        targets.update(e.shards(e.name, e.key, numpy_view(staging.host(e.tensor, for_save=False))))
+    problems = []
+    for name, t in targets.items():
+        found = source.keys.get(t.key)
+        if found is None:
+            problems.append(f"{t.key!r} ({name}): not in {directory} under the mapping")
+            continue
+        dtype, shape, _ = found
+        if shape != t.global_shape:
+            problems.append(f"{t.key!r}: global shape {t.global_shape} here, {shape} in {directory}")
+        elif not allow_lossy_cast and not is_exact_cast(dtype, canonical_name(t.data.dtype)):
+            raise CastError(f"{t.key!r}: {dtype} in {directory} does not convert exactly to "
+                            f"{canonical_name(t.data.dtype)} (pass allow_lossy_cast=True)")
+    if problems:
+        raise MismatchError(format_problems("the safetensors do not fit the model", problems))
+    nbytes = 0
+    for t in targets.values():
+        covered = np.zeros(t.data.shape, bool) if t.allow_padding else None
+        for r in t.regions:
+            nbytes += source.read(t.key, r.global_box, t.data[r.local_box.slices])
+            if covered is not None:
+                covered[r.local_box.slices] = True
+        if covered is not None:
+            t.data[~covered] = 0
+    staging.finish_load()
+    return {"bytes_read": nbytes, "tensors": len(targets)}

@@ -1,0 +1,487 @@
+"""Hugging Face safetensors, both ways, through a name mapping.
+
+* :func:`export`: a checkpoint's global tensors into safetensors files of
+  bounded size plus ``model.safetensors.index.json``; fused layouts (global
+  ``[Q; K; V]``, ``[gate; up]``) split into the names a Hugging Face model
+  uses. Each tensor is read and written in windows of rows, so memory stays
+  at one window whatever the model's size.
+* :class:`SafetensorsSource`: any global box of any checkpoint key, read from
+  a Hugging Face safetensors directory by file offsets (the same mapping in
+  reverse), for loaders that fill a parallel layout straight from it.
+
+The safetensors format (an 8-byte little-endian header length, a JSON header
+of ``dtype``, ``shape`` and ``data_offsets`` per tensor, then the raw
+little-endian bytes) is simple and fixed; it is written here by streaming
+because the ``safetensors`` package needs whole tensors in memory, and read
+here by offsets because its numpy API has no bfloat16. The tests check both
+directions against the ``safetensors`` package itself.
+
+A mapping file (JSON; ``globalshard/mappings/llama.json`` is shipped)::
+
+    {"params": {"heads": 32, "kv_heads": 8},
+     "tensors": [
+       {"key": "layers.{layer}.attn.qkv.weight", "split": {"axis": 0, "parts": [
+           {"name": "model.layers.{layer}.self_attn.q_proj.weight", "size": "heads"},
+           {"name": "model.layers.{layer}.self_attn.k_proj.weight", "size": "kv_heads"},
+           {"name": "model.layers.{layer}.self_attn.v_proj.weight", "size": "kv_heads"}]}},
+       {"key": "final_norm", "name": "model.norm.weight"}],
+     "skip": ["optimizer\\\\..*"]}
+
+``{field}`` in a key matches one dot-free name part (``{layer}``: digits)
+and is substituted into the names. A split's part sizes are proportions
+(numbers or ``params`` names) of the axis. Every checkpoint key must match
+a rule or a ``skip`` pattern: nothing is left out silently.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from globalshard.api import Checkpoint
+from globalshard.dtypes import canonical_name, numpy_dtype
+from globalshard.errors import GlobalShardError, MismatchError
+from globalshard.geometry import Box
+from globalshard.layout import ShardedTensor
+
+__all__ = ["NameMapping", "export", "SafetensorsSource", "parse_size", "SAFETENSORS_DTYPES"]
+
+#: Our dtype names and safetensors' (which has no fnuz float8 types).
+SAFETENSORS_DTYPES = {
+    "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16", "float16": "F16",
+    "bfloat16": "BF16", "int32": "I32", "uint32": "U32", "float32": "F32", "float64": "F64", "int64": "I64",
+    "uint64": "U64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "complex64": "C64",
+}
+_FROM_SAFETENSORS = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+#: Bytes of one tensor read and written at a time by :func:`export`.
+WINDOW_BYTES = 64 << 20
+
+MAPPINGS_DIR = os.path.join(os.path.dirname(__file__), "mappings")
+
+
+class ExportError(GlobalShardError, ValueError):
+    """A mapping, a dtype or a safetensors file that cannot be used as asked."""
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"`` -> 5_000_000_000; ``"512MiB"``, ``"100kB"``, plain bytes.
+
+    >>> parse_size("5GB"), parse_size("2MiB"), parse_size("1000")
+    (5000000000, 2097152, 1000)
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKMGT]?i?B?)\s*", text)
+    if not m:
+        raise ExportError(f"not a size: {text!r} (examples: 5GB, 500MB, 2GiB)")
+    unit = m.group(2).upper().rstrip("B")
+    scale = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+             "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+# --------------------------------------------------------------------------- mapping
+
+
+@dataclass(frozen=True)
+class _Part:
+    name: str
+    size: int
+
+
+@dataclass(frozen=True)
+class _Rule:
+    pattern: re.Pattern[str]
+    key: str
+    name: str | None
+    axis: int
+    parts: tuple[_Part, ...]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A Hugging Face tensor: ``box`` of checkpoint key ``key``."""
+
+    name: str
+    key: str
+    box: Box
+
+
+class NameMapping:
+    """Checkpoint keys <-> Hugging Face names (module docstring)."""
+
+    def __init__(self, doc: Any, *, params: Mapping[str, int] | None = None, where: str = "mapping") -> None:
+        if not isinstance(doc, dict):
+            raise ExportError(f"{where}: a mapping is a JSON object")
+        self.params = {str(k): v for k, v in dict(doc.get("params") or {}).items()} | dict(params or {})
+        for k, v in self.params.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ExportError(f"{where}: params.{k} must be a positive integer, got {v!r}")
+        self.rules: list[_Rule] = []
+        for i, t in enumerate(doc.get("tensors") or []):
+            at = f"{where}: tensors[{i}]"
+            if not isinstance(t, dict) or not isinstance(t.get("key"), str):
+                raise ExportError(f"{at}: needs a string 'key'")
+            split = t.get("split")
+            if split is None:
+                if not isinstance(t.get("name"), str):
+                    raise ExportError(f"{at}: needs a string 'name' or a 'split'")
+                self.rules.append(_Rule(_compile(t["key"], at), t["key"], t["name"], 0, ()))
+                continue
+            if not isinstance(split, dict) or not isinstance(split.get("parts"), list) or not split["parts"]:
+                raise ExportError(f"{at}.split: needs a non-empty 'parts' list")
+            axis = split.get("axis", 0)
+            if isinstance(axis, bool) or not isinstance(axis, int) or axis < 0:
+                raise ExportError(f"{at}.split.axis: a non-negative integer, got {axis!r}")
+            parts = []
+            for j, p in enumerate(split["parts"]):
+                if not isinstance(p, dict) or not isinstance(p.get("name"), str):
+                    raise ExportError(f"{at}.split.parts[{j}]: needs a string 'name'")
+                size = p.get("size", 1)
+                if isinstance(size, str):
+                    if size not in self.params:
+                        raise ExportError(f"{at}.split.parts[{j}].size: {size!r} is not in params "
+                                          f"{sorted(self.params)} (set it with --param {size}=N)")
+                    size = self.params[size]
+                if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+                    raise ExportError(f"{at}.split.parts[{j}].size: a positive integer or a params name")
+                parts.append(_Part(p["name"], size))
+            self.rules.append(_Rule(_compile(t["key"], at), t["key"], None, axis, tuple(parts)))
+        self.skip = [re.compile(p) for p in doc.get("skip") or []]
+
+    @classmethod
+    def load(cls, path: str, params: Mapping[str, int] | None = None) -> NameMapping:
+        """A mapping file, or the name of a shipped one (``"llama"``)."""
+        if not os.path.exists(path) and re.fullmatch(r"[a-z0-9_-]+", path):
+            path = os.path.join(MAPPINGS_DIR, f"{path}.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                doc = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ExportError(f"cannot read the mapping {path}: {e}") from None
+        return cls(doc, params=params, where=path)
+
+    @classmethod
+    def identity(cls) -> NameMapping:
+        return cls({"tensors": [{"key": "{name}", "name": "{name}"}]})
+
+    def pieces(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple[list[Piece], list[str]]:
+        """Every Hugging Face tensor of the checkpoint keys with these global
+        shapes, and the keys skipped. Raises naming every key no rule maps."""
+        pieces: list[Piece] = []
+        skipped, unmapped, problems = [], [], []
+        for key in sorted(shapes):
+            shape = shapes[key]
+            for rule in self.rules:
+                m = rule.pattern.fullmatch(key)
+                if m is None:
+                    continue
+                fields = m.groupdict()
+                if rule.name is not None:
+                    pieces.append(Piece(rule.name.format(**fields), key, Box.full(shape)))
+                    break
+                if rule.axis >= len(shape):
+                    problems.append(f"{key!r}: split on axis {rule.axis} of a {len(shape)}-d tensor")
+                    break
+                total, units = shape[rule.axis], sum(p.size for p in rule.parts)
+                if total % units:
+                    problems.append(f"{key!r}: axis {rule.axis} of {total} does not split in proportions "
+                                    f"{[p.size for p in rule.parts]}")
+                    break
+                start = 0
+                for p in rule.parts:
+                    n = total // units * p.size
+                    offset = tuple(start if a == rule.axis else 0 for a in range(len(shape)))
+                    size = tuple(n if a == rule.axis else s for a, s in enumerate(shape))
+                    pieces.append(Piece(p.name.format(**fields), key, Box(offset, size)))
+                    start += n
+                break
+            else:
+                if any(s.fullmatch(key) for s in self.skip):
+                    skipped.append(key)
+                else:
+                    unmapped.append(key)
+        if unmapped:
+            problems.append(f"{len(unmapped)} keys match no rule and no 'skip' pattern: "
+                            f"{unmapped[:8]}{' ...' if len(unmapped) > 8 else ''}")
+        names = [p.name for p in pieces]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            problems.append(f"several tensors map to the same names: {dupes[:8]}")
+        if problems:
+            raise ExportError("the mapping does not fit the checkpoint:\n" + "\n".join(f"  - {p}" for p in problems))
+        return pieces, skipped
+
+
+def _compile(key: str, where: str) -> re.Pattern[str]:
+    out, last = [], 0
+    for m in re.finditer(r"\{(\w+)\}", key):
+        out.append(re.escape(key[last:m.start()]))
+        field = m.group(1)
+        out.append(rf"(?P<{field}>\d+)" if field == "layer" else
+                   rf"(?P<{field}>.+)" if field == "name" else rf"(?P<{field}>[^.]+)")
+        last = m.end()
+    out.append(re.escape(key[last:]))
+    try:
+        return re.compile("".join(out))
+    except re.error as e:
+        raise ExportError(f"{where}: bad key pattern {key!r}: {e}") from None
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _windows(box: Box, itemsize: int) -> Iterator[Box]:
+    """``box`` cut along its first axis into pieces of at most WINDOW_BYTES (one row at least)."""
+    if box.ndim == 0 or box.volume == 0:
+        yield box
+        return
+    row = math.prod(box.shape[1:]) * itemsize
+    rows = max(1, WINDOW_BYTES // max(row, 1))
+    for start in range(0, box.shape[0], rows):
+        n = min(rows, box.shape[0] - start)
+        yield Box((box.offset[0] + start, *box.offset[1:]), (n, *box.shape[1:]))
+
+
+def export(checkpoint: str | Checkpoint, out: str, *, mapping: NameMapping | None = None, dtype: str | None = None,
+           max_shard_size: int = 5 * 10**9, progress: Callable[[int], None] | None = None,
+           kvstore: Any = None) -> dict[str, Any]:
+    """Write the checkpoint's tensors as Hugging Face safetensors in ``out``.
+
+    ``dtype`` converts floating-point tensors (integers and bools keep
+    theirs); a narrowing conversion is what was asked for, so it is allowed.
+    Files hold at most ``max_shard_size`` bytes of tensors (a larger tensor
+    gets a file of its own). Returns the index written to
+    ``model.safetensors.index.json``. ``progress(nbytes)`` follows the reads.
+    """
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint, kvstore=kvstore)
+    tensors = ckpt.metadata.tensors
+    pieces, _ = (mapping or NameMapping.identity()).pieces({k: t.global_shape for k, t in tensors.items()})
+    out_dtype = {}
+    for p in pieces:
+        stored = tensors[p.key].dtype
+        want = canonical_name(np.dtype(numpy_dtype(dtype))) if dtype and _is_float(stored) else stored
+        if want not in SAFETENSORS_DTYPES:
+            raise ExportError(f"{p.key!r}: safetensors has no {want} (choose another with --dtype)")
+        out_dtype[p.name] = want
+    # Files of bounded size, in the order the mapping lists the tensors.
+    files: list[list[Piece]] = [[]]
+    size = 0
+    for p in pieces:
+        n = p.box.volume * numpy_dtype(out_dtype[p.name]).itemsize
+        if files[-1] and size + n > max_shard_size:
+            files.append([])
+            size = 0
+        files[-1].append(p)
+        size += n
+    os.makedirs(out, exist_ok=True)
+    names = (["model.safetensors"] if len(files) == 1 else
+             [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
+    weight_map: dict[str, str] = {}
+    total = 0
+    for name, members in zip(names, files):
+        total += _write_file(ckpt, os.path.join(out, name), members, out_dtype, progress)
+        weight_map |= {p.name: name for p in members}
+    index = {"metadata": {"total_size": total, "format": "pt", "source": "globalshard",
+                          "save_id": ckpt.metadata.save_id},
+             "weight_map": dict(sorted(weight_map.items()))}
+    _write_atomically(os.path.join(out, "model.safetensors.index.json"),
+                      json.dumps(index, indent=2).encode("utf-8"))
+    return index
+
+
+def _is_float(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat"))
+
+
+def _write_file(ckpt: Checkpoint, path: str, pieces: Sequence[Piece], out_dtype: Mapping[str, str],
+                progress: Callable[[int], None] | None) -> int:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for p in pieces:
+        n = p.box.volume * numpy_dtype(out_dtype[p.name]).itemsize
+        header[p.name] = {"dtype": SAFETENSORS_DTYPES[out_dtype[p.name]], "shape": list(p.box.shape),
+                          "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little") + raw)
+            for p in pieces:
+                stored = ckpt.metadata.tensors[p.key].dtype
+                for window in _windows(p.box, numpy_dtype(stored).itemsize):
+                    buf = np.empty(window.shape, numpy_dtype(stored))
+                    target = ShardedTensor.from_offset(p.key, buf, global_shape=ckpt.metadata.tensors[p.key]
+                                                       .global_shape, global_offset=window.offset)
+                    ckpt.load({p.key: target})
+                    if out_dtype[p.name] != stored:
+                        buf = buf.astype(numpy_dtype(out_dtype[p.name]))
+                    f.write(np.ascontiguousarray(buf).astype(buf.dtype.newbyteorder("<"), copy=False).tobytes()
+                            if buf.size else b"")
+                    if progress is not None:
+                        progress(window.volume * numpy_dtype(stored).itemsize)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return offset
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- import
+
+
+@dataclass(frozen=True)
+class _Entry:
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+
+
+def read_header(path: str) -> dict[str, _Entry]:
+    """The tensors of one safetensors file, checked: offsets inside the
+    file, sizes matching dtype and shape."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            n = int.from_bytes(f.read(8), "little")
+            if n > min(size - 8, 100 << 20):
+                raise ExportError(f"{path}: header length {n} does not fit the file of {size} bytes")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{path}: not a safetensors file ({e})") from None
+    if not isinstance(header, dict):
+        raise ExportError(f"{path}: the header is not a JSON object")
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _FROM_SAFETENSORS[t["dtype"]]
+            shape = tuple(int(s) for s in t["shape"])
+            begin, end = (int(v) for v in t["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ExportError(f"{path}: tensor {name!r} has an unusable entry {t!r}") from None
+        if end - begin != math.prod(shape) * numpy_dtype(dtype).itemsize or 8 + n + end > size or begin < 0:
+            raise ExportError(f"{path}: tensor {name!r}: offsets {begin}..{end} do not hold {dtype} {list(shape)} "
+                              f"inside the file")
+        out[name] = _Entry(path, dtype, shape, 8 + n + begin)
+    return out
+
+
+class SafetensorsSource:
+    """A Hugging Face safetensors directory (``model.safetensors`` or an index),
+    read through a mapping in reverse: :meth:`read` gives any global box of
+    a checkpoint key, reading only the bytes of the rows it covers."""
+
+    def __init__(self, directory: str, mapping: NameMapping | None = None) -> None:
+        self.directory = directory
+        index = os.path.join(directory, "model.safetensors.index.json")
+        if os.path.exists(index):
+            try:
+                with open(index, encoding="utf-8") as f:
+                    files = sorted(set(json.load(f)["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ExportError(f"{index}: not a safetensors index ({e})") from None
+        else:
+            files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+        if not files:
+            raise ExportError(f"{directory}: no .safetensors files")
+        self.entries: dict[str, _Entry] = {}
+        for name in files:
+            if os.path.basename(name) != name:
+                raise ExportError(f"{index}: file name {name!r} is not inside the directory")
+            self.entries |= read_header(os.path.join(directory, name))
+        self.mapping = mapping or NameMapping.identity()
+        self.keys = self._invert()
+
+    def _invert(self) -> dict[str, tuple[str, tuple[int, ...], list[Piece]]]:
+        """Checkpoint key -> (dtype, global shape, its pieces), from the names present."""
+        out: dict[str, tuple[str, tuple[int, ...], list[Piece]]] = {}
+        claimed: set[str] = set()
+        for rule in self.mapping.rules:
+            targets = [rule.name] if rule.name is not None else [p.name for p in rule.parts]
+            first = _compile(targets[0], "mapping")
+            for name in sorted(self.entries):
+                m = first.fullmatch(name)
+                if m is None or name in claimed:
+                    continue
+                fields = m.groupdict()
+                key = _fill(rule.key, fields)
+                names = [_fill(t, fields) for t in targets]
+                missing = [n for n in names if n not in self.entries]
+                if missing:
+                    raise ExportError(f"{key!r}: {self.directory} lacks {missing} (needed with {name!r})")
+                entries = [self.entries[n] for n in names]
+                if len({e.dtype for e in entries}) != 1:
+                    raise ExportError(f"{key!r}: {names} have different dtypes")
+                axis = rule.axis
+                shape = list(entries[0].shape)
+                if rule.name is None:
+                    shape[axis] = sum(e.shape[axis] for e in entries)
+                pieces, start = [], 0
+                for n, e in zip(names, entries):
+                    offset = tuple(start if a == axis else 0 for a in range(len(e.shape)))
+                    pieces.append(Piece(n, key, Box(offset, e.shape)))
+                    start += e.shape[axis] if rule.name is None else 0
+                claimed |= set(names)
+                out[key] = (entries[0].dtype, tuple(shape), pieces)
+        return out
+
+    def read(self, key: str, box: Box, out: np.ndarray) -> int:
+        """Fill ``out`` (shape ``box.shape``) with ``box`` of ``key``; returns bytes read."""
+        if key not in self.keys:
+            raise MismatchError(f"{key!r}: not in {self.directory} under the mapping "
+                                f"({len(self.keys)} keys found)")
+        _, _, pieces = self.keys[key]
+        nbytes = 0
+        for p in pieces:
+            part = p.box.intersect(box)
+            if part is None or part.volume == 0:
+                continue
+            e = self.entries[p.name]
+            local = Box(tuple(a - b for a, b in zip(part.offset, p.box.offset)), part.shape)
+            values = _read_rows(e, local)
+            dst = out[tuple(slice(a - b, a - b + s) for a, b, s in zip(part.offset, box.offset, part.shape))]
+            dst[...] = values if values.dtype == out.dtype else values.astype(out.dtype)
+            nbytes += values.nbytes
+        return nbytes
+
+
+def _fill(template: str, fields: Mapping[str, str]) -> str:
+    return template.format(**fields)
+
+
+def _read_rows(e: _Entry, box: Box) -> np.ndarray:
+    """``box`` of a stored tensor: the rows it spans are read, then sliced."""
+    dtype = numpy_dtype(e.dtype).newbyteorder("<")
+    if not e.shape:
+        with open(e.file, "rb") as f:
+            return np.frombuffer(os.pread(f.fileno(), dtype.itemsize, e.start), dtype).reshape(())
+    row = math.prod(e.shape[1:]) * dtype.itemsize
+    first, count = box.offset[0], box.shape[0]
+    with open(e.file, "rb") as f:
+        raw = os.pread(f.fileno(), row * count, e.start + row * first)
+    if len(raw) != row * count:
+        raise ExportError(f"{e.file}: ends inside a tensor (truncated?)")
+    rows = np.frombuffer(raw, dtype).reshape((count, *e.shape[1:]))
+    return rows[(slice(None), *(slice(o, o + s) for o, s in zip(box.offset[1:], box.shape[1:])))]

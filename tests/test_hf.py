@@ -1,0 +1,233 @@
+"""Hugging Face safetensors both ways: export a checkpoint under Llama names,
+load a Llama-style safetensors directory straight into a TP/PP layout.
+
+Files are checked with the ``safetensors`` package itself, and loaded
+tensors against a slicing written here from the Hugging Face names alone.
+"""
+
+import json
+import os
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+import globalshard as gs
+from globalshard.hf import ExportError, NameMapping, SafetensorsSource, export
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import gpt_trainer as demo
+
+import globalshard_torch as gt
+
+CFG = demo.Config()
+HD = CFG.head_dim
+
+
+def hf_model(cfg=CFG, seed=0):
+    """A Llama-style model under Hugging Face names (float32)."""
+    rng = np.random.default_rng(seed)
+
+    def w(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    out = {"model.embed_tokens.weight": w(cfg.vocab, cfg.hidden), "model.norm.weight": w(cfg.hidden)}
+    for i in range(cfg.layers):
+        p = f"model.layers.{i}."
+        out |= {p + "input_layernorm.weight": w(cfg.hidden), p + "post_attention_layernorm.weight": w(cfg.hidden),
+                p + "self_attn.q_proj.weight": w(cfg.heads * HD, cfg.hidden),
+                p + "self_attn.k_proj.weight": w(cfg.kv_heads * HD, cfg.hidden),
+                p + "self_attn.v_proj.weight": w(cfg.kv_heads * HD, cfg.hidden),
+                p + "self_attn.o_proj.weight": w(cfg.hidden, cfg.heads * HD),
+                p + "self_attn.o_proj.bias": w(cfg.hidden),
+                p + "mlp.gate_proj.weight": w(cfg.ffn, cfg.hidden), p + "mlp.up_proj.weight": w(cfg.ffn, cfg.hidden),
+                p + "mlp.down_proj.weight": w(cfg.hidden, cfg.ffn)}
+    return out
+
+
+def as_checkpoint_keys(hf):
+    """The same model under the demo's checkpoint keys (fused [Q; K; V] and [gate; up])."""
+    out = {"embedding.weight": hf["model.embed_tokens.weight"], "final_norm": hf["model.norm.weight"]}
+    for i in range(CFG.layers):
+        p, h = f"layers.{i}.", f"model.layers.{i}."
+        out |= {p + "attn.norm": hf[h + "input_layernorm.weight"],
+                p + "mlp.norm": hf[h + "post_attention_layernorm.weight"],
+                p + "attn.qkv.weight": np.concatenate([hf[h + f"self_attn.{x}_proj.weight"] for x in "qkv"]),
+                p + "attn.proj.weight": hf[h + "self_attn.o_proj.weight"],
+                p + "attn.proj.bias": hf[h + "self_attn.o_proj.bias"],
+                p + "mlp.gate_up.weight": np.concatenate([hf[h + "mlp.gate_proj.weight"],
+                                                          hf[h + "mlp.up_proj.weight"]]),
+                p + "mlp.down.weight": hf[h + "mlp.down_proj.weight"],
+                p + "attn.qkv_lora_A": np.zeros((CFG.lora_rank, CFG.hidden), np.float32)}
+    return out
+
+
+def save_global(arrays, path, extra=None):
+    state = {k: gs.ShardedTensor.from_offset(k, v, global_shape=v.shape, global_offset=(0,) * v.ndim)
+             for k, v in (arrays | (extra or {})).items()}
+    gs.save(state, path)
+
+
+def read_all(directory):
+    index = json.load(open(os.path.join(directory, "model.safetensors.index.json")))
+    out = {}
+    for name, file in index["weight_map"].items():
+        with safe_open(os.path.join(directory, file), framework="pt") as f:
+            out[name] = f.get_tensor(name)
+    return index, out
+
+
+def test_export_under_llama_names_splits_fused_layouts(tmp_path):
+    hf = hf_model()
+    save_global(as_checkpoint_keys(hf), tmp_path / "ckpt",
+                extra={"optimizer.exp_avg.final_norm": np.ones(CFG.hidden, np.float32)})
+    index = export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), mapping=NameMapping.load("llama"),
+                   max_shard_size=40_000)
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    for f in files:  # bounded: a file exceeds the limit only when one tensor alone does
+        with safe_open(str(tmp_path / "hf" / f), framework="pt") as st:
+            sizes = [st.get_tensor(n).numel() * 4 for n in st.keys()]
+        assert sum(sizes) <= 40_000 or len(sizes) == 1
+    _, got = read_all(tmp_path / "hf")
+    assert set(got) == set(hf)  # optimizer state and LoRA skipped, nothing else lost
+    for name, value in hf.items():
+        assert np.array_equal(got[name].numpy(), value), name
+    assert index["metadata"]["total_size"] == sum(v.nbytes for v in hf.values())
+
+
+def test_export_converts_floats_to_bf16_and_keeps_integers(tmp_path):
+    values = {"w": np.random.default_rng(1).standard_normal((5, 3)).astype(np.float32),
+              "step": np.array(7, np.int64)}
+    save_global(values, tmp_path / "ckpt")
+    export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), dtype="bfloat16")
+    _, got = read_all(tmp_path / "hf")
+    assert got["w"].dtype == torch.bfloat16 and got["step"].dtype == torch.int64 and int(got["step"]) == 7
+    expected = values["w"].astype(ml_dtypes.bfloat16).astype(np.float32)
+    assert np.array_equal(got["w"].float().numpy(), expected)
+
+
+def test_export_in_windows_smaller_than_a_tensor(tmp_path, monkeypatch):
+    import globalshard.hf as hfmod
+
+    monkeypatch.setattr(hfmod, "WINDOW_BYTES", 100)
+    value = np.arange(50 * 7, dtype=np.float32).reshape(50, 7)
+    save_global({"w": value}, tmp_path / "ckpt")
+    export(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    _, got = read_all(tmp_path / "hf")
+    assert np.array_equal(got["w"].numpy(), value)
+
+
+def test_a_key_no_rule_maps_is_an_error_not_a_loss(tmp_path):
+    hf = hf_model()
+    save_global(as_checkpoint_keys(hf), tmp_path / "ckpt", extra={"mystery": np.ones(3, np.float32)})
+    with pytest.raises(ExportError, match="'mystery'"):
+        export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), mapping=NameMapping.load("llama"))
+    assert not os.path.exists(tmp_path / "hf" / "model.safetensors.index.json")
+
+
+def test_a_split_that_does_not_divide_is_an_error(tmp_path):
+    save_global(as_checkpoint_keys(hf_model()), tmp_path / "ckpt")
+    with pytest.raises(ExportError, match="does not split in proportions"):
+        export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), mapping=NameMapping.load("llama", {"heads": 7}))
+
+
+def test_source_reads_any_box_across_the_fused_parts(tmp_path):
+    hf = hf_model()
+    save_file(hf, str(tmp_path / "model.safetensors"))
+    source = SafetensorsSource(str(tmp_path), NameMapping.load("llama"))
+    fused = as_checkpoint_keys(hf)["layers.2.attn.qkv.weight"]
+    assert source.keys["layers.2.attn.qkv.weight"][1] == fused.shape
+    box = gs.Box((CFG.heads * HD - 5, 3), (CFG.kv_heads * HD + 9, 20))  # spans q, k and v
+    out = np.empty(box.shape, np.float32)
+    source.read("layers.2.attn.qkv.weight", box, out)
+    assert np.array_equal(out, fused[box.slices])
+
+
+# ----------------------------------------------------------------- into a TP/PP layout
+
+
+def expected_for(key, hf, tp, r):
+    if key == "embedding.weight":
+        n = -(-CFG.vocab // tp)
+        rows = hf["model.embed_tokens.weight"][r * n:(r + 1) * n]
+        return np.concatenate([rows, np.zeros((n - len(rows), CFG.hidden), np.float32)])
+    if key == "final_norm":
+        return hf["model.norm.weight"]
+    i, rest = key.split(".")[1], key.split(".", 2)[2]
+    h = f"model.layers.{i}."
+    if rest == "attn.qkv.weight":
+        q, kv = CFG.heads * HD // tp, CFG.kv_heads * HD // tp
+        return np.concatenate([hf[h + "self_attn.q_proj.weight"][r * q:(r + 1) * q],
+                               hf[h + "self_attn.k_proj.weight"][r * kv:(r + 1) * kv],
+                               hf[h + "self_attn.v_proj.weight"][r * kv:(r + 1) * kv]])
+    if rest == "mlp.gate_up.weight":
+        f = CFG.ffn // tp
+        return np.concatenate([hf[h + "mlp.gate_proj.weight"][r * f:(r + 1) * f],
+                               hf[h + "mlp.up_proj.weight"][r * f:(r + 1) * f]])
+    if rest == "attn.proj.weight":
+        n = CFG.heads * HD // tp
+        return hf[h + "self_attn.o_proj.weight"][:, r * n:(r + 1) * n]
+    if rest == "mlp.down.weight":
+        n = CFG.ffn // tp
+        return hf[h + "mlp.down_proj.weight"][:, r * n:(r + 1) * n]
+    return {"attn.norm": hf[h + "input_layernorm.weight"], "mlp.norm": hf[h + "post_attention_layernorm.weight"],
+            "attn.proj.bias": hf[h + "self_attn.o_proj.bias"]}[rest]
+
+
+@pytest.mark.parametrize("tp,pp,vpp", [(2, 2, 1), (4, 1, 1), (1, 2, 2)])
+def test_load_llama_safetensors_straight_into_a_tp_pp_layout(tmp_path, tp, pp, vpp):
+    hf = hf_model(seed=tp * 10 + pp)
+    # Two files with an index, as Hugging Face shards a model.
+    names = sorted(hf)
+    half = len(names) // 2
+    save_file({n: hf[n] for n in names[:half]}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({n: hf[n] for n in names[half:]}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    weight_map = {n: f"model-0000{1 + (i >= half)}-of-00002.safetensors" for i, n in enumerate(names)}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for pp_rank in range(pp):
+        for tp_rank in range(tp):
+            layout = gt.ParallelLayout(tp_rank=tp_rank, tp_size=tp, pp_rank=pp_rank, pp_size=pp, vpp_size=vpp,
+                                       num_layers=CFG.layers)
+            chunks = [demo.Chunk(CFG, layout, c) for c in range(vpp)]
+            # LoRA has no Hugging Face name: leave it out of the load.
+            for c in chunks:
+                for layer in c.layers:
+                    del layer.attn.qkv_lora_A, layer.attn.qkv_lora_B
+            figures = gt.load_hf(str(tmp_path), chunks, layout, demo.rules(CFG), mapping="llama")
+            assert figures["bytes_read"] > 0
+            for e in gt.model_entries(chunks, layout, demo.rules(CFG)):
+                got = e.tensor.detach().numpy()
+                assert np.array_equal(got, expected_for(e.key, hf, tp, tp_rank)), (e.key, tp_rank, pp_rank)
+
+
+def test_load_hf_names_every_missing_key_before_writing(tmp_path):
+    hf = hf_model()
+    del hf["model.layers.1.mlp.down_proj.weight"]
+    save_file(hf, str(tmp_path / "model.safetensors"))
+    layout = gt.ParallelLayout(num_layers=CFG.layers)
+    chunk = demo.Chunk(CFG, layout, 0)
+    for layer in chunk.layers:
+        del layer.attn.qkv_lora_A, layer.attn.qkv_lora_B
+    before = chunk.layers[0].attn.qkv.weight.detach().clone()
+    with pytest.raises(gs.MismatchError, match=r"layers\.1\.mlp\.down\.weight"):
+        gt.load_hf(str(tmp_path), chunk, layout, demo.rules(CFG), mapping="llama")
+    assert torch.equal(chunk.layers[0].attn.qkv.weight.detach(), before)
+
+
+def test_export_then_load_hf_is_the_identity(tmp_path):
+    # A checkpoint saved at TP=2 by the torch adapter, exported, loaded at TP=4.
+    hf = hf_model(seed=5)
+    save_global(as_checkpoint_keys(hf), tmp_path / "ckpt")
+    export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), mapping=NameMapping.load("llama"), dtype="float32")
+    layout = gt.ParallelLayout(tp_rank=1, tp_size=4, num_layers=CFG.layers)
+    chunk = demo.Chunk(CFG, layout, 0)
+    for layer in chunk.layers:
+        del layer.attn.qkv_lora_A, layer.attn.qkv_lora_B
+    gt.load_hf(str(tmp_path / "hf"), chunk, layout, demo.rules(CFG), mapping="llama")
+    for e in gt.model_entries(chunk, layout, demo.rules(CFG)):
+        assert np.array_equal(e.tensor.detach().numpy(), expected_for(e.key, hf, 4, 1)), e.key
