@@ -10,6 +10,8 @@ its script did not run): ``save_vs_disk``, ``save_vs_dcp``,
 (bytes read / needed per rank, TP=4 -> 2 and across axes, bench/run.py),
 ``async_block_vs_memcpy`` (bench/io_memory.py, the second save), ``peak_rss_over_state``
 (the larger of save and load: peak RSS rise / state), ``plan_4096_s`` (bench/run.py).
+Draws build/bench/bench.png: throughput per system and the planning curve
+(matplotlib, from ``.[bench]``; skipped with a message when it is missing).
 """
 
 from __future__ import annotations
@@ -29,6 +31,46 @@ def _read(name: str) -> dict[str, Any]:
         return {}
 
 
+def plot(compare: dict[str, Any], report: dict[str, Any], path: str) -> None:
+    """Throughput of each system per operation (GB/s of state), and planning time against ranks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    operations = [("save_s", "save TP=4"), ("load_tp2_warm_s", "load TP4->2 warm"),
+                  ("load_tp2_cold_s", "load TP4->2 cold"), ("load_tp1_warm_s", "load TP4->1 warm")]
+    gb = compare.get("state_bytes", 0) / 1e9
+    raw = compare.get("raw", {})
+    limits = {"save_s": raw.get("write_s"), "load_tp2_warm_s": raw.get("read_warm_s"),
+              "load_tp2_cold_s": raw.get("read_cold_s")}
+    systems = [("disk / page cache", limits)] + [(name, compare[key]) for key, name in
+                                                 [("globalshard", "globalshard"), ("dcp", "torch DCP"),
+                                                  ("orbax", "Orbax")] if key in compare]
+    width = 0.8 / max(len(systems), 1)
+    for i, (name, figures) in enumerate(systems):
+        xs = [j + i * width for j in range(len(operations))]
+        ys = [gb / figures[k] if figures.get(k) else 0.0 for k, _ in operations]
+        left.bar(xs, ys, width, label=name)
+    left.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(operations))],
+                    [label for _, label in operations], fontsize=8)
+    left.set_ylabel("GB/s of state")
+    left.set_yscale("log")
+    left.set_title(f"{compare.get('state_bytes', 0) / 2**30:.2f} GiB of float32 (median of runs)")
+    left.legend(fontsize=8)
+    curve = report.get("planning_curve") or []
+    if curve:
+        right.plot([c["ranks"] for c in curve], [c["save_plan_s"] for c in curve], "o-")
+        right.set_xscale("log", base=2)
+        right.set_yscale("log")
+    right.set_xlabel("simulated ranks (1000 tensors each)")
+    right.set_ylabel("save planning, s")
+    right.set_title("planning in one process")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     report, compare, memory = _read("report.json"), _read("compare.json"), _read("io_memory.json")
     ratios = compare.get("ratios", {})
@@ -46,6 +88,12 @@ def main() -> None:
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "report.json"), "w") as f:
         json.dump(report, f, indent=1)
+    if compare:
+        try:
+            plot(compare, report, os.path.join(OUT, "bench.png"))
+            print(f"plot: {os.path.join(OUT, 'bench.png')}")
+        except ImportError:
+            print("plot: matplotlib is not installed (pip install -e '.[bench]'), no bench.png")
     for key in ("save_vs_disk", "save_vs_dcp", "load_warm_vs_page_cache", "load_warm_vs_dcp", "load_cold_vs_disk",
                 "load_cold_vs_dcp", "read_amplification", "async_block_vs_memcpy", "peak_rss_over_state",
                 "plan_4096_s"):
