@@ -164,10 +164,17 @@ def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _loads(data: bytes | str, what: str) -> Any:
+def _no_negative_zero(text: str) -> int:
+    if text == "-0":
+        raise ValueError("-0 is not an integer of this format (write 0)")
+    return int(text)
+
+
+def _loads(data: bytes | str, what: str, *, strict_integers: bool = False) -> Any:
     try:
         text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data
-        return json.loads(text, object_pairs_hook=_unique_object, parse_constant=_reject_constant)
+        return json.loads(text, object_pairs_hook=_unique_object, parse_constant=_reject_constant,
+                          parse_int=_no_negative_zero if strict_integers else None)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise MetadataError(f"{what}: not a valid JSON document: {e}") from None
 
@@ -278,7 +285,7 @@ def parse_metadata(data: bytes | str, *, source: str = METADATA_FILE) -> Metadat
         MetadataError: listing every problem found, each with its JSON path
         (``$.tensors["w"].regions[2].offset[0]``).
     """
-    doc = _loads(data, source)
+    doc = _loads(data, source, strict_integers=True)
     p = _Parser()
     version = doc.get("version") if isinstance(doc, dict) else None
     known = type(version) is int and version in READABLE_VERSIONS

@@ -1,0 +1,204 @@
+"""A reader of globalshard checkpoints written from FORMAT.md alone: json and
+tensorstore, no globalshard import. It checks what the spec says a reader
+MUST check and reads any global box of any tensor.
+
+    python spec/reference_reader.py CHECKPOINT KEY [OFFSET SHAPE]   # prints the values as JSON
+"""
+
+import hashlib
+import json
+import math
+import os
+import re
+import sys
+
+import numpy as np  # what tensorstore reads into
+import tensorstore as ts
+
+ITEMSIZE = {"bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4, "int64": 8,
+            "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex64": 8, "complex128": 16,
+            "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1}
+MAX_INT = 2**63 - 1
+
+
+class Invalid(Exception):
+    pass
+
+
+def _strict_object(pairs):
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise Invalid(f"repeated member {k!r}")
+        out[k] = v
+    return out
+
+
+def _no_constant(name):
+    raise Invalid(f"{name} is not JSON")
+
+
+def _strict_int(text):
+    if text == "-0":
+        raise Invalid("-0 is not an integer of this format")
+    return int(text)
+
+
+def _parse(data, strict_int):
+    try:
+        doc = json.loads(data.decode("utf-8"), object_pairs_hook=_strict_object, parse_constant=_no_constant,
+                         parse_int=_strict_int if strict_int else int)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise Invalid(f"not JSON: {e}") from None
+    _check_unicode(doc, 0)
+    return doc
+
+
+def _check_unicode(value, depth):
+    if depth > 100:
+        raise Invalid("nested more than 100 deep")
+    if isinstance(value, str):
+        value.encode("utf-8")  # raises UnicodeEncodeError on a lone surrogate
+    elif isinstance(value, list):
+        for v in value:
+            _check_unicode(v, depth + 1)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_unicode(k, depth)
+            _check_unicode(v, depth + 1)
+
+
+def _int(value, where):
+    if type(value) is not int or not 0 <= value <= MAX_INT:
+        raise Invalid(f"{where}: not an integer in [0, 2^63-1]: {value!r}")
+    return value
+
+
+def _ints(value, where, n=None):
+    if not isinstance(value, list) or (n is not None and len(value) != n) or len(value) > 32:
+        raise Invalid(f"{where}: not a list of {n if n is not None else 'at most 32'} integers")
+    return [_int(v, f"{where}[{i}]") for i, v in enumerate(value)]
+
+
+def _path(value, where):
+    parts = value.split("/") if isinstance(value, str) else []
+    if (not parts or len(value) > 4096 or value.startswith("/") or re.match(r"^[A-Za-z]:", value) or "\\" in value
+            or any(ord(c) < 32 or ord(c) == 127 for c in value) or any(p in ("", ".", "..") for p in parts)
+            or parts[0] in ("metadata.json", "trainer_state.json")):
+        raise Invalid(f"{where}: not a relative path: {value!r}")
+    return value
+
+
+def _members(obj, names, where):
+    if not isinstance(obj, dict) or set(obj) != set(names):
+        raise Invalid(f"{where}: must be an object with exactly {sorted(names)}")
+
+
+class Checkpoint:
+    def __init__(self, root):
+        self.root = os.path.realpath(root)
+        meta = _parse(self._file("metadata.json"), strict_int=True)
+        _members(meta, ["format", "version", "save_id", "tensors", "trainer_state"], "$")
+        if meta["format"] != "globalshard" or meta["version"] != 2 or type(meta["version"]) is not int:
+            raise Invalid("$: not a globalshard version 2 checkpoint")
+        if not isinstance(meta["save_id"], str) or not re.fullmatch(r"[0-9a-f]{32}", meta["save_id"]):
+            raise Invalid("$.save_id: not 32 lowercase hex digits")
+        if not isinstance(meta["tensors"], dict):
+            raise Invalid("$.tensors: not an object")
+        self.save_id, self.tensors, paths = meta["save_id"], meta["tensors"], []
+        for key, t in self.tensors.items():
+            where = f"$.tensors[{json.dumps(key)}]"
+            _members(t, ["dtype", "global_shape", "regions"], where)
+            if not key or t["dtype"] not in ITEMSIZE:
+                raise Invalid(f"{where}: empty key or unknown dtype {t['dtype']!r}")
+            shape = _ints(t["global_shape"], f"{where}.global_shape")
+            if math.prod(shape) * ITEMSIZE[t["dtype"]] > MAX_INT or not isinstance(t["regions"], list):
+                raise Invalid(f"{where}: too large, or regions not a list")
+            boxes = []
+            for i, r in enumerate(t["regions"]):
+                at = f"{where}.regions[{i}]"
+                _members(r, ["offset", "shape", "path", "nbytes"], at)
+                off, shp = _ints(r["offset"], f"{at}.offset", len(shape)), _ints(r["shape"], f"{at}.shape", len(shape))
+                if 0 in shp or any(o + s > g for o, s, g in zip(off, shp, shape)):
+                    raise Invalid(f"{at}: empty, or outside the global shape")
+                if _int(r["nbytes"], f"{at}.nbytes") != math.prod(shp) * ITEMSIZE[t["dtype"]]:
+                    raise Invalid(f"{at}.nbytes: not shape x item size")
+                paths.append(_path(r["path"], f"{at}.path"))
+                boxes.append((off, shp))
+            # Exact cover: volumes add up to the whole, and no two regions overlap.
+            if sum(math.prod(s) for _, s in boxes) != math.prod(shape) or any(
+                    all(a < c + w and c < a + v for a, v, c, w in zip(o1, s1, o2, s2))
+                    for i, (o1, s1) in enumerate(boxes) for (o2, s2) in boxes[i + 1:]):
+                raise Invalid(f"{where}.regions: do not cover the global array exactly once")
+        ref = meta["trainer_state"]
+        self.trainer_state = {}
+        if ref is not None:
+            _members(ref, ["path", "nbytes", "sha256"], "$.trainer_state")
+            paths.append(_path(ref["path"], "$.trainer_state.path"))
+            data = self._file(ref["path"])
+            if len(data) != _int(ref["nbytes"], "$.trainer_state.nbytes") or \
+                    hashlib.sha256(data).hexdigest() != ref["sha256"]:
+                raise Invalid(f"{ref['path']}: size or SHA-256 differs from metadata.json")
+            self.trainer_state = _parse(data, strict_int=False)
+            if not isinstance(self.trainer_state, dict):
+                raise Invalid(f"{ref['path']}: not a JSON object")
+        if len(set(paths)) != len(paths) or any(b.startswith(a + "/") for a in paths for b in paths):
+            raise Invalid("$: paths repeat, or one is a directory of another")
+
+    def _file(self, path):
+        full = os.path.realpath(os.path.join(self.root, path))
+        if not full.startswith(self.root + os.sep) or not os.path.isfile(full):
+            raise Invalid(f"{path}: not a regular file inside the checkpoint")
+        with open(full, "rb") as f:
+            return f.read()
+
+    def read(self, key, offset=None, shape=None):
+        """The global box ``offset``/``shape`` (default: all) of ``key``, as a numpy array."""
+        t = self.tensors[key]
+        gshape = t["global_shape"]
+        offset, shape = offset or [0] * len(gshape), shape if shape is not None else gshape
+        out = np.zeros(shape, dtype=ts.dtype(t["dtype"]).numpy_dtype)
+        for r in t["regions"]:
+            lo = [max(a, b) for a, b in zip(offset, r["offset"])]
+            hi = [min(a + s, b + w) for a, s, b, w in zip(offset, shape, r["offset"], r["shape"])]
+            if any(h <= l for l, h in zip(lo, hi)):
+                continue
+            full = os.path.realpath(os.path.join(self.root, r["path"]))
+            if not full.startswith(self.root + os.sep):
+                raise Invalid(f"{r['path']}: outside the checkpoint")
+            try:
+                store = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": full + "/"},
+                                 "fill_missing_data_reads": False}, open=True, read=True).result()
+            except ValueError as e:
+                raise Invalid(f"{r['path']}: {e}") from None
+            if store.dtype.name != t["dtype"] or list(store.shape) != r["shape"]:
+                raise Invalid(f"{r['path']}: not {t['dtype']} {r['shape']}")
+            meta = store.spec().to_json()["metadata"]
+            if meta.get("attributes", {}).get("globalshard") != {"key": key, "offset": r["offset"],
+                                                                  "save_id": self.save_id}:
+                raise Invalid(f"{r['path']}: its attributes name another key, box or save")
+            if not _has_crc32c(meta["codecs"]):
+                raise Invalid(f"{r['path']}: a chunk without crc32c")
+            src = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, r["offset"]))
+            dst = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offset))
+            try:  # TensorStore verifies every chunk's crc32c; a missing chunk is an error, never zeros
+                out[dst] = store[src].read().result() if src else store.read().result()
+            except ValueError as e:
+                raise Invalid(f"{r['path']}: {e}") from None
+        return out
+
+
+def _has_crc32c(codecs):
+    names = [c["name"] for c in codecs]
+    i = next(i for i, n in enumerate(names) if n in ("bytes", "sharding_indexed"))
+    if "crc32c" in names[i + 1:]:
+        return True
+    conf = codecs[i].get("configuration", {})
+    return names[i] == "sharding_indexed" and _has_crc32c(conf["codecs"]) and \
+        "crc32c" in [c["name"] for c in conf["index_codecs"]]
+
+
+if __name__ == "__main__":
+    ckpt = Checkpoint(sys.argv[1])
+    box = (json.loads(sys.argv[3]), json.loads(sys.argv[4])) if len(sys.argv) > 4 else (None, None)
+    print(json.dumps(ckpt.read(sys.argv[2], *box).tolist()))
