@@ -141,6 +141,36 @@ class ShardedTensor:
         if problems:
             raise LayoutError(format_problems(f"{key!r}: inconsistent layout", problems))
 
+    def transposed(self, axes: Sequence[int]) -> ShardedTensor:
+        """The same local piece, for a stored array whose axes are in another order.
+
+        ``axes`` says where each axis of this tensor lives in the stored global
+        array: this tensor's global array is ``numpy.transpose(stored, axes)``
+        (a Flax ``kernel`` ``(in, out)`` of a torch ``weight`` ``(out, in)``:
+        ``axes=(1, 0)``). The result describes the stored order and its data is
+        a view of this tensor's data (no copy): loading into it fills this
+        array, saving it stores the transposed global array.
+
+        >>> import numpy as np
+        >>> kernel = np.zeros((3, 2), np.float32)            # (in, out)
+        >>> t = ShardedTensor.from_offset("fc.weight", kernel, global_shape=(3, 4), global_offset=(0, 2))
+        >>> s = t.transposed((1, 0))
+        >>> s.global_shape, s.regions[0].global_box, s.data.base is kernel
+        ((4, 3), Box(offset=(2, 0), shape=(2, 3)), True)
+        """
+        ndim = self.data.ndim
+        perm = _int_tuple(axes, f"{self.key!r} axes")
+        if sorted(perm) != list(range(ndim)):
+            raise LayoutError(f"{self.key!r}: axes {perm} is not a permutation of the {ndim} axes")
+        inverse = tuple(perm.index(a) for a in range(ndim))  # stored axis a is this tensor's axis inverse[a]
+
+        def box(b: Box) -> Box:
+            return Box(tuple(b.offset[i] for i in inverse), tuple(b.shape[i] for i in inverse))
+
+        return ShardedTensor(self.key, self.data.transpose(inverse), tuple(self.global_shape[i] for i in inverse),
+                             tuple(Region(box(r.local_box), box(r.global_box)) for r in self.regions),
+                             self.replica_id, self.allow_padding)
+
     # ----------------------------------------------------------------- constructors
 
     @classmethod
