@@ -8,12 +8,12 @@ STAMP  := $(VENV)/.installed
 
 $(STAMP): pyproject.toml requirements/ci.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/ci.txt -e '.[test,torch]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/ci.txt -e '.[test,torch,jax]'
 	touch $@
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check globalshard backends tests examples bench spec
-	$(VENV)/bin/mypy globalshard backends/globalshard_torch
+	$(VENV)/bin/mypy globalshard backends/globalshard_torch backends/globalshard_jax
 	$(PY) -m pytest
 
 # The hypothesis properties with many more examples (minutes to hours).
@@ -40,7 +40,7 @@ reliability: $(STAMP)
 	cat $(RELIABILITY)/report.json $(RELIABILITY)/fuzz.json
 
 $(VENV)/.bench-installed: $(STAMP)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/ci.txt -e '.[test,torch,bench]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/ci.txt -e '.[test,torch,jax,bench]'
 	touch $@
 
 bench: $(VENV)/.bench-installed

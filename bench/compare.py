@@ -169,7 +169,9 @@ def _raw(root: str) -> dict[str, float]:
 
 def main() -> None:
     report: dict[str, Any] = {"state_bytes": STATE, "quick": QUICK}
-    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR", "build")) as tmp:
+    base = os.environ.get("BENCH_DIR", "build")
+    os.makedirs(base, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=base) as tmp:
         print("raw disk ...", flush=True)
         report["raw"] = _raw(tmp)
         for system in ("globalshard", "dcp"):

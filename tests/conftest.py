@@ -1,6 +1,10 @@
 import os
 import sys
 
+# JAX tests see 8 CPU devices (set before anything imports jax).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -1,0 +1,203 @@
+"""globalshard for JAX: save a pytree of sharded ``jax.Array``s, load it under any sharding.
+
+Orbax-shaped::
+
+    import globalshard_jax as gj
+    gj.save(path, {"params": params, "opt": opt_state}, trainer_state={"step": 100})
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=new_sharding), params)
+    restored, trainer_state = gj.load(path, {"params": abstract})
+
+Keys are the pytree paths joined with dots (``params.dense.kernel``,
+``opt.0.mu.dense.kernel``). Each process saves the shards of its addressable
+devices, each stored box once (``replica_id`` 0 writes it), and a load reads
+only the boxes its devices need, each distinct box once per process, then
+builds the arrays with ``jax.make_array_from_single_device_arrays``.
+
+Several processes (``jax.distributed.initialize``) agree through
+:class:`JaxComm`, over the distributed runtime's key-value store; it is used
+by default when ``jax.process_count() > 1``.
+
+Checkpoints are framework-neutral: ``keys=`` maps pytree keys to checkpoint
+keys, optionally with an axis permutation, so a torch ``Linear.weight``
+``(out, in)`` loads as a Flax ``kernel`` ``(in, out)``::
+
+    gj.load(path, abstract, keys={"params.fc.kernel": ("fc.weight", (1, 0))})
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+import globalshard as gs
+from globalshard.comm import Comm, SingleProcessComm
+from globalshard.errors import LayoutError
+
+__all__ = ["JaxComm", "save", "load", "pytree_keys", "default_comm"]
+
+KeyMap = Mapping[str, Any] | Callable[[str], Any] | None
+
+
+class JaxComm:
+    """A :class:`globalshard.Comm` over ``jax.distributed``'s key-value store
+    (no device collectives needed, so it works on CPU-only processes)."""
+
+    def __init__(self, timeout_s: float = 600.0) -> None:
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+        if client is None:
+            raise gs.CommError("jax.distributed is not initialized (call jax.distributed.initialize first)")
+        self._client = client
+        self._timeout_ms = int(timeout_s * 1000)
+        self._round = itertools.count()
+
+    @property
+    def rank(self) -> int:
+        return int(jax.process_index())
+
+    @property
+    def world_size(self) -> int:
+        return int(jax.process_count())
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        n = next(self._round)
+        prefix = f"globalshard/{n}"
+        try:
+            self._client.key_value_set(f"{prefix}/{self.rank}", json.dumps(obj, allow_nan=False))
+            out = [json.loads(self._client.blocking_key_value_get(f"{prefix}/{r}", self._timeout_ms))
+                   for r in range(self.world_size)]
+            self._client.wait_at_barrier(f"{prefix}/done", self._timeout_ms)
+        except Exception as e:
+            raise gs.CommError(f"jax.distributed exchange {n} failed: {e}") from None
+        if self.rank == 0:
+            for r in range(self.world_size):
+                self._client.key_value_delete(f"{prefix}/{r}")
+        return out
+
+    def barrier(self) -> None:
+        self.all_gather(None)
+
+
+def default_comm() -> Comm:
+    return JaxComm() if jax.process_count() > 1 else SingleProcessComm()
+
+
+def _path_part(k: Any) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def pytree_keys(tree: Any) -> list[tuple[str, Any]]:
+    """``(key, leaf)`` for every leaf: the path's parts joined with dots."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    out = [(".".join(_path_part(k) for k in path), leaf) for path, leaf in flat]
+    seen: dict[str, int] = {}
+    for key, _ in out:
+        if not key:
+            raise LayoutError("a pytree leaf at the root has no key; wrap it in a dict")
+        seen[key] = seen.get(key, 0) + 1
+    dupes = [k for k, n in seen.items() if n > 1]
+    if dupes:
+        raise LayoutError(f"pytree paths that join to the same key: {dupes[:5]}")
+    return out
+
+
+def _resolve(keys: KeyMap, key: str) -> tuple[str, tuple[int, ...] | None]:
+    if keys is None:
+        return key, None
+    found = keys(key) if callable(keys) else keys.get(key, key)
+    if isinstance(found, tuple):
+        return str(found[0]), tuple(found[1])
+    return str(found), None
+
+
+def _shards(key: str, leaf: Any, axes: tuple[int, ...] | None, rank: int) -> list[gs.ShardedTensor]:
+    """This process's pieces of one leaf, each addressable shard once."""
+    if isinstance(leaf, jax.Array):
+        out = []
+        for shard in leaf.addressable_shards:
+            data = np.asarray(shard.data)
+            offset = tuple(s.start or 0 for s in shard.index) if shard.index else ()
+            t = gs.ShardedTensor.from_offset(key, data, global_shape=leaf.shape, global_offset=offset,
+                                             replica_id=int(shard.replica_id))
+            out.append(t.transposed(axes) if axes else t)
+        return out
+    data = np.asarray(leaf)
+    if data.dtype == object:
+        raise LayoutError(f"{key!r}: leaf of type {type(leaf).__name__} is not an array")
+    t = gs.ShardedTensor.from_offset(key, data, global_shape=data.shape, global_offset=(0,) * data.ndim,
+                                     replica_id=0 if rank == 0 else 1)
+    return [t.transposed(axes) if axes else t]
+
+
+def save(path: Any, pytree: Any, *, trainer_state: dict[str, Any] | None = None, comm: Comm | None = None,
+         keys: KeyMap = None, overwrite: bool = False, kvstore: Any = None,
+         stats: gs.IOStats | None = None) -> None:
+    """Save a pytree of arrays (``jax.Array``, numpy, Python scalars) as one checkpoint.
+
+    Every process calls it with its own view of the same pytree. ``keys``
+    maps a pytree key to a checkpoint key, or to ``(key, axes)`` to store the
+    leaf transposed (see :meth:`globalshard.ShardedTensor.transposed`).
+    """
+    comm = comm if comm is not None else default_comm()
+    state: dict[str, gs.ShardedTensor] = {}
+    for key, leaf in pytree_keys(pytree):
+        ckpt_key, axes = _resolve(keys, key)
+        for i, t in enumerate(_shards(ckpt_key, leaf, axes, comm.rank)):
+            state[f"{key}#{i}"] = t
+    gs.save(state, path, trainer_state=trainer_state, comm=comm, overwrite=overwrite, kvstore=kvstore, stats=stats)
+
+
+def load(path: Any, abstract_pytree: Any, *, comm: Comm | None = None, keys: KeyMap = None,
+         allow_lossy_cast: bool = False, kvstore: Any = None,
+         stats: gs.IOStats | None = None) -> tuple[Any, dict[str, Any]]:
+    """Arrays for every leaf of ``abstract_pytree``, and the trainer state.
+
+    A leaf is a ``jax.ShapeDtypeStruct`` (with a ``sharding``: a
+    ``NamedSharding`` or any other; without one, the array goes to the
+    default device), or an array whose shape, dtype and sharding are reused.
+    Each process reads only the boxes its devices hold, each once.
+    """
+    comm = comm if comm is not None else default_comm()
+    treedef = jax.tree_util.tree_structure(abstract_pytree)
+    named = pytree_keys(abstract_pytree)
+    targets: dict[str, gs.ShardedTensor] = {}
+    plans = []  # per leaf: (sharding, shape, dtype, {box: (host array, [devices])})
+    for key, leaf in named:
+        ckpt_key, axes = _resolve(keys, key)
+        shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
+        sharding = getattr(leaf, "sharding", None)
+        boxes: dict[tuple[tuple[int, int], ...], tuple[np.ndarray, list[Any]]] = {}
+        if sharding is None:
+            index_map = {None: tuple(slice(0, s) for s in shape)}
+        else:
+            index_map = sharding.addressable_devices_indices_map(shape)
+        for device, index in index_map.items():
+            span = tuple((s.start or 0, s.stop if s.stop is not None else n_) for s, n_ in zip(index, shape))
+            if span not in boxes:
+                host = np.empty(tuple(b - a for a, b in span), dtype)
+                t = gs.ShardedTensor.from_offset(ckpt_key, host, global_shape=shape,
+                                                 global_offset=tuple(a for a, _ in span))
+                targets[f"{key}#{len(boxes)}"] = t.transposed(axes) if axes else t
+                boxes[span] = (host, [])
+            boxes[span][1].append(device)
+        plans.append((sharding, shape, dtype, boxes))
+    trainer_state = gs.load(targets, path, comm=comm, allow_lossy_cast=allow_lossy_cast, kvstore=kvstore,
+                            stats=stats)
+    out = []
+    for sharding, shape, _, boxes in plans:
+        if sharding is None:
+            (host, _), = boxes.values()
+            out.append(jax.numpy.asarray(host))
+            continue
+        arrays = [jax.device_put(host, d) for host, devices in boxes.values() for d in devices]
+        out.append(jax.make_array_from_single_device_arrays(shape, sharding, arrays))
+    return jax.tree_util.tree_unflatten(treedef, out), trainer_state

@@ -1,0 +1,203 @@
+"""The JAX adapter on 8 forced CPU devices: every PartitionSpec change on 1-D
+and 2-D meshes, boxes that do not line up, bf16/fp8, scalars; a torch-made
+checkpoint loaded into a Flax-style pytree and the reverse; two processes
+through jax.distributed."""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+jax = pytest.importorskip("jax")
+import globalshard_jax as gj  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import globalshard as gs  # noqa: E402
+
+DEVICES = jax.devices()
+pytestmark = pytest.mark.skipif(len(DEVICES) < 8, reason="needs 8 (forced CPU) devices")
+
+MESHES = {"8": ((8,), ("x",)), "4x2": ((4, 2), ("x", "y")), "2x4": ((2, 4), ("x", "y")), "3": ((3,), ("x",)),
+          "6": ((6,), ("x",)), "2x3": ((2, 3), ("x", "y"))}
+
+
+def mesh(name):
+    shape, names = MESHES[name]
+    n = int(np.prod(shape))
+    return Mesh(np.array(DEVICES[:n]).reshape(shape), names)
+
+
+def specs(names):
+    axes = [None, *names, tuple(names)] if len(names) > 1 else [None, names[0]]
+    return [P(a, b) for a in axes for b in axes
+            if not (a is not None and b is not None and set(np.atleast_1d(a)) & set(np.atleast_1d(b)))]
+
+
+DTYPES = [np.float32, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, np.int32]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(sorted(MESHES)), st.sampled_from(sorted(MESHES)), st.data(), st.sampled_from(DTYPES))
+def test_property_any_spec_to_any_spec(tmp_path_factory, save_mesh, load_mesh, data, dtype):
+    a, b = mesh(save_mesh), mesh(load_mesh)
+    spec_a = data.draw(st.sampled_from(specs(a.axis_names)))
+    spec_b = data.draw(st.sampled_from(specs(b.axis_names)))
+    shape = (24, 24)  # divisible by every mesh axis used: boxes of 3, 4, 6, 8 rows cross each other
+    value = (np.arange(np.prod(shape)).reshape(shape) % 200 - 100).astype(dtype)
+    x = jax.device_put(value, NamedSharding(a, spec_a))
+    path = tmp_path_factory.mktemp("ckpt")
+    gj.save(path, {"w": x, "step": 3}, trainer_state={"step": 3})
+    abstract = {"w": jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(b, spec_b)),
+                "step": jax.ShapeDtypeStruct((), np.int64)}
+    stats = gs.IOStats()
+    got, ts = gj.load(path, abstract, stats=stats)
+    assert ts == {"step": 3}
+    assert got["w"].sharding == NamedSharding(b, spec_b)
+    assert np.array_equal(np.asarray(got["w"]).view(np.uint8), value.view(np.uint8))
+    assert int(got["step"]) == 3
+    # Each distinct box once per process: bytes needed is the distinct boxes' bytes.
+    distinct = {tuple((s.start, s.stop) for s in idx) for idx in
+                NamedSharding(b, spec_b).addressable_devices_indices_map(shape).values()}
+    itemsize = np.dtype(dtype).itemsize
+    expect = sum(np.prod([(stop or n) - (start or 0) for (start, stop), n in zip(box, shape)]) for box in distinct)
+    assert stats.bytes_needed == expect * itemsize + 8
+
+
+def test_replicas_are_saved_once(tmp_path):
+    m = mesh("4x2")
+    x = jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4), NamedSharding(m, P("x", None)))
+    gj.save(tmp_path, {"w": x})
+    regions = gs.read_metadata(tmp_path).tensors["w"].regions
+    assert len(regions) == 4  # 8 devices, 2 replicas of each box
+
+
+def test_pytree_keys_and_leaves_of_every_kind(tmp_path):
+    m = mesh("8")
+    tree = {"params": {"dense": {"kernel": jax.device_put(np.ones((8, 2), np.float32),
+                                                          NamedSharding(m, P("x")))}},
+            "opt": [{"mu": np.full((3,), 2.0, np.float32)}, 7], "scale": np.float64(0.5)}
+    gj.save(tmp_path, tree)
+    keys = sorted(gs.read_metadata(tmp_path).tensors)
+    assert keys == ["opt.0.mu", "opt.1", "params.dense.kernel", "scale"]
+    abstract = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype), tree)
+    got, _ = gj.load(tmp_path, abstract)
+    assert float(got["scale"]) == 0.5 and int(got["opt"][1]) == 7
+    assert np.array_equal(np.asarray(got["params"]["dense"]["kernel"]), np.ones((8, 2)))
+
+
+def test_an_array_leaf_gives_its_sharding(tmp_path):
+    m = mesh("2x4")
+    value = np.arange(48, dtype=np.float32).reshape(6, 8)
+    gj.save(tmp_path, {"w": jax.device_put(value, NamedSharding(m, P("x", "y")))})
+    like = jax.device_put(np.zeros_like(value), NamedSharding(m, P(None, "y")))
+    got, _ = gj.load(tmp_path, {"w": like})
+    assert got["w"].sharding == like.sharding and np.array_equal(np.asarray(got["w"]), value)
+
+
+def test_missing_key_is_named(tmp_path):
+    gj.save(tmp_path, {"w": np.ones(3, np.float32)})
+    with pytest.raises(gs.MissingKeyError, match="'v'"):
+        gj.load(tmp_path, {"v": jax.ShapeDtypeStruct((3,), np.float32)})
+
+
+# ----------------------------------------------------------------- torch <-> JAX
+
+
+def test_torch_linear_at_tp2_loads_as_a_flax_kernel_and_back(tmp_path):
+    torch = pytest.importorskip("torch")
+    import globalshard_torch as gt
+
+    rng = np.random.default_rng(3)
+    weight = rng.standard_normal((8, 6)).astype(np.float32)  # torch Linear(6 -> 8): (out, in)
+    bias = rng.standard_normal(8).astype(np.float32)
+    rules = gt.ShardingRules([(r"fc\.weight", gt.ColumnParallel()), (r"fc\.bias", gt.ColumnParallel())])
+    models = []  # TP=2: rank r holds output rows [4r, 4r + 4)
+    for r in range(2):
+        m = torch.nn.Module()
+        m.fc = torch.nn.Linear(6, 4)
+        with torch.no_grad():
+            m.fc.weight.copy_(torch.from_numpy(weight[r * 4:(r + 1) * 4]))
+            m.fc.bias.copy_(torch.from_numpy(bias[r * 4:(r + 1) * 4]))
+        models.append(m)
+    state = {}
+    for r, m in enumerate(models):
+        layout = gt.ParallelLayout(tp_rank=r, tp_size=2)
+        for e in gt.model_entries(m, layout, rules):
+            state[f"{r}/{e.name}"] = e.shard(e.key, gt.numpy_view(e.tensor.detach()))
+    gs.save(state, tmp_path / "torch")
+    # Into Flax: kernel (in, out) on a 4-device mesh, columns split.
+    m4 = mesh("8")
+    mesh4 = Mesh(np.array(DEVICES[:4]), ("model",))
+    abstract = {"params": {"fc": {"kernel": jax.ShapeDtypeStruct((6, 8), np.float32,
+                                                                 sharding=NamedSharding(mesh4, P(None, "model"))),
+                                  "bias": jax.ShapeDtypeStruct((8,), np.float32,
+                                                               sharding=NamedSharding(mesh4, P("model")))}}}
+    keys = {"params.fc.kernel": ("fc.weight", (1, 0)), "params.fc.bias": "fc.bias"}
+    got, _ = gj.load(tmp_path / "torch", abstract, keys=keys)
+    assert np.array_equal(np.asarray(got["params"]["fc"]["kernel"]), weight.T)
+    assert np.array_equal(np.asarray(got["params"]["fc"]["bias"]), bias)
+    # And back: JAX saves the kernel as torch's (out, in); torch loads it at TP=2.
+    kernel = jax.device_put(weight.T * 2, NamedSharding(m4, P(None, "x")))
+    gj.save(tmp_path / "jax", {"params": {"fc": {"kernel": kernel, "bias": jax.numpy.asarray(bias * 2)}}}, keys=keys)
+    for r in range(2):
+        m = torch.nn.Module()
+        m.fc = torch.nn.Linear(6, 4)
+        gt.load_checkpoint(str(tmp_path / "jax"), model=m, layout=gt.ParallelLayout(tp_rank=r, tp_size=2),
+                           rules=rules)
+        assert np.array_equal(m.fc.weight.detach().numpy(), 2 * weight[r * 4:(r + 1) * 4])
+        assert np.array_equal(m.fc.bias.detach().numpy(), 2 * bias[r * 4:(r + 1) * 4])
+
+
+# ----------------------------------------------------------------- two processes
+
+
+WORKER = textwrap.dedent("""
+    import os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+    import globalshard as gs, globalshard_jax as gj
+    path = sys.argv[3]
+    value = np.arange(16 * 6, dtype=np.float32).reshape(16, 6)
+    mesh = Mesh(np.array(jax.devices()).reshape(8), ("x",))
+    sharding = NamedSharding(mesh, P("x"))
+    x = jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
+    gj.save(path, {"w": x}, trainer_state={"step": 1})
+    mesh2 = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    target = NamedSharding(mesh2, P("b", "a"))
+    stats = gs.IOStats()
+    got, ts = gj.load(path, {"w": jax.ShapeDtypeStruct(value.shape, np.float32, sharding=target)}, stats=stats)
+    for shard in got["w"].addressable_shards:
+        assert np.array_equal(np.asarray(shard.data), value[shard.index]), shard.index
+    assert ts == {"step": 1}
+    print("ok", jax.process_index(), len(got["w"].addressable_shards), stats.bytes_needed)
+""")
+
+
+def test_two_processes_through_jax_distributed(tmp_path):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    procs = [subprocess.Popen([sys.executable, str(script), f"127.0.0.1:{port}", str(i), str(tmp_path / "ckpt")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+        assert out.startswith("ok"), out
+    # Each process read only its own devices' boxes: half the array each.
+    assert [int(o.split()[3]) for o, _ in outs] == [16 * 6 * 4 // 2] * 2
+    assert gs.read_metadata(tmp_path / "ckpt").tensors["w"].global_shape == (16, 6)
