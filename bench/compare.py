@@ -217,6 +217,10 @@ def main() -> None:
     }
     if "orbax" in report:
         orbax = report["orbax"]
+        if "globalshard_jax" in orbax:
+            gj_ = orbax["globalshard_jax"]
+            report["ratios"] |= {"jax_save_vs_orbax": orbax["save_s"] / gj_["save_s"],
+                                 "jax_load_warm_vs_orbax": orbax["load_tp2_warm_s"] / gj_["load_tp2_warm_s"]}
         report["ratios"] |= {"save_vs_orbax": orbax["save_s"] / gs_["save_s"],
                              "load_warm_vs_orbax": orbax["load_tp2_warm_s"] / gs_["load_tp2_warm_s"],
                              "load_cold_vs_orbax": orbax["load_tp2_cold_s"] / gs_["load_tp2_cold_s"]}
@@ -236,6 +240,8 @@ def main() -> None:
     systems = [("globalshard", gs_), ("torch DCP", dcp)]
     if "orbax" in report:
         systems.append(("Orbax (jax, 4 CPU devices)", report["orbax"]))
+        if "globalshard_jax" in report["orbax"]:
+            systems.append(("globalshard_jax (same jax arrays)", report["orbax"]["globalshard_jax"]))
     for name, r in systems:
         print(f"| {name} | {rate(r['save_s'])} | {rate(r['load_tp2_warm_s'])} | {rate(r['load_tp2_cold_s'])} "
               f"| {rate(r['load_tp1_warm_s'])} |")
