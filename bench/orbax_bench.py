@@ -7,7 +7,8 @@ jax on the CPU with 4 forced host devices and Orbax's StandardCheckpointer
 devices, saved (until wait_until_finished), restored onto 2 devices (warm,
 then cold: files evicted with posix_fadvise) and onto 1. Then the same with
 globalshard_jax (gj.save / gj.load) on the same arrays in the same process.
-Median of 3; prints JSON seconds: Orbax's, and globalshard_jax's under "globalshard_jax". Needs ``pip install -e '.[bench]'`` (``make bench`` does it).
+Median of 3; prints JSON seconds: Orbax's, and globalshard_jax's under
+"globalshard_jax". Needs ``pip install -e '.[bench]'`` (``make bench`` does it).
 """
 
 from __future__ import annotations
