@@ -25,11 +25,11 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 import jax  # after XLA_FLAGS is set
 import numpy as np
 import orbax.checkpoint as ocp
-
-import globalshard_jax as gj
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from pagecache import evict
+
+import globalshard_jax as gj
 
 
 def main() -> None:

@@ -16,11 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 jax = pytest.importorskip("jax")
-import globalshard_jax as gj  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import globalshard as gs  # noqa: E402
+import globalshard_jax as gj  # noqa: E402
 
 DEVICES = jax.devices()
 pytestmark = pytest.mark.skipif(len(DEVICES) < 8, reason="needs 8 (forced CPU) devices")
