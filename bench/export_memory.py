@@ -5,15 +5,15 @@
 Saves a model of GIB GiB (float32 matrices of 256 MiB, written one at a
 time, so the saving process never holds more than one), then runs
 ``globalshard export --format safetensors --dtype bf16`` on it in a fresh
-process and reads that process's peak RSS (ru_maxrss of the child). Writes
-build/bench/export_memory.json.
+process, which reports its own peak RSS (VmHWM of /proc/self/status: that
+of the exported program only; a child's ru_maxrss would also count the
+parent's pages at fork). Writes build/bench/export_memory.json.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -25,6 +25,15 @@ import numpy as np
 import globalshard as gs
 
 ROWS, COLS = 8192, 8192  # 256 MiB of float32 per tensor
+
+CHILD = """
+import json, sys
+from globalshard.cli import main
+code = main(json.loads(sys.argv[1]))
+peak = [line for line in open("/proc/self/status") if line.startswith("VmHWM:")][0].split()[1]
+print(peak, file=sys.stderr)
+sys.exit(code)
+"""
 
 
 def main() -> None:
@@ -47,11 +56,12 @@ def main() -> None:
         del backing, state
         os.unlink(os.path.join(tmp, "values.npy"))
         start = time.perf_counter()
-        out = subprocess.run([sys.executable, "-m", "globalshard.cli", "export", ckpt, os.path.join(tmp, "hf"),
-                              "--format", "safetensors", "--dtype", "bf16", "--max-shard-size", "2GB", "--json"],
-                             capture_output=True, text=True, check=True)
+        args = ["export", ckpt, os.path.join(tmp, "hf"), "--format", "safetensors", "--dtype", "bf16",
+                "--max-shard-size", "2GB", "--json"]
+        out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True, text=True,
+                             check=True)
         seconds = time.perf_counter() - start
-        peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        peak_kib = int(out.stderr.strip().splitlines()[-1])
         doc = json.loads(out.stdout)
         report = {"model_bytes": tensors * ROWS * COLS * 4, "exported_bytes": doc["bytes"], "files": len(doc["files"]),
                   "seconds": seconds, "export_peak_rss_bytes": peak_kib * 1024}

@@ -324,8 +324,9 @@ def _write_file(ckpt: Checkpoint, path: str, pieces: Sequence[Piece], out_dtype:
                     ckpt.load({p.key: target})
                     if out_dtype[p.name] != stored:
                         buf = buf.astype(numpy_dtype(out_dtype[p.name]))
-                    f.write(np.ascontiguousarray(buf).astype(buf.dtype.newbyteorder("<"), copy=False).tobytes()
-                            if buf.size else b"")
+                    if buf.size:  # little-endian bytes, written from the array itself (no copy)
+                        f.write(np.ascontiguousarray(buf.astype(buf.dtype.newbyteorder("<"), copy=False))
+                                .reshape(-1).view(np.uint8))
                     if progress is not None:
                         progress(window.volume * numpy_dtype(stored).itemsize)
             f.flush()
