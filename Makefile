@@ -49,6 +49,7 @@ bench: $(VENV)/.bench-installed
 	$(PY) bench/io_memory.py
 	$(PY) bench/compare.py
 	$(PY) bench/small_tensors.py
+	$(PY) bench/export_memory.py 2
 	$(PY) bench/summary.py
 
 clean:
