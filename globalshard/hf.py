@@ -326,7 +326,7 @@ def _write_file(ckpt: Checkpoint, path: str, pieces: Sequence[Piece], out_dtype:
                         buf = buf.astype(numpy_dtype(out_dtype[p.name]))
                     if buf.size:  # little-endian bytes, written from the array itself (no copy)
                         f.write(np.ascontiguousarray(buf.astype(buf.dtype.newbyteorder("<"), copy=False))
-                                .reshape(-1).view(np.uint8))
+                                .reshape(-1).view(np.uint8).data)
                     if progress is not None:
                         progress(window.volume * numpy_dtype(stored).itemsize)
             f.flush()

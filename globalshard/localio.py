@@ -183,23 +183,25 @@ def parse(directory: str, doc: Any) -> ArrayFile | None:
 
 
 def write_array(directory: str, array: np.ndarray, doc: dict[str, Any],
-                pool: concurrent.futures.Executor) -> list[concurrent.futures.Future[Any]]:
+                pool: concurrent.futures.Executor, *, fsync: bool = True,
+                mkdirs: bool = True) -> list[concurrent.futures.Future[Any]]:
     """Start writing one stored region (``doc`` from :func:`zarr_json`) into a new
-    directory; the futures end when every file is written and fsynced. The
-    caller fsyncs the directories."""
+    directory (created unless ``mkdirs=False``: the caller did); the futures end
+    when every file is written and (``fsync``) fsynced. The caller makes the
+    directories durable (or calls :func:`syncfs`)."""
     layout = parse(directory, doc)
     assert layout is not None and array.dtype.isnative
     assert all(s <= o for s, o in zip(array.shape, layout.outer)), "one outer chunk per region"
     path = layout.file_of((0,) * array.ndim)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if mkdirs:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    if layout.inner is None:  # one chunk: the whole array in one task
+        return [pool.submit(_write_whole, directory, path, array, json.dumps(doc, allow_nan=False).encode(), fsync)]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         itemsize = array.dtype.itemsize
         futures = [pool.submit(_write_small, os.path.join(directory, "zarr.json"),
-                               json.dumps(doc, allow_nan=False).encode())]
-        if layout.inner is None:
-            futures.append(pool.submit(_write_chunks, fd, array, [((0,) * array.ndim, 0)], array.shape, itemsize))
-            return [_closing(pool, fd, futures)]
+                               json.dumps(doc, allow_nan=False).encode(), fsync)]
         inner = layout.inner
         chunk_bytes = math.prod(inner) * itemsize + 4
         counts = [o // i for o, i in zip(layout.outer, inner)]
@@ -214,14 +216,24 @@ def write_array(directory: str, array: np.ndarray, doc: dict[str, Any],
         raw = index.tobytes()
         tail = raw + _crc(raw).to_bytes(4, "little")
         futures.append(pool.submit(_pwritev, fd, [tail], len(order) * chunk_bytes))
-        return [_closing(pool, fd, futures)]
+        return [_closing(pool, fd, futures, fsync)]
     except BaseException:
         os.close(fd)
         raise
 
 
+def _write_whole(directory: str, path: str, array: np.ndarray, zarr_json_bytes: bytes, fsync: bool) -> None:
+    """An unsharded array: its zarr.json and its one chunk file."""
+    _write_small(os.path.join(directory, "zarr.json"), zarr_json_bytes, fsync)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        _write_chunks(fd, array, [((0,) * array.ndim, 0)], array.shape, array.dtype.itemsize)
+    finally:
+        _sync_close(fd, fsync)
+
+
 def _closing(pool: concurrent.futures.Executor, fd: int,
-             futures: list[concurrent.futures.Future[Any]]) -> concurrent.futures.Future[Any]:
+             futures: list[concurrent.futures.Future[Any]], fsync: bool) -> concurrent.futures.Future[Any]:
     """A future that waits for the writes into ``fd``, fsyncs and closes it."""
     done: concurrent.futures.Future[Any] = concurrent.futures.Future()
     remaining = [len(futures)]
@@ -235,7 +247,7 @@ def _closing(pool: concurrent.futures.Executor, fd: int,
         try:
             for f in futures:
                 f.result()
-            pool.submit(_sync_close, fd).add_done_callback(lambda f: _settle(done, f))
+            pool.submit(_sync_close, fd, fsync).add_done_callback(lambda f: _settle(done, f))
         except BaseException as e:
             os.close(fd)
             done.set_exception(e)
@@ -253,18 +265,57 @@ def _settle(done: concurrent.futures.Future[Any], f: concurrent.futures.Future[A
         done.set_result(None)
 
 
-def _sync_close(fd: int) -> None:
+def _sync_close(fd: int, fsync: bool) -> None:
     try:
-        os.fsync(fd)
+        if fsync:
+            os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _write_small(path: str, data: bytes) -> None:
+def _write_small(path: str, data: bytes, fsync: bool) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         os.write(fd, data)
-        os.fsync(fd)
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _libc_syncfs() -> Any:
+    try:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.syncfs
+        fn.argtypes = [ctypes.c_int]
+        return fn
+    except (OSError, AttributeError):
+        return None
+
+
+_SYNCFS = _libc_syncfs() if sys.platform.startswith("linux") else None
+
+
+def has_syncfs() -> bool:
+    """Whether :func:`syncfs` is available (Linux)."""
+    return _SYNCFS is not None
+
+
+def syncfs(path: str) -> None:
+    """Make everything written to the filesystem holding ``path`` durable, in
+    one call (Linux ``syncfs``): for saves of many small files, where one
+    fsync per file and directory costs more than the data."""
+    assert _SYNCFS is not None
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if _SYNCFS(fd) != 0:
+            import ctypes
+
+            err = ctypes.get_errno()
+            raise OSError(err, f"syncfs: {os.strerror(err)}", path)
     finally:
         os.close(fd)
 
@@ -355,27 +406,44 @@ class Reader:
         for (layout, index), dests in by_chunk.items():
             outer = tuple(i * c // o for i, c, o in zip(index, layout.chunk, layout.outer))
             by_file.setdefault((layout, outer), []).append((index, dests))
-        futures = []
+        # Tasks of about TASK_BYTES: a large file's chunks split over several, small files grouped.
+        tasks: list[list[tuple[ArrayFile, tuple[int, ...], Any]]] = [[]]
+        size = 0
         for (layout, outer), chunks in by_file.items():
-            chunk_bytes = math.prod(layout.chunk) * numpy_dtype(layout.dtype).itemsize
-            per_task = max(1, TASK_BYTES // max(chunk_bytes, 1))
+            chunk_bytes = max(1, math.prod(layout.chunk) * numpy_dtype(layout.dtype).itemsize)
             chunks.sort()
-            for start in range(0, len(chunks), per_task):
-                futures.append(self._pool.submit(_read_file_chunks, layout, outer, chunks[start:start + per_task]))
+            for start in range(0, len(chunks), max(1, TASK_BYTES // chunk_bytes)):
+                part = chunks[start:start + max(1, TASK_BYTES // chunk_bytes)]
+                if size and size + len(part) * chunk_bytes > TASK_BYTES:
+                    tasks.append([])
+                    size = 0
+                tasks[-1].append((layout, outer, part))
+                size += len(part) * chunk_bytes
+        futures = [self._pool.submit(_read_units, task) for task in tasks if task]
         total, problems = 0, []
         for f in futures:
-            try:
-                total += f.result()
-            except ChunkError as e:
-                problems.append(str(e))
-            except OSError as e:
-                problems.append(f"{e.filename or ''}: {e.strerror or e}")
+            nbytes, more = f.result()
+            total += nbytes
+            problems += more
         return total, problems
 
     def verify(self, layout: ArrayFile) -> tuple[int, list[str]]:
         """Read and check every chunk of an array; ``(bytes read, problems)``."""
         box = Box._trusted((0,) * len(layout.shape), layout.shape)
         return self.read([(layout, box, None, box)])
+
+
+def _read_units(units: Sequence[tuple[ArrayFile, tuple[int, ...], Any]]) -> tuple[int, list[str]]:
+    """Read each file's chunks; a problem in one file does not stop the others."""
+    total, problems = 0, []
+    for layout, outer, chunks in units:
+        try:
+            total += _read_file_chunks(layout, outer, chunks)
+        except ChunkError as e:
+            problems.append(str(e))
+        except OSError as e:
+            problems.append(f"{e.filename or layout.file_of(outer)}: {e.strerror or e}")
+    return total, problems
 
 
 def _shard_index(fd: int, path: str, layout: ArrayFile, size: int) -> np.ndarray:

@@ -59,6 +59,10 @@ LOCK_FILE = ".globalshard.lock"
 #: Temporary files this library creates start with this (``.metadata.json.tmp-<hex>``).
 _TMP_PREFIX = "."
 
+#: From this many arrays in one save, local writes are made durable by one
+#: ``syncfs`` of the filesystem rather than an fsync per file and directory.
+SYNCFS_MIN_ARRAYS = 64
+
 #: Bytes of writes in flight at once. TensorStore copies what it is given to
 #: write, so this bounds the extra memory a save needs.
 WRITE_WINDOW_BYTES = 64 << 20
@@ -529,7 +533,13 @@ class Location:
         problems: list[str] = []
         futures: list[tuple[str, Any]] = []
         directories: set[str] = set()
+        made: set[str] = set()
+        # Many arrays: one syncfs at the end instead of an fsync per file and directory.
+        batch = len(items) >= SYNCFS_MIN_ARRAYS and localio.has_syncfs()
         for path, dtype, array, attributes in items:
+            # TODO(limitation): every array is two files (zarr.json, its chunk or shard) and
+            # its own directories: thousands of small arrays cost more than the same bytes in
+            # a few (no packing of small arrays into one file).
             directory = os.path.join(self.local, path)
             if not array.dtype.isnative:
                 array = array.astype(array.dtype.newbyteorder("="))
@@ -537,7 +547,9 @@ class Location:
             inner: tuple[int, ...] | None = chunk_shape(shape, array.dtype.itemsize)
             doc = localio.zarr_json(dtype, shape, None if inner == shape else inner, {ATTRIBUTE: attributes})
             try:
-                for f in localio.write_array(directory, array, doc, pool):
+                leaf = os.path.join(directory, "c", *["0"] * (array.ndim - 1)) if array.ndim else directory
+                _make_dirs(self.local, leaf, made)
+                for f in localio.write_array(directory, array, doc, pool, fsync=not batch, mkdirs=False):
                     futures.append((path, f))
             except OSError as e:
                 problems.append(f"{self.describe(path)}: {e.strerror or e}")
@@ -551,7 +563,12 @@ class Location:
                 f.result()
             except OSError as e:
                 problems.append(f"{self.describe(path)}: {e.strerror or e}")
-        if not problems:
+        if not problems and batch:
+            try:
+                localio.syncfs(self.local)
+            except OSError as e:
+                problems.append(f"{self.local}: {e.strerror or e}")
+        elif not problems:
             # New directory entries are durable only once their directory is synced.
             for f in [pool.submit(_sync_dir, d) for d in sorted(directories)]:
                 try:
@@ -565,8 +582,6 @@ class Location:
         opened = []
         problems: list[str] = []
         for path, dtype, array, attributes in items:
-            # TODO(limitation): TensorStore fsyncs every file it writes (two per array), so
-            # thousands of small arrays save at 2.7x the time of the same bytes in a few.
             spec = _create_spec(self.array_kvstore(path), dtype, tuple(array.shape), attributes)
             try:
                 opened.append((path, array, ts.open(spec, create=True, delete_existing=True, context=_CONTEXT)))
@@ -617,10 +632,15 @@ class Location:
             raise MetadataError(format_problems("checkpoint paths escape the checkpoint", problems))
         futures = {}
         files: dict[str, localio.ArrayFile] = {}
+        direct: dict[str, Any] = {}
+        if self._direct():  # zarr.json files read in parallel: thousands of small arrays
+            pool = localio.pool()
+            direct = {path: pool.submit(self._open_direct, path, dtype, tuple(shape), expected.get(path))
+                      for path, (dtype, shape) in plan.arrays.items()}
         for path, (dtype, shape) in plan.arrays.items():
-            if self._direct():
+            if path in direct:
                 try:
-                    found = self._open_direct(path, dtype, tuple(shape), expected.get(path))
+                    found = direct[path].result()
                 except StorageError as e:
                     problems.append(str(e))
                     continue
@@ -768,10 +788,9 @@ class Location:
                 problems.append(f"{self.describe(path)}: {_error_text(e)}")
             return nbytes
 
-        # TODO(limitation): every chunk goes through TensorStore, which computes crc32c
-        # without the CPU's instructions and decodes into a buffer before copying into
-        # the target (a tenth of the page cache's speed warm); and ranks that need the same stored
-        # bytes each read them (no shared reads).
+        # TODO(limitation): ranks that need the same stored bytes each read them (no
+        # shared reads over the collective backend); object stores go through TensorStore
+        # (portable crc32c, a decode buffer and a copy per chunk).
         files = opened.files
         requests = []
         for tp in plan.targets:
@@ -860,6 +879,23 @@ def _is_regular(path: str) -> bool:
         return stat.S_ISREG(os.stat(path).st_mode)
     except OSError:
         return False
+
+
+def _make_dirs(root: str, leaf: str, made: set[str]) -> None:
+    """Create ``leaf`` and its parents below ``root``, each tried once per process
+    whether or not another rank made it first (so each rank's filesystem calls
+    are the same on every run)."""
+    levels = []
+    while leaf != root and _inside(leaf, root) and leaf not in made:
+        levels.append(leaf)
+        leaf = os.path.dirname(leaf)
+    for level in reversed(levels):
+        try:
+            os.mkdir(level)
+        except FileExistsError:
+            if not os.path.isdir(level):
+                raise
+        made.add(level)
 
 
 def _sync_dir(directory: str) -> None:

@@ -206,3 +206,18 @@ def test_contiguous_targets_are_read_in_place_and_others_through_a_buffer(tmp_pa
         out = np.full(box.shape, -1, np.float32)
         gs.load({"w": whole(out, box.offset, (1024, 1024))}, root)
         assert np.array_equal(out, value[box.slices])
+
+
+def test_a_save_of_many_arrays_is_made_durable_by_one_syncfs(tmp_path, monkeypatch):
+    calls = []
+    real = localio.syncfs
+    monkeypatch.setattr(localio, "syncfs", lambda path: calls.append(path) or real(path))
+    values = {f"t{i}": np.full((3, 2), i, np.float32) for i in range(storage.SYNCFS_MIN_ARRAYS)}
+    gs.save({k: gs.ShardedTensor.from_offset(k, v, global_shape=v.shape, global_offset=(0, 0))
+             for k, v in values.items()}, tmp_path / "c")
+    assert calls == ([str(tmp_path / "c")] if localio.has_syncfs() else [])
+    for k, v in values.items():
+        assert np.array_equal(gs.read_array(tmp_path / "c", k), v)
+    calls.clear()
+    gs.save({"w": whole(np.ones(3, np.float32))}, tmp_path / "d")
+    assert calls == []  # a few arrays: fsync per file and directory
