@@ -184,6 +184,8 @@ def _plan_save(location: Location, comm: Comm, entries: list[tuple[str, ShardedT
             out["save_id"] = save_id
         return out
 
+    # TODO(limitation): every rank receives every rank's description and plans the whole
+    # save (identically); one planner rank scattering each rank's part is not measured.
     _, gathered = run_collectively(comm, "save: planning", describe)
     save_id = gathered[0]["save_id"]
     if comm.world_size == 1:

@@ -95,6 +95,8 @@ def _members(obj, names, where):
 
 
 class Checkpoint:
+    # TODO(limitation): local directories only; a kvstore root would read metadata.json
+    # and the trainer state through tensorstore's KvStore instead of open().
     def __init__(self, root):
         self.root = os.path.realpath(root)
         meta = _parse(self._file("metadata.json"), strict_int=True)

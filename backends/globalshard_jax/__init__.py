@@ -48,6 +48,8 @@ class JaxComm:
     (no device collectives needed, so it works on CPU-only processes)."""
 
     def __init__(self, timeout_s: float = 600.0) -> None:
+        # TODO(limitation): the key-value client is reached through jax's private
+        # jax._src.distributed (as Orbax does); a jax release may move it.
         from jax._src import distributed
 
         client = distributed.global_state.client
