@@ -77,19 +77,20 @@ def _rank(rank: int, world: int, port: int, system: str, action: str, path: str,
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=900))
     state = _state(world, zeros=action != "save", tensors=tensors)
+    # Imports before the clock starts: a trainer has its checkpoint library loaded long before it saves.
+    import torch.distributed.checkpoint as dcp
+
+    import globalshard_torch as gt
+
     if world > 1:
         dist.barrier()
     start = time.perf_counter()
     if system == "globalshard":
-        import globalshard_torch as gt
-
         if action == "save":
             gt.save(state, path, overwrite=True)
         else:
             gt.load(state, path)
     else:
-        import torch.distributed.checkpoint as dcp
-
         if action == "save":
             dcp.save(state, checkpoint_id=path)
         else:
