@@ -571,6 +571,11 @@ class Checkpoint:
         return self.trainer_state
 
 
+    def read_array(self, key: str, box: Box | tuple[slice, ...] | None = None, *, dtype: Any = None,
+                   allow_lossy_cast: bool = False) -> np.ndarray:
+        """As :func:`read_array`, from this opened checkpoint (metadata.json not read again)."""
+        return _read_array(self._location, self.metadata, key, box, dtype, allow_lossy_cast)
+
     def verify(self, *, workers: int = 1,
                progress: Callable[[int], None] | None = None) -> tuple[list[str], int]:
         """Read and checksum every stored byte in bounded memory, ``workers``
@@ -643,7 +648,11 @@ def read_array(
             conversion needs ``allow_lossy_cast=True``.
     """
     location = Location(path, kvstore)
-    metadata = _read_metadata(location)
+    return _read_array(location, _read_metadata(location), key, box, dtype, allow_lossy_cast)
+
+
+def _read_array(location: Location, metadata: Metadata, key: str, box: Box | tuple[slice, ...] | None,
+                dtype: Any, allow_lossy_cast: bool) -> np.ndarray:
     stored = metadata.tensors.get(key)
     if stored is None:
         raise MissingKeyError(f"{key!r}: {missing_key(key, metadata)}")

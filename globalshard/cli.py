@@ -32,7 +32,6 @@ from globalshard.api import Checkpoint
 from globalshard.dtypes import numpy_dtype
 from globalshard.errors import GlobalShardError
 from globalshard.geometry import Box
-from globalshard.layout import ShardedTensor
 
 EXIT_OK, EXIT_BAD, EXIT_USAGE, EXIT_TROUBLE = 0, 1, 2, 3
 
@@ -103,22 +102,6 @@ def _verify(args: argparse.Namespace) -> int:
     return EXIT_BAD if failures else EXIT_OK
 
 
-def _windows(shape: tuple[int, ...], itemsize: int) -> list[Box]:
-    if not shape or 0 in shape:
-        return [Box.full(shape)]
-    row = math.prod(shape[1:]) * itemsize
-    rows = max(1, DIFF_WINDOW_BYTES // max(row, 1))
-    return [Box((s, *[0] * (len(shape) - 1)), (min(rows, shape[0] - s), *shape[1:]))
-            for s in range(0, shape[0], rows)]
-
-
-def _read_box(ckpt: Checkpoint, key: str, box: Box) -> np.ndarray:
-    t = ckpt.metadata.tensors[key]
-    out = np.empty(box.shape, numpy_dtype(t.dtype))
-    ckpt.load({key: ShardedTensor.from_offset(key, out, global_shape=t.global_shape, global_offset=box.offset)})
-    return out
-
-
 def _compare(a: np.ndarray, b: np.ndarray) -> tuple[bool, float]:
     """(bit-identical, max |a - b| over elements not both NaN; NaN if one side is)."""
     identical = a.tobytes() == b.tobytes()
@@ -159,8 +142,8 @@ def _diff(args: argparse.Namespace) -> int:
             for k in same:
                 identical, worst = True, 0.0
                 itemsize = numpy_dtype(ta[k].dtype).itemsize
-                for box in _windows(ta[k].global_shape, itemsize):
-                    same_bits, d = _compare(_read_box(a, k, box), _read_box(b, k, box))
+                for box in Box.full(ta[k].global_shape).row_windows(itemsize, DIFF_WINDOW_BYTES):
+                    same_bits, d = _compare(a.read_array(k, box), b.read_array(k, box))
                     identical &= same_bits
                     worst = max(worst, d) if not (math.isnan(d) or math.isnan(worst)) else math.nan
                     bar.update(2 * box.volume * itemsize)

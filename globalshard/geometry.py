@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -112,6 +113,19 @@ class Box:
     def slices(self) -> tuple[slice, ...]:
         """Index a numpy array with these to get the box's elements."""
         return tuple(slice(o, o + s) for o, s in zip(self.offset, self.shape))
+
+    def row_windows(self, itemsize: int, limit_bytes: int) -> list[Box]:
+        """This box cut along its first axis into pieces of at most ``limit_bytes``
+        (one row at least), for reading a large box in bounded memory.
+
+        >>> Box((2, 0), (5, 4)).row_windows(4, 40)
+        [Box(offset=(2, 0), shape=(2, 4)), Box(offset=(4, 0), shape=(2, 4)), Box(offset=(6, 0), shape=(1, 4))]
+        """
+        if self.ndim == 0 or self.volume == 0:
+            return [self]
+        rows = max(1, limit_bytes // max(1, math.prod(self.shape[1:]) * itemsize))
+        return [Box._trusted((self.offset[0] + s, *self.offset[1:]), (min(rows, self.shape[0] - s), *self.shape[1:]))
+                for s in range(0, self.shape[0], rows)]
 
     def view(self, array: Any) -> Any:
         """``array[self.slices]`` as a view, also for a 0-d box (where plain

@@ -39,7 +39,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +49,6 @@ from globalshard.api import Checkpoint
 from globalshard.dtypes import canonical_name, numpy_dtype
 from globalshard.errors import GlobalShardError, MismatchError
 from globalshard.geometry import Box
-from globalshard.layout import ShardedTensor
 
 __all__ = ["NameMapping", "export", "SafetensorsSource", "parse_size", "SAFETENSORS_DTYPES"]
 
@@ -246,18 +245,6 @@ def _compile(key: str, where: str) -> re.Pattern[str]:
 # --------------------------------------------------------------------------- export
 
 
-def _windows(box: Box, itemsize: int) -> Iterator[Box]:
-    """``box`` cut along its first axis into pieces of at most WINDOW_BYTES (one row at least)."""
-    if box.ndim == 0 or box.volume == 0:
-        yield box
-        return
-    row = math.prod(box.shape[1:]) * itemsize
-    rows = max(1, WINDOW_BYTES // max(row, 1))
-    for start in range(0, box.shape[0], rows):
-        n = min(rows, box.shape[0] - start)
-        yield Box((box.offset[0] + start, *box.offset[1:]), (n, *box.shape[1:]))
-
-
 def export(checkpoint: str | Checkpoint, out: str, *, mapping: NameMapping | None = None, dtype: str | None = None,
            max_shard_size: int = 5 * 10**9, progress: Callable[[int], None] | None = None,
            kvstore: Any = None) -> dict[str, Any]:
@@ -326,11 +313,8 @@ def _write_file(ckpt: Checkpoint, path: str, pieces: Sequence[Piece], out_dtype:
             f.write(len(raw).to_bytes(8, "little") + raw)
             for p in pieces:
                 stored = ckpt.metadata.tensors[p.key].dtype
-                for window in _windows(p.box, numpy_dtype(stored).itemsize):
-                    buf = np.empty(window.shape, numpy_dtype(stored))
-                    target = ShardedTensor.from_offset(p.key, buf, global_shape=ckpt.metadata.tensors[p.key]
-                                                       .global_shape, global_offset=window.offset)
-                    ckpt.load({p.key: target})
+                for window in p.box.row_windows(numpy_dtype(stored).itemsize, WINDOW_BYTES):
+                    buf = ckpt.read_array(p.key, window)
                     if out_dtype[p.name] != stored:
                         buf = buf.astype(numpy_dtype(out_dtype[p.name]))
                     if buf.size:  # little-endian bytes, written from the array itself (no copy)
