@@ -356,9 +356,18 @@ def _write_chunks(fd: int, array: np.ndarray, batch: Sequence[tuple[tuple[int, .
 
 
 def _pwritev(fd: int, buffers: list[Any], offset: int) -> None:
+    _vectored(os.pwritev, fd, buffers, offset, None)
+
+
+def _vectored(call: Any, fd: int, buffers: list[Any], offset: int, where: str | None) -> None:
+    """``os.pwritev`` or ``os.preadv`` of all of ``buffers`` at ``offset``, resumed
+    after short transfers; a read that meets the end of the file (``where``
+    names it) is a ChunkError."""
     views = [memoryview(b).cast("B") for b in buffers]
     while views:
-        n = os.pwritev(fd, views, offset)
+        n = call(fd, views, offset)
+        if n == 0 and where is not None:
+            raise ChunkError(f"{where}: the file ends before the chunk does (truncated?)")
         offset += n
         while views and n >= len(views[0]):
             n -= len(views[0])
@@ -541,17 +550,7 @@ def _direct_view(dest: _Destination, lo: tuple[int, ...], chunk: tuple[int, ...]
 
 
 def _preadv_exact(fd: int, buffers: list[Any], offset: int, where: str) -> None:
-    views = [memoryview(b).cast("B") for b in buffers]
-    while views:
-        n = os.preadv(fd, views, offset)
-        if n == 0:
-            raise ChunkError(f"{where}: the file ends before the chunk does (truncated?)")
-        offset += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
+    _vectored(os.preadv, fd, buffers, offset, where)
 
 
 def make_pool() -> concurrent.futures.ThreadPoolExecutor:

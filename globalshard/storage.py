@@ -295,17 +295,7 @@ class Location:
             if st.st_size > MAX_FILE_BYTES:
                 raise StorageError(f"{full} holds {st.st_size} bytes, more than the {MAX_FILE_BYTES} "
                                    "this library reads")
-            chunks, left = [], st.st_size + 1
-            while left > 0:
-                chunk = os.read(fd, min(left, 1 << 24))
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                left -= len(chunk)
-            data = b"".join(chunks)
-            if len(data) > MAX_FILE_BYTES:
-                raise StorageError(f"{full} grew past {MAX_FILE_BYTES} bytes while being read")
-            return data
+            return _read_to_end(fd, st.st_size, full)
         finally:
             os.close(fd)
 
@@ -325,17 +315,7 @@ class Location:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_FILE_BYTES:
                 return self._read_local(name)  # refuses it with the usual message
-            parts, left = [], st.st_size + 1
-            while left > 0:
-                part = os.read(fd, min(left, 1 << 24))
-                if not part:
-                    break
-                parts.append(part)
-                left -= len(part)
-            data = b"".join(parts)
-            if len(data) > MAX_FILE_BYTES:
-                raise StorageError(f"{full} grew past {MAX_FILE_BYTES} bytes while being read")
-            return data
+            return _read_to_end(fd, st.st_size, full)
         finally:
             os.close(fd)
 
@@ -902,6 +882,21 @@ def _union_volume(spans: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> int:
         if active:
             total += (n - c) * _union_volume(active)
     return total
+
+
+def _read_to_end(fd: int, size: int, full: str) -> bytes:
+    """A small file's bytes (one more asked for than ``size``, to see it grow)."""
+    parts, left = [], size + 1
+    while left > 0:
+        part = os.read(fd, min(left, 1 << 24))
+        if not part:
+            break
+        parts.append(part)
+        left -= len(part)
+    data = b"".join(parts)
+    if len(data) > MAX_FILE_BYTES:
+        raise StorageError(f"{full} grew past {MAX_FILE_BYTES} bytes while being read")
+    return data
 
 
 def _is_regular(path: str) -> bool:
