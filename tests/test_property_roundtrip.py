@@ -37,33 +37,44 @@ def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
+def shards_of(tensors):
+    """The saving shards and the (junk-filled) loading targets of drawn ``checkpoints()``."""
+    state, targets = {}, {}
+    for t in tensors:
+        for i, spec in enumerate(t["save"]):
+            state[f"{t['key']}/save{i}"] = make_shard(t["key"], spec, t["value"], seed=i)
+        for i, spec in enumerate(t["load"]):
+            targets[f"{t['key']}/load{i}"] = make_shard(t["key"], spec, t["value"], dtype=t["target_dtype"],
+                                                        fill="junk", seed=1000 + i)
+    return state, targets
+
+
+def assert_loaded(tensors, targets, directory):
+    """Every target holds its part of the global values, and read_array gives them back whole."""
+    for t in tensors:
+        value = t["value"]
+        for i in range(len(t["load"])):
+            target = targets[f"{t['key']}/load{i}"]
+            expected = np.zeros(target.data.shape, target.data.dtype)
+            for r in target.regions:
+                part = np.empty(r.global_box.shape, target.data.dtype)
+                gs.dtypes.cast_into(part, value[r.global_box.slices])
+                expected[r.local_box.slices] = part
+            # Bit-exact: NaN payloads and signed zeros included (a widened target is
+            # compared with the same exact conversion of the global values).
+            assert _bits_equal(target.data, expected), (t["key"], i, target.data, expected)
+        # A consumer reading the whole array gets the global array back.
+        assert _bits_equal(gs.read_array(directory, t["key"]), value)
+
+
 @given(checkpoints())
 def test_property_any_layout_to_any_layout(tensors):
     directory = tempfile.mkdtemp()
     try:
-        state, targets = {}, {}
-        for t in tensors:
-            for i, spec in enumerate(t["save"]):
-                state[f"{t['key']}/save{i}"] = make_shard(t["key"], spec, t["value"], seed=i)
-            for i, spec in enumerate(t["load"]):
-                targets[f"{t['key']}/load{i}"] = make_shard(t["key"], spec, t["value"], dtype=t["target_dtype"],
-                                                            fill="junk", seed=1000 + i)
+        state, targets = shards_of(tensors)
         gs.save(state, directory)
         gs.load(targets, directory)
-        for t in tensors:
-            value = t["value"]
-            for i in range(len(t["load"])):
-                target = targets[f"{t['key']}/load{i}"]
-                expected = np.zeros(target.data.shape, target.data.dtype)
-                for r in target.regions:
-                    part = np.empty(r.global_box.shape, target.data.dtype)
-                    gs.dtypes.cast_into(part, value[r.global_box.slices])
-                    expected[r.local_box.slices] = part
-                # Bit-exact: NaN payloads and signed zeros included (a widened target is
-                # compared with the same exact conversion of the global values).
-                assert _bits_equal(target.data, expected), (t["key"], i, target.data, expected)
-            # A consumer reading the whole array gets the global array back.
-            assert _bits_equal(gs.read_array(directory, t["key"]), value)
+        assert_loaded(tensors, targets, directory)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
