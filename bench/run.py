@@ -8,7 +8,10 @@ in the same run (globalshard against plain numpy file I/O of the same bytes;
 the sweep-line check against the pairwise one), next to absolute seconds.
 
 1. Planning at scale: 1024 simulated ranks x 1000 tensors, described and
-   planned in one process (TP=8 x DP=128; and every tensor cut 1024 ways).
+   planned in one process (TP=8 x DP=128; and every tensor cut 1024 ways);
+   512 -> 4096 ranks, with what each rank of a real save receives and parses
+   (compact descriptions, against every full description and against a plan
+   broadcast from rank 0).
 2. Coverage check: sweep line vs all-pairs on the same boxes.
 3. I/O: save at TP=4, load at TP=4/2/1/3/8 and a cut on the other axis;
    time vs np.save/np.load of the same bytes, and bytes read vs bytes needed
@@ -32,8 +35,12 @@ import numpy as np
 import globalshard as gs
 from globalshard import Box, Region, ShardInfo
 from globalshard.geometry import cover_problems
+from globalshard.planner import describe_shards, group_descriptions, replica_runs
 
 QUICK = "--quick" in sys.argv
+EXCHANGE_KEYS = ("describe_one_rank_s", "full_gather_bytes_per_rank", "full_parse_s_per_rank",
+                 "compact_gather_bytes_per_rank", "compact_parse_and_plan_s_per_rank", "gather_to_one_bytes_rank0",
+                 "gather_to_one_plan_s_rank0", "gather_to_one_broadcast_bytes", "gather_to_one_parse_s_other_ranks")
 
 
 def timed(fn: Any) -> tuple[Any, float]:
@@ -77,6 +84,52 @@ def plan_tp_dp(ranks: int, tensors: int, tp: int) -> dict[str, Any]:
         "metadata_bytes": len(md_text), "metadata_parse_s": t_parse,
         "writer_bytes_max_over_mean": max(loads) / (sum(loads) / len(loads)),
         "ranks_writing": sum(1 for b in loads if b),
+        **exchange(per_rank, tp, plan),
+    }
+
+
+def exchange(per_rank: list[list[ShardInfo]], tp: int, plan: gs.SavePlan) -> dict[str, Any]:
+    """What a real save moves between ranks and parses, three ways, per rank.
+
+    - full: every rank all-gathers every rank's whole description (version 1);
+    - compact (what the api does): every rank all-gathers a digest and replica ids
+      per rank, then each distinct shard list once, and plans from those;
+    - gather-to-one: rank 0 gets the compact descriptions and plans; every rank
+      then receives the plan's write list and parses it.
+    Rank r's message is what :func:`describe_shards` returns on rank r: here the
+    ranks of one TP slice share their list, so it is described once per slice.
+    """
+    ranks = len(per_rank)
+    _, t_describe = timed(lambda: describe_shards(per_rank[0]))
+    described = {t: describe_shards(per_rank[t]) for t in range(tp)}
+    messages = [json.dumps({"digest": described[r % tp][0], "replicas": replica_runs(per_rank[r])},
+                           separators=(",", ":")) for r in range(ranks)]
+    lists = [json.dumps(described[r][1], separators=(",", ":")) if r < tp else "null" for r in range(ranks)]
+    compact_bytes = sum(map(len, messages)) + sum(map(len, lists))
+
+    def plan_from_wire() -> gs.SavePlan:
+        docs = [json.loads(m) for m in messages]
+        schemas = {docs[r]["digest"]: json.loads(lists[r]) for r in range(tp)}
+        groups = group_descriptions([d["digest"] for d in docs], schemas, [d["replicas"] for d in docs])
+        return gs.SavePlanner().plan_groups(groups, ranks)
+
+    wire_plan, t_compact = timed(plan_from_wire)
+    assert wire_plan.writes == plan.writes
+    # Version 1: rank r's description was its shards' JSON with their replica ids.
+    one = json.dumps([i.to_json() for i in per_rank[0]], separators=(",", ":"))
+    _, t_parse_one = timed(lambda: [ShardInfo.from_json(j) for j in json.loads(one)])
+    full_bytes = sum(len(json.dumps(described[r % tp][1], separators=(",", ":")))
+                     + sum(len(str(i.replica_id)) - 1 for i in per_rank[r]) for r in range(ranks))
+    # Gather-to-one: the plan's write list, broadcast (each rank keeps its own items).
+    writes = json.dumps([[w.key, list(w.box.offset), list(w.box.shape), w.path, w.rank, w.shard, w.region]
+                         for w in plan.writes], separators=(",", ":"))
+    _, t_writes = timed(lambda: json.loads(writes))
+    return {
+        "describe_one_rank_s": t_describe,
+        "full_gather_bytes_per_rank": full_bytes, "full_parse_s_per_rank": t_parse_one * ranks,
+        "compact_gather_bytes_per_rank": compact_bytes, "compact_parse_and_plan_s_per_rank": t_compact,
+        "gather_to_one_bytes_rank0": compact_bytes, "gather_to_one_plan_s_rank0": t_compact,
+        "gather_to_one_broadcast_bytes": len(writes), "gather_to_one_parse_s_other_ranks": t_writes,
     }
 
 
@@ -223,7 +276,8 @@ def main() -> None:
     report["planning"] = [plan_tp_dp(1024, tensors, 8), plan_fragmented(1024, tensors // 10 if QUICK else 100)]
     curve = [plan_tp_dp(ranks, tensors, 8) for ranks in ((128, 256) if QUICK else (512, 1024, 2048, 4096))]
     report["planning_curve"] = [{"ranks": int(c["case"].split()[0]), "save_plan_s": c["save_plan_s"],
-                                 "load_plan_one_rank_s": c["load_plan_one_rank_s"]} for c in curve]
+                                 "load_plan_one_rank_s": c["load_plan_one_rank_s"],
+                                 **{k: v for k, v in c.items() if k in EXCHANGE_KEYS}} for c in curve]
     report["plan_4096_s"] = curve[-1]["save_plan_s"] if not QUICK else None
     print("coverage ...", flush=True)
     report["coverage"] = coverage(32 if QUICK else 64)
@@ -244,12 +298,17 @@ def main() -> None:
         print(f"| {p['case']} | {p['shards']:,} | {p['stored_regions']:,} | {p['describe_s']:.1f} | "
               f"{p['save_plan_s']:.1f} | {p.get('load_plan_one_rank_s', float('nan')):.2f} | "
               f"{p['metadata_bytes'] / 1e6:.1f} | {p['metadata_parse_s']:.1f} |")
-    print(f"\n| ranks (TP=8, {tensors} tensors) | save plan s | x per doubling | one rank's load plan s |")
-    print("| --- | --- | --- | --- |")
+    print(f"\n| ranks (TP=8, {tensors} tensors) | save plan s | x per doubling | one rank's load plan s "
+          "| per rank in a real save: MB received, s to parse and plan | all descriptions to every rank: MB, "
+          "s to parse | plan broadcast from rank 0: MB, s to parse |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     prev = None
     for c in report["planning_curve"]:
         ratio = f"{c['save_plan_s'] / prev:.2f}" if prev else ""
-        print(f"| {c['ranks']} | {c['save_plan_s']:.2f} | {ratio} | {c['load_plan_one_rank_s']:.3f} |")
+        print(f"| {c['ranks']} | {c['save_plan_s']:.2f} | {ratio} | {c['load_plan_one_rank_s']:.3f} | "
+              f"{c['compact_gather_bytes_per_rank'] / 1e6:.1f}, {c['compact_parse_and_plan_s_per_rank']:.2f} | "
+              f"{c['full_gather_bytes_per_rank'] / 1e6:.0f}, {c['full_parse_s_per_rank']:.1f} | "
+              f"{c['gather_to_one_broadcast_bytes'] / 1e6:.1f}, {c['gather_to_one_parse_s_other_ranks']:.3f} |")
         prev = c["save_plan_s"]
     p = report["planning"][0]
     print(f"\nWriters: {p['ranks_writing']} of 1024 ranks write; max/mean bytes per rank "

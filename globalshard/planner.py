@@ -18,13 +18,17 @@ by passing all of their shard lists to one call; that is how it is tested.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import gc
 import hashlib
+import json
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
+
+import numpy as np
 
 from globalshard.dtypes import is_exact_cast, numpy_dtype
 from globalshard.errors import CastError, LayoutError, MismatchError, MissingKeyError, format_problems
@@ -35,6 +39,7 @@ from globalshard.metadata import FORMAT_VERSION, Metadata, StoredRegion, TensorM
 __all__ = [
     "LoadPlan",
     "LoadPlanner",
+    "RankGroup",
     "ReadItem",
     "SavePlan",
     "SavePlanner",
@@ -42,6 +47,10 @@ __all__ = [
     "TargetPlan",
     "WriteItem",
     "array_dir",
+    "describe_shards",
+    "group_descriptions",
+    "group_ranks",
+    "replica_runs",
     "save_dir",
 ]
 
@@ -160,15 +169,94 @@ def _array_dirs(keys: Sequence[str]) -> dict[str, str]:
     return dirs
 
 
-# A shard region that could write a stored box: (rank, shard index, region
-# index, global box, replica_id). A plain tuple: a save at scale makes one per
-# rank, tensor and region (4 million at 4096 ranks x 1000 tensors).
-_Holder = tuple[int, int, int, Box, int]
-_RANK: Final = 0
-_SHARD: Final = 1
-_REGION: Final = 2
-_BOX: Final = 3
-_REPLICA: Final = 4
+# --------------------------------------------------------------------------- compact descriptions
+
+
+@dataclass(frozen=True, slots=True)
+class RankGroup:
+    """Ranks whose shard lists are the same but for replica ids.
+
+    Data-parallel replicas describe the same keys, shapes and boxes and differ
+    only in ``replica_id``: planning works on each distinct list once (8 lists
+    at TP=8 x DP=512, not 4096), and ranks exchange a list only once
+    (:func:`describe_shards`). ``replicas[i, s]`` is rank ``ranks[i]``'s
+    replica id for ``shards[s]``; the shards' own ``replica_id`` is ignored.
+    """
+
+    shards: tuple[ShardInfo, ...]
+    ranks: np.ndarray  # int64, ascending
+    replicas: np.ndarray  # int64, (len(ranks), len(shards))
+
+
+def describe_shards(infos: Sequence[ShardInfo]) -> tuple[str, list[Any], list[list[int]]]:
+    """A rank's shards as ``(digest, schema, replicas)``, the form ranks exchange.
+
+    ``schema`` is the JSON form of the shards with replica ids left out, and
+    ``digest`` its SHA-256 (32 hex digits): ranks with equal digests hold the
+    same list, so only one of them needs to send it. ``replicas`` holds the
+    replica ids run-length encoded, ``[[id, count], ...]``.
+    """
+    schema = [ShardInfo.to_json(dataclasses.replace(i, replica_id=0)) for i in infos]
+    text = json.dumps(schema, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32], schema, replica_runs(infos)
+
+
+def replica_runs(infos: Sequence[ShardInfo]) -> list[list[int]]:
+    """The shards' replica ids, run-length encoded: ``[[id, count], ...]``."""
+    runs: list[list[int]] = []
+    for i in infos:
+        if runs and runs[-1][0] == i.replica_id:
+            runs[-1][1] += 1
+        else:
+            runs.append([i.replica_id, 1])
+    return runs
+
+
+def group_descriptions(
+    digests: Sequence[str], schemas: dict[str, list[Any]], replicas: Sequence[Sequence[Sequence[int]]]
+) -> list[RankGroup]:
+    """Rebuild the :class:`RankGroup` s from every rank's :func:`describe_shards`
+    (``digests[r]`` and ``replicas[r]`` of rank ``r``, one schema per digest)."""
+    members: dict[str, list[int]] = {}
+    for rank, digest in enumerate(digests):
+        members.setdefault(digest, []).append(rank)
+    groups = []
+    for digest, ranks in members.items():
+        if digest not in schemas:
+            raise LayoutError(f"no rank sent the shard list with digest {digest} (ranks {ranks[:8]})")
+        shards = tuple(ShardInfo.from_json(doc) for doc in schemas[digest])
+        rows = []
+        for rank in ranks:
+            runs = replicas[rank]
+            row = np.repeat(np.array([v for v, _ in runs], np.int64), [c for _, c in runs])
+            if row.size != len(shards):
+                raise LayoutError(f"rank {rank} sent {row.size} replica ids for {len(shards)} shards")
+            rows.append(row)
+        groups.append(RankGroup(shards, np.array(ranks, np.int64), np.array(rows, np.int64).reshape(len(ranks), -1)))
+    return groups
+
+
+def group_ranks(shards_per_rank: Sequence[Sequence[ShardInfo]]) -> list[RankGroup]:
+    """:class:`RankGroup` s of shard lists held in this process (simulations, tests)."""
+    members: dict[Any, list[int]] = {}
+    for rank, shards in enumerate(shards_per_rank):
+        sig = tuple(
+            (i.key, i.dtype, i.global_shape, i.local_shape,
+             tuple((r.local_box.offset, r.global_box.offset, r.global_box.shape) for r in i.regions))
+            for i in shards
+        )
+        members.setdefault(sig, []).append(rank)
+    groups = []
+    for ranks in members.values():
+        shards = tuple(shards_per_rank[ranks[0]])
+        rows = np.array([[i.replica_id for i in shards_per_rank[r]] for r in ranks], np.int64)
+        groups.append(RankGroup(shards, np.array(ranks, np.int64), rows.reshape(len(ranks), len(shards))))
+    return groups
+
+
+# Shards that could write a stored box: (group index, shard index, region index).
+# Every rank of the group holds that shard and region.
+_Holder = tuple[int, int, int]
 
 
 class SavePlanner:
@@ -184,6 +272,10 @@ class SavePlanner:
     largest first to the candidate rank with the fewest bytes so far (ties to
     the lower rank): deterministic, and balanced across data-parallel
     replicas rather than always on rank 0.
+
+    Ranks whose shard lists differ only in replica ids are planned as one
+    :class:`RankGroup`, so the cost grows with the distinct lists and the
+    number of stored regions, not with ranks x tensors.
     """
 
     def plan(self, shards_per_rank: Sequence[Sequence[ShardInfo]], *, save_id: str = "0" * 32) -> SavePlan:
@@ -194,49 +286,59 @@ class SavePlanner:
         Raises:
             LayoutError: the shards are inconsistent (names the keys, ranks, boxes).
         """
-        # Planning builds millions of small objects and no reference cycles: the
-        # cyclic collector would only traverse them again and again (2.7x the
-        # time per doubling of ranks at 4096, against 2.0x with it paused).
+        if not is_save_id(save_id):
+            raise LayoutError(f"save_id must be 32 lowercase hex digits, got {save_id!r}")
+        return self.plan_groups(group_ranks(shards_per_rank), len(shards_per_rank), save_id=save_id)
+
+    def plan_groups(self, groups: Sequence[RankGroup], world_size: int, *, save_id: str = "0" * 32) -> SavePlan:
+        """:meth:`plan` from the ranks' :class:`RankGroup` s (every rank in one group)."""
+        if not is_save_id(save_id):
+            raise LayoutError(f"save_id must be 32 lowercase hex digits, got {save_id!r}")
+        # Planning builds many small objects and no reference cycles: the cyclic
+        # collector would only traverse them again and again.
         paused = gc.isenabled()
         gc.disable()
         try:
-            return self._plan(shards_per_rank, save_id)
+            return self._plan(groups, world_size, save_id)
         finally:
             if paused:
                 gc.enable()
 
-    def _plan(self, shards_per_rank: Sequence[Sequence[ShardInfo]], save_id: str) -> SavePlan:
-        by_key: dict[str, list[tuple[int, int, ShardInfo]]] = defaultdict(list)
-        for rank, shards in enumerate(shards_per_rank):
-            for s_idx, info in enumerate(shards):
-                by_key[info.key].append((rank, s_idx, info))
+    def _plan(self, groups: Sequence[RankGroup], world_size: int, save_id: str) -> SavePlan:
+        by_key: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        for g_idx, group in enumerate(groups):
+            for s_idx, info in enumerate(group.shards):
+                by_key[info.key].append((g_idx, s_idx))
         problems: list[str] = []
         tensors: dict[str, TensorMetadata] = {}
         candidates: dict[tuple[str, Box], list[_Holder]] = {}
-        if not is_save_id(save_id):
-            raise LayoutError(f"save_id must be 32 lowercase hex digits, got {save_id!r}")
         dirs = _array_dirs(sorted(by_key))
         prefix = save_dir(save_id) + "/arrays/"
         for key in sorted(by_key):
-            entry = self._plan_key(key, by_key[key], prefix + dirs[key], problems, candidates)
+            entry = self._plan_key(key, groups, by_key[key], prefix + dirs[key], problems, candidates)
             if entry is not None:
                 tensors[key] = entry
         if problems:
             raise LayoutError(format_problems("cannot save: the shards are inconsistent", problems))
-        writes = _assign_writers(tensors, candidates, len(shards_per_rank))
-        return SavePlan(Metadata(tensors, None, FORMAT_VERSION, save_id), writes, len(shards_per_rank))
+        writes = _assign_writers(tensors, candidates, groups, world_size)
+        return SavePlan(Metadata(tensors, None, FORMAT_VERSION, save_id), writes, world_size)
 
     @staticmethod
     def _plan_key(
         key: str,
-        entries: list[tuple[int, int, ShardInfo]],
+        groups: Sequence[RankGroup],
+        entries: list[tuple[int, int]],
         directory: str,
         problems: list[str],
         candidates: dict[tuple[str, Box], list[_Holder]],
     ) -> TensorMetadata | None:
-        first_rank, _, first = entries[0]
+        # Entries come in group order, and groups in the order of their first rank.
+        entries = sorted(entries, key=lambda e: (int(groups[e[0]].ranks[0]), e[1]))
+        g0, s0 = entries[0]
+        first, first_rank = groups[g0].shards[s0], int(groups[g0].ranks[0])
         bad = False
-        for rank, _, info in entries:
+        for g, s in entries:
+            info, rank = groups[g].shards[s], int(groups[g].ranks[0])
             if info.dtype != first.dtype:
                 problems.append(f"{key!r}: rank {rank} has dtype {info.dtype}, rank {first_rank} has {first.dtype}")
                 bad = True
@@ -249,42 +351,38 @@ class SavePlanner:
         if bad:
             return None
         # Every holder (main or replica) whose box contains a stored box may write it.
-        # Replicas mostly repeat the same boxes: group them by box as they come.
-        main: list[_Holder] = []
+        main: list[tuple[Box, int]] = []  # (box, rank of its main replica)
         by_box: dict[Box, list[_Holder]] = {}
-        # Keyed by (offset, shape): tuples hash in C, a Box through its dataclass __hash__.
-        by_coords: dict[tuple[tuple[int, ...], tuple[int, ...]], list[_Holder]] = {}
-        for rank, s_idx, info in entries:
-            replica = info.replica_id
-            for r_idx, region in enumerate(info.regions):
+        copies = False
+        for g, s in entries:
+            group = groups[g]
+            mains = group.ranks[group.replicas[:, s] == 0]
+            for r_idx, region in enumerate(group.shards[s].regions):
                 box = region.global_box
-                shape = box.shape
-                if 0 in shape:
+                if 0 in box.shape:
                     continue
-                h = (rank, s_idx, r_idx, box, replica)
-                coords = (box.offset, shape)
-                same = by_coords.get(coords)
-                if same is None:
-                    by_coords[coords] = [h]
-                    by_box[box] = by_coords[coords]
-                else:
-                    same.append(h)
-                if replica == 0:
-                    main.append(h)
+                by_box.setdefault(box, []).append((g, s, r_idx))
+                if len(mains):
+                    main.append((box, int(mains[0])))
+                if len(mains) > 1:
+                    copies = True
+                    more = f" (and {len(mains) - 2} more ranks)" if len(mains) > 2 else ""
+                    problems.append(f"{key!r}: main replicas overlap: rank {int(mains[0])} holds {box} and rank "
+                                    f"{int(mains[1])} holds {box}{more} (if these are copies, give all but one a "
+                                    "replica_id > 0)")
         bounds = Box.full(first.global_shape)
-        gaps, overlaps = cover_problems(bounds, [h[_BOX] for h in main])
-        for g in gaps:
-            problems.append(f"{key!r}: global elements {g} are held by no main replica (replica_id 0)")
+        gaps, overlaps = cover_problems(bounds, [b for b, _ in main])
+        for gap in gaps:
+            problems.append(f"{key!r}: global elements {gap} are held by no main replica (replica_id 0)")
         for i, j in overlaps:
-            a, b = main[i], main[j]
-            hint = " (if these are copies, give all but one a replica_id > 0)" if a[_BOX] == b[_BOX] else ""
-            problems.append(f"{key!r}: main replicas overlap: rank {a[_RANK]} holds {a[_BOX]} and rank {b[_RANK]} "
-                            f"holds {b[_BOX]}{hint}")
-        if gaps or overlaps:
+            (a, ra), (b, rb) = main[i], main[j]
+            hint = " (if these are copies, give all but one a replica_id > 0)" if a == b else ""
+            problems.append(f"{key!r}: main replicas overlap: rank {ra} holds {a} and rank {rb} holds {b}{hint}")
+        if gaps or overlaps or copies:
             return None
         itemsize = numpy_dtype(first.dtype).itemsize
         distinct = list(by_box)
-        stored = sorted({h[_BOX] for h in main}, key=lambda b: b.offset)
+        stored = sorted({b for b, _ in main}, key=lambda b: b.offset)
         # Main boxes are disjoint: when replicas repeat them exactly (the usual
         # data-parallel case), only identical boxes can contain a stored one.
         index = BoxIndex(distinct) if len(distinct) > len(stored) else None
@@ -303,9 +401,10 @@ class SavePlanner:
 def _assign_writers(
     tensors: dict[str, TensorMetadata],
     candidates: dict[tuple[str, Box], list[_Holder]],
+    groups: Sequence[RankGroup],
     world_size: int,
 ) -> tuple[WriteItem, ...]:
-    load = [0] * world_size
+    load = np.zeros(world_size, np.int64)
     items = sorted(
         ((key, r) for key, t in tensors.items() for r in t.regions),
         key=lambda kr: (-kr[1].nbytes, kr[0], kr[1].box.offset),
@@ -314,10 +413,22 @@ def _assign_writers(
     for key, region in items:
         # TODO(limitation): replicas are trusted to hold equal values; whichever
         # one balances the bytes is written, and no check compares them.
-        best = min(candidates[(key, region.box)], key=lambda h: (load[h[_RANK]], h[_RANK], h[_REPLICA], h[_SHARD]))
-        load[best[_RANK]] += region.nbytes
-        writes.append(WriteItem(key, region.box, region.path, region.nbytes, best[_RANK], best[_SHARD],
-                                best[_REGION]))
+        holders = candidates[(key, region.box)]
+        if len(holders) == 1:  # one group: its ranks are distinct and ascending
+            g, s, r = holders[0]
+            ranks = groups[g].ranks
+            i = int(np.argmin(load[ranks]))
+            rank, shard, reg = int(ranks[i]), s, r
+        else:  # the least loaded; ties to the lower rank, replica id, shard, region
+            rank_c = np.concatenate([groups[g].ranks for g, _, _ in holders])
+            replica_c = np.concatenate([groups[g].replicas[:, s] for g, s, _ in holders])
+            shard_c = np.concatenate([np.full(len(groups[g].ranks), s) for g, s, _ in holders])
+            region_c = np.concatenate([np.full(len(groups[g].ranks), r) for g, _, r in holders])
+            order = np.lexsort((region_c, shard_c, replica_c, rank_c))
+            i = int(order[np.argmin(load[rank_c[order]])])
+            rank, shard, reg = int(rank_c[i]), int(shard_c[i]), int(region_c[i])
+        load[rank] += region.nbytes
+        writes.append(WriteItem(key, region.box, region.path, region.nbytes, rank, shard, reg))
     writes.sort(key=lambda w: (w.key, w.box.offset))
     return tuple(writes)
 
