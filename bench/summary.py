@@ -9,8 +9,9 @@ its script did not run): ``save_vs_disk``, ``save_vs_dcp``,
 ``load_cold_vs_dcp`` (bench/compare.py, higher is faster), ``read_amplification``
 (bytes read / needed per rank, TP=4 -> 2 and across axes, bench/run.py),
 ``async_block_vs_memcpy`` (bench/io_memory.py, the second save), ``peak_rss_over_state``
-(the larger of save and load: peak RSS rise / state), ``plan_4096_s`` (bench/run.py).
-Draws build/bench/bench.png: throughput per system and the planning curve
+(the larger of save and load: peak RSS rise / state), ``plan_4096_s`` (bench/run.py),
+``shared_reads`` (time and group bytes read with shared reads over without, local warm and
+cold and S3, bench/shared_reads.py). Draws build/bench/bench.png: throughput per system and the planning curve
 (matplotlib, from ``.[bench]``; skipped with a message when it is missing).
 """
 
@@ -85,6 +86,10 @@ def main() -> None:
     steps = [memory[s] for s in ("save", "load") if s in memory]
     report["peak_rss_over_state"] = max(s["peak_rise_bytes"] / s["state_bytes"] for s in steps) if steps else None
     report.setdefault("plan_4096_s", None)
+    shared = _read("shared_reads.json")
+    report["shared_reads"] = {name: {"shared_over_plain_seconds": shared[name]["shared_over_plain_seconds"],
+                                     "shared_over_plain_bytes_read": shared[name]["shared_over_plain_bytes_read"]}
+                              for name in ("local_warm", "local_cold", "s3") if name in shared} or None
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "report.json"), "w") as f:
         json.dump(report, f, indent=1)
@@ -96,7 +101,7 @@ def main() -> None:
             print("plot: matplotlib is not installed (pip install -e '.[bench]'), no bench.png")
     for key in ("save_vs_disk", "save_vs_dcp", "load_warm_vs_page_cache", "load_warm_vs_dcp", "load_cold_vs_disk",
                 "load_cold_vs_dcp", "read_amplification", "async_block_vs_memcpy", "peak_rss_over_state",
-                "plan_4096_s"):
+                "plan_4096_s", "shared_reads"):
         print(f"{key}: {report[key]}")
 
 

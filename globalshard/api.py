@@ -21,11 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from globalshard.comm import Comm, SingleProcessComm, run_collectively
+from globalshard.comm import Comm, SingleProcessComm, distinct_values, run_collectively
 from globalshard.dtypes import canonical_name, numpy_dtype
 from globalshard.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CommError,
     GlobalShardError,
     LayoutError,
     MetadataError,
@@ -58,6 +59,7 @@ from globalshard.planner import (
     missing_key,
     save_dir,
 )
+from globalshard.shared import Exchange, read_shared
 from globalshard.storage import LOCK_FILE, IOStats, Location, OpenedPlan, array_attributes
 
 _log = logging.getLogger("globalshard")
@@ -198,9 +200,7 @@ def _plan_save(location: Location, comm: Comm, entries: list[tuple[str, ShardedT
     if comm.world_size == 1:
         groups = group_ranks([infos])
     else:
-        first = digests.index(digest) == comm.rank
-        _, lists = run_collectively(comm, "save: planning", lambda: schema if first else None)
-        schemas = {d: doc for d, doc in zip(digests, lists) if doc is not None}
+        schemas = distinct_values(comm, "save: planning", digests, schema)
         groups = group_descriptions(digests, schemas, [g["replicas"] for g in gathered])
     # TODO(limitation): every rank plans the whole save (identically, from the distinct
     # lists); a planner rank scattering each rank's part is measured, not built.
@@ -454,6 +454,7 @@ def load(
     allow_lossy_cast: bool = False,
     kvstore: Any = None,
     stats: IOStats | None = None,
+    shared_reads: bool = False,
 ) -> dict[str, Any]:
     """Fill each ShardedTensor's ``data`` in place from the checkpoint at ``path``.
 
@@ -471,6 +472,12 @@ def load(
 
     ``path`` and ``kvstore`` name the checkpoint as for :func:`save`.
 
+    ``shared_reads=True``: stored bytes that several ranks need (data-parallel
+    replicas loading the same layout) are read once, by one of them, and sent
+    to the others over ``comm``, which must then have an ``exchange`` method
+    (:class:`globalshard.shared.Exchange`; the torch adapter's communicator
+    has one). Checksums are verified by the reading rank as in any load.
+
     Returns:
         The trainer state saved with the checkpoint (an empty dict if none).
 
@@ -485,7 +492,8 @@ def load(
 
     # Every rank must find the checkpoint before any rank plans against it.
     run_collectively(comm if comm is not None else SingleProcessComm(), "load: opening", open_)
-    return checkpoint[0].load(state, comm=comm, allow_lossy_cast=allow_lossy_cast, stats=stats)
+    return checkpoint[0].load(state, comm=comm, allow_lossy_cast=allow_lossy_cast, stats=stats,
+                              shared_reads=shared_reads)
 
 
 def _expected_attributes(metadata: Metadata, plan: LoadPlan) -> dict[str, dict[str, Any] | None]:
@@ -552,7 +560,8 @@ class Checkpoint:
         return copy.deepcopy(self._trainer_state)
 
     def load(self, state: Mapping[str, ShardedTensor], *, comm: Comm | None = None,
-             allow_lossy_cast: bool = False, stats: IOStats | None = None) -> dict[str, Any]:
+             allow_lossy_cast: bool = False, stats: IOStats | None = None,
+             shared_reads: bool = False) -> dict[str, Any]:
         """As :func:`load`, from this opened checkpoint.
 
         Two collective steps: every rank plans, checks its targets and opens
@@ -560,6 +569,10 @@ class Checkpoint:
         does any rank write a target byte.
         """
         comm = comm if comm is not None else SingleProcessComm()
+        shared_reads = shared_reads and comm.world_size > 1
+        if shared_reads and not isinstance(comm, Exchange):
+            raise CommError(f"shared_reads=True needs a communicator with an exchange() method; "
+                            f"{type(comm).__name__} has none")
         entries = _entries(state)
         opened: list[OpenedPlan] = []
         stats = stats if stats is not None else IOStats()
@@ -577,8 +590,15 @@ class Checkpoint:
         run_collectively(comm, "load: checking", check)
         _log.debug("load planned: %d stored arrays opened and checked, %d target reads", len(opened[0].plan.arrays),
                    sum(len(t.reads) for t in opened[0].plan.targets))
-        run_collectively(comm, "load: reading", lambda: _read(
-            self._location, self.metadata, opened[0], [t.data for _, t in entries], stats))
+        datas = [t.data for _, t in entries]
+        if shared_reads:
+            def read(plan: LoadPlan, into: list[np.ndarray], st: IOStats) -> None:
+                _read(self._location, self.metadata, dataclasses.replace(opened[0], plan=plan), into, st)
+
+            read_shared(comm, opened[0].plan, datas, read, stats)
+        else:
+            run_collectively(comm, "load: reading", lambda: _read(self._location, self.metadata, opened[0], datas,
+                                                                  stats))
         _log_end("load", self._location, stats.bytes_read - before, time.perf_counter() - start)
         return self.trainer_state
 

@@ -8,12 +8,14 @@ supplies one over ``torch.distributed``. ``comm=None`` means one process.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+import json
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from globalshard.errors import CommError, GlobalShardError
 
-__all__ = ["Comm", "SingleProcessComm", "run_collectively"]
+__all__ = ["Comm", "SingleProcessComm", "distinct_values", "json_digest", "run_collectively"]
 
 T = TypeVar("T")
 
@@ -79,3 +81,29 @@ def run_collectively(comm: Comm, step: str, fn: Callable[[], T]) -> tuple[T, lis
         detail = "\n".join(f"  rank {r}: {msg}" for r, msg in failed)
         raise CommError(f"{step} failed on rank(s) {[r for r, _ in failed]}:\n{detail}")
     return result, [o["value"] for o in gathered]
+
+
+def json_digest(value: Any) -> str:
+    """SHA-256 (32 hex digits) of ``value``'s compact JSON: equal on every rank
+    for equal values (Python's own hash differs between processes)."""
+    text = json.dumps(value, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+
+
+def distinct_values(comm: Comm, step: str, digests: Sequence[str], value: Any) -> dict[str, Any]:
+    """Each distinct value once: the lowest rank holding each digest sends its
+    value, the rest send nothing. ``digests`` is every rank's digest (gathered
+    before), ``value`` this rank's (its digest is ``digests[comm.rank]``).
+
+    Data-parallel replicas describe the same shards and read the same bytes:
+    this makes a gather of those descriptions cost the distinct ones, not
+    ranks x their size. Collective, like :func:`run_collectively`.
+    """
+    mine = digests[comm.rank]
+    first = digests.index(mine) == comm.rank
+    _, gathered = run_collectively(comm, step, lambda: [value] if first else None)
+    out = {digests[r]: g[0] for r, g in enumerate(gathered) if g is not None}
+    missing = sorted(set(digests) - set(out))
+    if missing:  # cannot happen between ranks that run this same code
+        raise CommError(f"{step}: no rank sent the values with digests {missing[:4]}")
+    return out

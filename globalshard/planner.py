@@ -22,7 +22,6 @@ import dataclasses
 import difflib
 import gc
 import hashlib
-import json
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from globalshard.comm import json_digest
 from globalshard.dtypes import is_exact_cast, numpy_dtype
 from globalshard.errors import CastError, LayoutError, MismatchError, MissingKeyError, format_problems
 from globalshard.geometry import Box, BoxIndex, Region, cover_problems
@@ -197,8 +197,7 @@ def describe_shards(infos: Sequence[ShardInfo]) -> tuple[str, list[Any], list[li
     replica ids run-length encoded, ``[[id, count], ...]``.
     """
     schema = [ShardInfo.to_json(dataclasses.replace(i, replica_id=0)) for i in infos]
-    text = json.dumps(schema, separators=(",", ":"))
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32], schema, replica_runs(infos)
+    return json_digest(schema), schema, replica_runs(infos)
 
 
 def replica_runs(infos: Sequence[ShardInfo]) -> list[list[int]]:

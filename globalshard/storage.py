@@ -91,13 +91,17 @@ class IOStats:
     ``bytes_needed``: stored bytes the targets need (load) or this rank wrote
     (save). ``bytes_read``: bytes of the distinct whole chunks a load touched,
     each counted once however many targets share it, which is what storage
-    reads; the ratio of the two is the read amplification.
+    reads; the ratio of the two is the read amplification. With shared reads,
+    ``bytes_received`` and ``bytes_sent`` count the pieces other ranks read
+    for this one and this one read for others.
     """
 
     arrays: int = 0
     bytes_needed: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    bytes_received: int = 0
+    bytes_sent: int = 0
     seconds: float = 0.0
 
 
@@ -798,9 +802,8 @@ class Location:
                 problems.append(f"{self.describe(path)}: {_error_text(e)}")
             return nbytes
 
-        # TODO(limitation): ranks that need the same stored bytes each read them (no
-        # shared reads over the collective backend); object stores go through TensorStore
-        # (portable crc32c, a decode buffer and a copy per chunk).
+        # TODO(limitation): object stores go through TensorStore (portable crc32c, a
+        # decode buffer and a copy per chunk).
         files = opened.files
         requests = []
         for tp in plan.targets:

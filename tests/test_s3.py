@@ -24,7 +24,8 @@ def s3(tmp_path_factory):
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")
+    log_path = tmp_path_factory.mktemp("moto") / "server.log"
+    log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
@@ -41,7 +42,7 @@ def s3(tmp_path_factory):
         client.create_bucket(Bucket="ckpt")
         spec = {"driver": "s3", "bucket": "ckpt", "endpoint": f"http://127.0.0.1:{port}",
                 "aws_region": "us-east-1", "aws_credentials": {"type": "environment"}}
-        yield spec, client
+        yield spec, client, log_path
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -61,7 +62,7 @@ def shards(full, tp, fill=True):
 
 
 def test_s3_round_trip_across_layouts(s3):
-    spec, client = s3
+    spec, client, _ = s3
     full = np.random.default_rng(0).standard_normal((12, 5)).astype(np.float32)
     gs.save(shards(full, 4), "runs/a/iter_0000100", kvstore=spec, trainer_state={"step": 100})
     keys = [o["Key"] for o in client.list_objects_v2(Bucket="ckpt", Prefix="runs/a/")["Contents"]]
@@ -76,7 +77,7 @@ def test_s3_round_trip_across_layouts(s3):
 
 
 def test_s3_damage_is_detected(s3):
-    spec, client = s3
+    spec, client, _ = s3
     full = np.arange(24, dtype=np.float32).reshape(8, 3)
     gs.save(shards(full, 2), "runs/b", kvstore=spec)
     chunk = next(o["Key"] for o in client.list_objects_v2(Bucket="ckpt", Prefix="runs/b/saves/")["Contents"]
@@ -90,3 +91,41 @@ def test_s3_damage_is_detected(s3):
         gs.load(shards(full, 1, fill=False), "runs/b", kvstore=spec)
     with pytest.raises(gs.CheckpointNotFoundError):
         gs.read_metadata("runs/none", kvstore=spec)
+
+
+def test_s3_shared_reads_get_each_chunk_once_per_group(s3):
+    """Three data-parallel replicas load the same TP=2 halves: with shared_reads each
+    chunk is fetched from the object store once per group instead of once per rank
+    (GET requests counted in the S3 server's own log)."""
+    from threadcomm import run_ranks
+
+    spec, _, log_path = s3
+    full = np.random.default_rng(1).standard_normal((64, 48)).astype(np.float32)
+    gs.save(shards(full, 4), "runs/c", kvstore=spec)
+    prefix = "GET /ckpt/runs/c/saves/"
+
+    def chunk_gets() -> int:
+        with open(log_path) as f:
+            return sum(1 for line in f if prefix in line and "zarr.json" not in line)
+
+    def load(share: bool) -> tuple[list[np.ndarray], int]:
+        before = chunk_gets()
+        stats = [gs.IOStats() for _ in range(3)]
+
+        def rank(comm):
+            targets = shards(full, 2, fill=False)
+            gs.load(targets, "runs/c", kvstore=spec, comm=comm, shared_reads=share, stats=stats[comm.rank])
+            return np.concatenate([t.data for t in targets.values()])
+
+        out = run_ranks(3, rank)
+        time.sleep(0.5)  # the server writes its log line after answering
+        return out, chunk_gets() - before, [s.bytes_read for s in stats]
+
+    plain, plain_gets, plain_read = load(False)
+    shared, shared_gets, shared_read = load(True)
+    for got in plain + shared:
+        assert isinstance(got, np.ndarray) and np.array_equal(got, full), got
+    # 4 stored regions of one chunk each. Without sharing each rank fetches all 4 (the
+    # threads here share TensorStore's cache, so fewer than 12 GETs show up in the log).
+    assert shared_gets == 4 and plain_gets >= 4, (plain_gets, shared_gets)
+    assert sum(shared_read) * 3 == sum(plain_read)

@@ -72,6 +72,31 @@ def test_same_topology_resume_is_bit_exact_and_restores_rng(tmp_path):
             assert a[item][key].tobytes() == b[item][key].tobytes(), (item, key)
 
 
+def test_shared_reads_between_dp_replicas_over_gloo(tmp_path):
+    """Saved at TP=2 x PP=2, loaded at TP=2 x DP=2 twice: each rank reading everything
+    it needs, then with shared_reads=True, where the two DP replicas read half each
+    and send it to the other over gloo. Same values; the group reads half."""
+    ckpt, dumps, expect = str(tmp_path / "ckpt"), str(tmp_path / "dumps"), str(tmp_path / "expect")
+    os.makedirs(dumps)
+    values_of(run(4, "save_job", str(tmp_path / "save"), topo=topo_dict(Topo(tp=2, pp=2)), dtype="bfloat16",
+                  path=ckpt, dump_dir=dumps))
+    write_expected(assemble(dumps), expect)
+    load_topo = topo_dict(Topo(tp=2, dp=2))
+    plain, shared = (values_of(run(4, "load_job", str(tmp_path / name), topo=load_topo, dtype="bfloat16", path=ckpt,
+                                   expect_dir=expect, shared_reads=flag))
+                     for name, flag in (("plain", False), ("shared", True)))
+    for r, res in enumerate(plain + shared):
+        assert res["mismatches"] == [], f"rank {r % 4}: {res['mismatches'][:10]}"
+    assert all(p["bytes_sent"] == p["bytes_received"] == 0 for p in plain)
+    assert all(s["bytes_received"] > 0 and s["bytes_sent"] > 0 for s in shared)  # both replicas share the reading
+    assert sum(s["bytes_sent"] for s in shared) == sum(s["bytes_received"] for s in shared)
+    # Each rank gets what it read before, part of it now from another rank; the group
+    # reads at most half (tensors replicated over TP too are read once instead of 4 times).
+    assert [s["bytes_read"] + s["bytes_received"] for s in shared] == [p["bytes_read"] for p in plain]
+    assert sum(s["bytes_read"] for s in shared) * 2 <= sum(p["bytes_read"] for p in plain)
+    assert [s["bytes_needed"] for s in shared] == [p["bytes_needed"] for p in plain]
+
+
 def test_a_rank_failing_mid_save_commits_nothing_and_fails_every_rank(tmp_path):
     topo = Topo(tp=2)
     ckpt, dumps = str(tmp_path / "ckpt"), str(tmp_path / "dumps")

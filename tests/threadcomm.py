@@ -9,12 +9,17 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 
 class ThreadGroup:
     def __init__(self, world_size: int, timeout: float = 60.0) -> None:
         self.world_size = world_size
+        self.timeout = timeout
         self._barrier = threading.Barrier(world_size, timeout=timeout)
         self._slots: list[Any] = [None] * world_size
+        self._mail: dict[tuple[int, int, int], list[bytes]] = {}  # (src, dst, tag) -> messages in order
+        self._mail_ready = threading.Condition()
 
     def comm(self, rank: int) -> ThreadComm:
         return ThreadComm(self, rank)
@@ -38,6 +43,23 @@ class ThreadComm:
 
     def barrier(self) -> None:
         self._group._barrier.wait()
+
+    def exchange(self, sends, recvs) -> None:
+        """Point to point, as between processes: the bytes are copied."""
+        g = self._group
+        with g._mail_ready:
+            for peer, tag, array in sends:
+                g._mail.setdefault((self.rank, peer, tag), []).append(array.tobytes())
+            g._mail_ready.notify_all()
+        for peer, tag, array in recvs:
+            box = (peer, self.rank, tag)
+            with g._mail_ready:
+                if not g._mail_ready.wait_for(lambda box=box: g._mail.get(box), timeout=g.timeout):
+                    raise TimeoutError(f"rank {self.rank}: nothing from rank {peer} with tag {tag}")
+                data = g._mail[box].pop(0)
+            if len(data) != array.nbytes:
+                raise ValueError(f"rank {self.rank}: {len(data)} bytes from rank {peer}, expected {array.nbytes}")
+            array.reshape(-1).view(np.uint8)[:] = np.frombuffer(data, np.uint8)
 
 
 def run_ranks(world_size: int, fn: Callable[[ThreadComm], Any]) -> list[Any]:

@@ -350,19 +350,21 @@ def _sabotage(path: str) -> None:
 
 
 def load_job(rank: int, *, topo: dict[str, int], dtype: str, path: str, expect_dir: str, master: bool = False,
-             steps_after: int = 0, after_dir: str | None = None) -> dict[str, Any]:
+             steps_after: int = 0, after_dir: str | None = None, shared_reads: bool = False) -> dict[str, Any]:
     layout, chunks = build(topo, rank, dtype)
     opt, masters = make_optimizer(chunks, master)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     model = chunks if len(chunks) > 1 else chunks[0]
     kwargs: dict[str, Any] = {"master_params": masters} if master else {}
     result = gt.load_checkpoint(path, model=model, layout=layout, rules=RULES, optimizer=opt, scheduler=sched,
-                                **kwargs)
+                                shared_reads=shared_reads, **kwargs)
     mismatches = compare(layout, chunks, opt, masters, expect_dir)
     out = {"mismatches": mismatches, "trainer_state_step": result.trainer_state["step"],
            "rng_restored": result.rng_restored, "lr": opt.param_groups[0]["lr"],
            "betas": list(opt.param_groups[0]["betas"]), "sched_last_epoch": sched.last_epoch,
-           "n_state": sum(1 for s in opt.state.values() if s)}
+           "n_state": sum(1 for s in opt.state.values() if s),
+           "bytes_read": result.stats.bytes_read, "bytes_needed": result.stats.bytes_needed,
+           "bytes_sent": result.stats.bytes_sent, "bytes_received": result.stats.bytes_received}
     if steps_after:
         grads_step(layout, chunks, opt, masters, sched, seed=1, steps=steps_after)
         if layout.dp_rank == 0 and after_dir:

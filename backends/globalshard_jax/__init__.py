@@ -47,6 +47,9 @@ class JaxComm:
     """A :class:`globalshard.Comm` over ``jax.distributed``'s key-value store
     (no device collectives needed, so it works on CPU-only processes)."""
 
+    # TODO(limitation): no exchange(): the key-value store is not made for bulk
+    # bytes, so shared reads (load(..., shared_reads=True)) are not offered here.
+
     def __init__(self, timeout_s: float = 600.0) -> None:
         # TODO(limitation): the key-value client is reached through jax's private
         # jax._src.distributed (as Orbax does); a jax release may move it.

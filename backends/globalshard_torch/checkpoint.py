@@ -236,6 +236,7 @@ def load_checkpoint(
     kvstore: Any = None,
     extra_state: str = "load",
     optimizer_shards: Sequence[FlatShard] | None = None,
+    shared_reads: bool = False,
 ) -> LoadResult:
     """Load a checkpoint saved under any layout into this rank's model, optimizer
     and scheduler (in place). Call on every rank.
@@ -250,6 +251,9 @@ def load_checkpoint(
     state of its own partition. Modules' ``get_extra_state()`` comes back per TP rank; when the TP size
     changed that is an error naming the modules, unless
     ``extra_state="skip"`` (their extra state then stays as it is).
+    ``shared_reads=True``: data-parallel replicas read each stored byte once
+    between them and send it to each other over the gloo group (see
+    :func:`globalshard.load`).
 
     Raises:
         the core's errors (MismatchError, CastError, MetadataError, ...) and
@@ -342,7 +346,8 @@ def load_checkpoint(
 
     run_collectively(comm, "load_checkpoint: planning", prepare)
     stats = gs.IOStats()
-    trainer = opened[0].load(targets, comm=comm, allow_lossy_cast=allow_lossy_cast, stats=stats)
+    trainer = opened[0].load(targets, comm=comm, allow_lossy_cast=allow_lossy_cast, stats=stats,
+                             shared_reads=shared_reads)
     staging.finish_load()
     extra_state_finish(extras)
     if zero:

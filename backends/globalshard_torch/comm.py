@@ -3,14 +3,17 @@
 Objects travel as JSON in uint8 tensors over a dedicated gloo group (so it
 works whatever backend the training uses, and nothing is unpickled), with a
 timeout: a rank that died makes the others fail instead of waiting forever.
+Arrays of shared reads travel point to point over the same group.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -48,6 +51,25 @@ class TorchComm:
 
     def barrier(self) -> None:
         dist.barrier(group=self._group)
+
+    def exchange(self, sends: Sequence[tuple[int, int, np.ndarray]],
+                 recvs: Sequence[tuple[int, int, np.ndarray]]) -> None:
+        """Point-to-point sends and receives of host arrays (``(peer, tag,
+        array)``, peers as ranks of this group), all posted, then waited for."""
+        works = [dist.irecv(_bytes(a), src=dist.get_global_rank(self._group, peer), group=self._group, tag=tag)
+                 for peer, tag, a in recvs]
+        works += [dist.isend(_bytes(a), dst=dist.get_global_rank(self._group, peer), group=self._group, tag=tag)
+                  for peer, tag, a in sends]
+        for work in works:
+            if work is not None:
+                work.wait()
+
+
+def _bytes(array: np.ndarray) -> torch.Tensor:
+    """The bytes of a C-contiguous array as a uint8 tensor sharing its memory."""
+    if not array.flags.c_contiguous:
+        raise ValueError("exchange() needs C-contiguous arrays")
+    return torch.from_numpy(array.reshape(-1).view(np.uint8))
 
 
 _DEFAULT: list[TorchComm] = []

@@ -171,11 +171,13 @@ def _plain(state: Any) -> Any:
 
 
 def load(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, allow_lossy_cast: bool = False,
-         kvstore: Any = None, stats: gs.IOStats | None = None) -> dict[str, Any]:
+         kvstore: Any = None, stats: gs.IOStats | None = None, shared_reads: bool = False) -> dict[str, Any]:
     """Load into a nested state dict in place: tensors and DTensors are filled
     where they are (any layout saved, any layout loaded), JSON values and bytes
     are replaced in their containers, Stateful objects get ``load_state_dict``.
     Call on every rank. Every key asked for must be in the checkpoint.
+    ``shared_reads=True``: bytes several ranks need are read once (see
+    :func:`globalshard.load`).
 
     Returns:
         ``state_dict`` itself.
@@ -225,7 +227,7 @@ def load(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, all
 
     run_collectively(comm, "load: matching the state dict", prepare)
     checkpoint = opened[0]
-    checkpoint.load(targets, comm=comm, allow_lossy_cast=allow_lossy_cast, stats=stats)
+    checkpoint.load(targets, comm=comm, allow_lossy_cast=allow_lossy_cast, stats=stats, shared_reads=shared_reads)
     staging.finish_load()
     saved = checkpoint.trainer_state
     for key, container, index in fills:
