@@ -360,6 +360,8 @@ def cover_problems(
         n = len(boxes)
         missing = [bounds] if n == 0 and gaps else []
         return missing, [(0, k) for k in range(1, min(n, limit + 1))]
+    if gaps and len(boxes) == 1 and boxes[0] == bounds:  # one whole box: the commonest case
+        return [], []
     if gaps and _is_exact_cover(bounds, boxes):
         return [], []
     items = [(b.offset, b.stop, i) for i, b in enumerate(boxes) if not b.is_empty]

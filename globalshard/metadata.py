@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -187,6 +188,10 @@ def _is_unicode(text: str) -> bool:
     return True
 
 
+#: A backslash or a control character: never in a stored path.
+_FORBIDDEN = re.compile(r"[\x00-\x1f\x7f\\]")
+
+
 def check_relative_path(path: Any) -> str | None:
     """Why ``path`` may not name stored data inside a checkpoint, or None if it may.
 
@@ -202,7 +207,7 @@ def check_relative_path(path: Any) -> str | None:
         return f"{path!r} is not valid Unicode (a lone surrogate)"
     if path.startswith("/") or (len(path) > 1 and path[1] == ":"):
         return f"{path!r} is absolute; paths are relative to the checkpoint"
-    if "\\" in path or any(ord(c) < 32 or ord(c) == 127 for c in path):
+    if _FORBIDDEN.search(path):
         return f"{path!r} holds a backslash or a control character"
     parts = path.split("/")
     if any(p in ("", ".", "..") for p in parts):

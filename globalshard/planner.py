@@ -527,13 +527,13 @@ class LoadPlanner:
                 )
                 continue
             index = indexes.get(info.key)
-            if index is None:
+            if index is None and len(stored.regions) > 1:
                 index = indexes[info.key] = BoxIndex([r.box for r in stored.regions])
             reads = []
             for region in info.regions:
                 want = region.global_box
                 got = 0
-                for i in index.query(want):
+                for i in (index.query(want) if index is not None else range(len(stored.regions))):
                     s = stored.regions[i]
                     inter = s.box.intersect(want)
                     if inter is None:
