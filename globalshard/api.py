@@ -60,7 +60,7 @@ from globalshard.planner import (
     save_dir,
 )
 from globalshard.shared import Exchange, read_shared
-from globalshard.storage import LOCK_FILE, IOStats, Location, OpenedPlan, array_attributes
+from globalshard.storage import LOCK_FILE, ArrayItem, IOStats, Location, OpenedPlan, array_attributes
 
 _log = logging.getLogger("globalshard")
 #: An unlisted save directory on a kvstore root older than this is a leftover (spec 2.2).
@@ -165,7 +165,7 @@ class _PlannedSave:
     comm: Comm
     save_id: str
     plan: SavePlan
-    items: list[tuple[str, str, np.ndarray, dict[str, Any]]]  # (path, dtype, data, attributes)
+    items: list[ArrayItem]
     coordinator: _Coordinator
 
 
@@ -209,7 +209,9 @@ def _plan_save(location: Location, comm: Comm, entries: list[tuple[str, ShardedT
     for w in plan.for_rank(comm.rank):
         tensor = entries[w.shard][1]
         local = tensor.regions[w.region].global_to_local(w.box)
-        items.append((w.path, tensor.dtype, local.view(tensor.data), array_attributes(w.key, w.box.offset, save_id)))
+        cut = tuple(a for a, (n, g) in enumerate(zip(w.box.shape, tensor.global_shape)) if n < g)
+        items.append(ArrayItem(w.path, tensor.dtype, local.view(tensor.data),
+                               array_attributes(w.key, w.box.offset, save_id), cut))
     return _PlannedSave(location, comm, save_id, plan, items, coordinator)
 
 
@@ -306,17 +308,17 @@ class AsyncSaver:
         self._thread.start()
         self.blocking_seconds = time.perf_counter() - start
 
-    def _snapshot(self, items: list[tuple[str, str, np.ndarray, dict[str, Any]]]
-                  ) -> list[tuple[str, str, np.ndarray, dict[str, Any]]]:
-        total = sum(a.nbytes for _, _, a, _ in items)
+    def _snapshot(self, items: list[ArrayItem]) -> list[ArrayItem]:
+        total = sum(item.data.nbytes for item in items)
         if self._buffer is None or self._buffer.nbytes < total:
             self._buffer = np.empty(total, np.uint8)
         out, offset = [], 0
-        for path, dtype, array, attributes in items:
+        for item in items:
+            array = item.data
             native = array.dtype if array.dtype.isnative else array.dtype.newbyteorder("=")
             copy = np.ndarray(array.shape, native, buffer=self._buffer, offset=offset)
             np.copyto(copy, array)
-            out.append((path, dtype, copy, attributes))
+            out.append(item._replace(data=copy))
             offset += array.nbytes
         return out
 

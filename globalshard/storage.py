@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import tensorstore as ts
@@ -43,7 +43,7 @@ from globalshard.geometry import Box
 from globalshard.metadata import MAX_FILE_BYTES, check_relative_path
 from globalshard.planner import LoadPlan
 
-__all__ = ["CHUNK_BYTES", "READ_WINDOW_BYTES", "WRITE_WINDOW_BYTES", "IOStats", "Location", "chunk_shape"]
+__all__ = ["CHUNK_BYTES", "READ_WINDOW_BYTES", "WRITE_WINDOW_BYTES", "ArrayItem", "IOStats", "Location", "chunk_shape"]
 
 #: Upper bound on the bytes of one (inner) chunk: the unit a load reads.
 CHUNK_BYTES = 1 << 20
@@ -105,21 +105,35 @@ class IOStats:
     seconds: float = 0.0
 
 
-def chunk_shape(shape: Sequence[int], itemsize: int, limit: int | None = None) -> tuple[int, ...]:
-    """The inner chunk shape for a stored region: halve the longest axis
-    until a chunk holds at most ``limit`` bytes. Near-cubic chunks keep the
-    waste small whichever axis the loading layout cuts.
+def chunk_shape(shape: Sequence[int], itemsize: int, limit: int | None = None, *,
+                cut: Sequence[int] = ()) -> tuple[int, ...]:
+    """The inner chunk shape for a stored region of at most ``limit`` bytes.
+
+    ``cut``: the axes along which the region is a part of its tensor. A region
+    cut along its first axis only (TP of a column-parallel weight, FSDP, or
+    both) is mostly loaded cut along that axis too: it gets chunks of whole
+    rows, as many as fit, which are contiguous pieces of such targets and are
+    read straight into them, with no waste whatever the new degree. Any other
+    region (or one whose rows exceed ``limit``) has its longest axis halved
+    until the chunk fits: near-cubic chunks keep the waste small whichever
+    axis a load cuts.
 
     >>> chunk_shape((4096, 4096), 4)
     (512, 512)
+    >>> chunk_shape((4096, 4096), 4, cut=(0,))
+    (64, 4096)
     >>> chunk_shape((10, 3), 4)
     (10, 3)
     """
     limit = CHUNK_BYTES if limit is None else limit
     # TODO(limitation): a region under the limit is one chunk, so a target that
     # needs part of it reads all of it (bounded by CHUNK_BYTES of waste).
+    if tuple(cut) == (0,) and len(shape) > 1 and math.prod(shape) * itemsize > limit:
+        row = math.prod(shape[1:]) * itemsize
+        if 0 < row <= limit:
+            return (min(shape[0], limit // row), *shape[1:])
     chunk = list(shape)
-    while chunk and int(np.prod(chunk)) * itemsize > limit and max(chunk) > 1:
+    while chunk and math.prod(chunk) * itemsize > limit and max(chunk) > 1:
         axis = chunk.index(max(chunk))
         chunk[axis] = -(-chunk[axis] // 2)
     return tuple(chunk)
@@ -128,9 +142,21 @@ def chunk_shape(shape: Sequence[int], itemsize: int, limit: int | None = None) -
 _BYTES = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 
 
+class ArrayItem(NamedTuple):
+    """One stored array to write: ``data`` under ``path``, with ``attributes``
+    (from :func:`array_attributes`) in its zarr.json; ``cut``: the axes
+    along which the region is a part of its tensor (see :func:`chunk_shape`)."""
+
+    path: str
+    dtype: str
+    data: np.ndarray
+    attributes: dict[str, Any]
+    cut: tuple[int, ...] = ()
+
+
 def _create_spec(kvstore: dict[str, Any], dtype: str, shape: tuple[int, ...],
-                 attributes: dict[str, Any] | None = None) -> dict[str, Any]:
-    inner = chunk_shape(shape, numpy_dtype(dtype).itemsize)
+                 attributes: dict[str, Any] | None = None, cut: tuple[int, ...] = ()) -> dict[str, Any]:
+    inner = chunk_shape(shape, numpy_dtype(dtype).itemsize, cut=cut)
     # TODO(limitation): no compression codec; zarr3 allows zstd/blosc before crc32c.
     if inner == tuple(shape):
         grid, codecs = list(shape), _BYTES
@@ -520,10 +546,8 @@ class Location:
 
     # ------------------------------------------------------------ arrays
 
-    def write_arrays(self, items: Sequence[tuple[str, str, np.ndarray, dict[str, Any]]],
-                     stats: IOStats | None = None) -> None:
-        """Store each ``(path, dtype, array, attributes)`` as a zarr v3 array, all
-        in parallel; ``attributes`` (from :func:`array_attributes`) go into its zarr.json.
+    def write_arrays(self, items: Sequence[ArrayItem], stats: IOStats | None = None) -> None:
+        """Store each :class:`ArrayItem` as a zarr v3 array, all in parallel.
 
         Raises:
             StorageError: listing every array that could not be written.
@@ -541,7 +565,7 @@ class Location:
     def _direct(self) -> bool:
         return self.local is not None and LOCAL_IO == "direct"
 
-    def _write_direct(self, items: Sequence[tuple[str, str, np.ndarray, dict[str, Any]]]) -> None:
+    def _write_direct(self, items: Sequence[ArrayItem]) -> None:
         assert self.local is not None
         pool = localio.pool()
         problems: list[str] = []
@@ -550,7 +574,7 @@ class Location:
         made: set[str] = set()
         # Many arrays: one syncfs at the end instead of an fsync per file and directory.
         batch = len(items) >= SYNCFS_MIN_ARRAYS and localio.has_syncfs()
-        for path, dtype, array, attributes in items:
+        for path, dtype, array, attributes, cut in items:
             # TODO(limitation): every array is two files (zarr.json, its chunk or shard) and
             # its own directories: thousands of small arrays cost more than the same bytes in
             # a few (no packing of small arrays into one file).
@@ -558,7 +582,7 @@ class Location:
             if not array.dtype.isnative:
                 array = array.astype(array.dtype.newbyteorder("="))
             shape = tuple(array.shape)
-            inner: tuple[int, ...] | None = chunk_shape(shape, array.dtype.itemsize)
+            inner: tuple[int, ...] | None = chunk_shape(shape, array.dtype.itemsize, cut=cut)
             doc = localio.zarr_json(dtype, shape, None if inner == shape else inner, {ATTRIBUTE: attributes})
             try:
                 leaf = os.path.join(directory, "c", *["0"] * (array.ndim - 1)) if array.ndim else directory
@@ -592,11 +616,11 @@ class Location:
         if problems:
             raise StorageError(format_problems("cannot write the checkpoint's arrays", problems))
 
-    def _write_tensorstore(self, items: Sequence[tuple[str, str, np.ndarray, dict[str, Any]]]) -> None:
+    def _write_tensorstore(self, items: Sequence[ArrayItem]) -> None:
         opened = []
         problems: list[str] = []
-        for path, dtype, array, attributes in items:
-            spec = _create_spec(self.array_kvstore(path), dtype, tuple(array.shape), attributes)
+        for path, dtype, array, attributes, cut in items:
+            spec = _create_spec(self.array_kvstore(path), dtype, tuple(array.shape), attributes, cut)
             try:
                 opened.append((path, array, ts.open(spec, create=True, delete_existing=True, context=_CONTEXT)))
             except Exception as e:

@@ -135,7 +135,7 @@ def test_sigkill_of_one_rank_of_a_gloo_save(tmp_path):
 
 
 def test_sigkill_during_an_s3_overwrite(s3):  # noqa: F811
-    spec, _client = s3
+    spec, _client, _ = s3
     spec_json = json.dumps(spec)
     env = dict(os.environ)
     path = "crash/run"

@@ -58,13 +58,32 @@ def test_large_regions_are_sharded_into_inner_chunks_and_read_partially(tmp_path
     gs.save({"a": shard("big", full, (0, 0), full.shape)}, tmp_path)
     zarr = json.load(open(array(tmp_path, "big") / "zarr.json"))
     assert zarr["codecs"][0]["name"] == "sharding_indexed"
-    assert zarr["codecs"][0]["configuration"]["chunk_shape"] == list(chunk_shape((2048, 1024), 4))
+    assert zarr["codecs"][0]["configuration"]["chunk_shape"] == list(chunk_shape((2048, 1024), 4)) == [512, 512]
     stats = gs.IOStats()
     part = {"p": shard("big", np.zeros((256, 1024), np.float32), (512, 0), full.shape)}
     gs.load(part, tmp_path, stats=stats)
     assert np.array_equal(part["p"].data, full[512:768])
     assert stats.bytes_needed == 256 * 1024 * 4
     assert stats.bytes_read <= 2 * CHUNK_BYTES < full.nbytes  # two inner chunks, not the 8 MiB region
+
+
+def test_row_cut_regions_get_whole_rows_others_near_cubic_chunks(tmp_path):
+    full = RNG.standard_normal((2048, 1024)).astype(np.float32)
+    halves = {f"c{j}": shard("cols", np.ascontiguousarray(full[:, j * 512:(j + 1) * 512]), (0, j * 512), full.shape)
+              for j in range(2)}
+    rows = {f"r{i}": shard("rows", full[i * 1024:(i + 1) * 1024], (i * 1024, 0), full.shape) for i in range(2)}
+    gs.save({**halves, **rows}, tmp_path)
+    md = gs.read_metadata(tmp_path)
+    chunks = {key: json.load(open(tmp_path / md.tensors[key].regions[0].path / "zarr.json"))
+              ["codecs"][0]["configuration"]["chunk_shape"] for key in ("cols", "rows")}
+    assert chunks == {"cols": list(chunk_shape((2048, 512), 4)), "rows": [256, 1024]}
+    assert chunk_shape((2048, 512), 4) == (512, 512)
+    # Rows go straight into row-cut targets at any degree: no waste.
+    stats = gs.IOStats()
+    eighth = {"e": shard("rows", np.zeros((256, 1024), np.float32), (768, 0), full.shape)}
+    gs.load(eighth, tmp_path, stats=stats)
+    assert np.array_equal(eighth["e"].data, full[768:1024])
+    assert stats.bytes_read == stats.bytes_needed
 
 
 @pytest.mark.parametrize("damage", ["delete", "truncate", "flip", "empty"])
