@@ -129,6 +129,7 @@ def chunk_shape(shape: Sequence[int], itemsize: int, limit: int | None = None, *
     # TODO(limitation): a region under the limit is one chunk, so a target that
     # needs part of it reads all of it (bounded by CHUNK_BYTES of waste).
     if tuple(cut) == (0,) and len(shape) > 1 and math.prod(shape) * itemsize > limit:
+        # TODO(limitation): a load that cuts such a region along another axis reads whole rows.
         row = math.prod(shape[1:]) * itemsize
         if 0 < row <= limit:
             return (min(shape[0], limit // row), *shape[1:])
