@@ -73,6 +73,7 @@ def _state(world: int, zeros: bool, tensors: int = TENSORS) -> dict[str, Any]:
 
 def _rank(rank: int, world: int, port: int, system: str, action: str, path: str, out: str,
           tensors: int = TENSORS) -> None:
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)  # as torchrun sets it (globalshard shares its I/O threads)
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=900))

@@ -37,8 +37,26 @@ from globalshard.geometry import Box
 
 __all__ = ["ArrayFile", "parse", "zarr_json", "write_array", "Reader"]
 
-#: Threads doing local reads and writes: I/O and checksums release the GIL.
-WORKERS = 4
+def _workers() -> int:
+    """Threads doing local reads and writes (I/O and checksums release the GIL):
+    ``GLOBALSHARD_IO_THREADS`` if set; else 4 shared among the ranks of this
+    host when the launcher says how many there are (torchrun's
+    ``LOCAL_WORLD_SIZE``), at least one each; else 4.
+
+    Four processes saving 1 GiB on this 2-core machine with 4 threads each
+    wrote at 0.57 GB/s (median of 6) against 0.80 GB/s with one thread each;
+    loads by 2 processes ran the same with 2 or 4 threads each."""
+    own = os.environ.get("GLOBALSHARD_IO_THREADS")
+    if own is not None:
+        if not own.isdigit() or int(own) < 1:
+            raise ValueError(f"GLOBALSHARD_IO_THREADS must be a positive integer, got {own!r}")
+        return int(own)
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return max(1, 4 // int(local)) if local.isdigit() and int(local) > 0 else 4
+
+
+#: Threads doing local reads and writes, see :func:`_workers`.
+WORKERS = _workers()
 
 #: Bytes of chunks one task reads or writes before it returns (its granularity).
 TASK_BYTES = 8 << 20

@@ -11,6 +11,8 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import numpy as np
@@ -204,3 +206,18 @@ def test_a_save_of_many_arrays_is_made_durable_by_one_syncfs(tmp_path, monkeypat
     calls.clear()
     gs.save({"w": whole(np.ones(3, np.float32))}, tmp_path / "d")
     assert calls == []  # a few arrays: fsync per file and directory
+
+
+def test_io_threads_follow_the_environment():
+    base = {k: v for k, v in os.environ.items() if k not in ("LOCAL_WORLD_SIZE", "GLOBALSHARD_IO_THREADS")}
+
+    def workers(**env):
+        run = subprocess.run([sys.executable, "-c", "import globalshard.localio as l; print(l.WORKERS)"],
+                             env={**base, **env}, capture_output=True, text=True)
+        return run.stdout.strip() or run.stderr
+
+    assert workers() == "4"
+    assert workers(LOCAL_WORLD_SIZE="2") == "2"
+    assert workers(LOCAL_WORLD_SIZE="8") == "1"  # at least one per rank
+    assert workers(LOCAL_WORLD_SIZE="8", GLOBALSHARD_IO_THREADS="3") == "3"
+    assert "GLOBALSHARD_IO_THREADS must be a positive integer, got '0'" in workers(GLOBALSHARD_IO_THREADS="0")
