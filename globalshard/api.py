@@ -170,7 +170,8 @@ class _PlannedSave:
 
 
 def _plan_save(location: Location, comm: Comm, entries: list[tuple[str, ShardedTensor]],
-               trainer_state: dict[str, Any] | None, overwrite: bool, held: contextlib.ExitStack) -> _PlannedSave:
+               trainer_state: dict[str, Any] | None, overwrite: bool, held: contextlib.ExitStack,
+               staged: Mapping[str, Callable[[], None]] | None = None) -> _PlannedSave:
     """Describe, validate and plan collectively; rank 0 takes the lock into
     ``held`` and finds what the save replaces. Nothing on storage changes."""
     infos = [ShardInfo.of(t) for _, t in entries]
@@ -207,11 +208,12 @@ def _plan_save(location: Location, comm: Comm, entries: list[tuple[str, ShardedT
     plan = SavePlanner().plan_groups(groups, comm.world_size, save_id=save_id)  # pure: same verdict everywhere
     items = []
     for w in plan.for_rank(comm.rank):
-        tensor = entries[w.shard][1]
+        name, tensor = entries[w.shard]
         local = tensor.regions[w.region].global_to_local(w.box)
         cut = tuple(a for a, (n, g) in enumerate(zip(w.box.shape, tensor.global_shape)) if n < g)
         items.append(ArrayItem(w.path, tensor.dtype, local.view(tensor.data),
-                               array_attributes(w.key, w.box.offset, save_id), cut))
+                               array_attributes(w.key, w.box.offset, save_id), cut,
+                               staged.get(name) if staged else None))
     return _PlannedSave(location, comm, save_id, plan, items, coordinator)
 
 
@@ -280,16 +282,27 @@ class AsyncSaver:
 
     def save(self, state: Mapping[str, ShardedTensor], path: Any, *, trainer_state: dict[str, Any] | None = None,
              comm: Comm | None = None, overwrite: bool = False, kvstore: Any = None,
-             stats: IOStats | None = None) -> None:
-        """As :func:`save`, returning after the host snapshot (see the class)."""
+             stats: IOStats | None = None, staged: Mapping[str, Callable[[], None]] | None = None) -> None:
+        """As :func:`save`, returning after the host snapshot (see the class).
+
+        ``staged``: names of ``state`` whose ``data`` is already a private host
+        copy that is still being filled (a device-to-host copy in flight), each
+        with a function that blocks until it is done. Those are not copied
+        into the snapshot: the background writer waits for each one just
+        before writing its bytes, so the copies overlap with the writes of the
+        arrays before them.
+        """
         self.wait()
         start = time.perf_counter()
         comm = comm if comm is not None else SingleProcessComm()
         location = Location(path, kvstore)
         entries = _entries(state)
+        unknown = sorted(set(staged or {}) - {name for name, _ in entries})
+        if unknown:
+            raise LayoutError(f"staged names {unknown[:5]} are not in the state")
         held = contextlib.ExitStack()
         try:
-            planned = _plan_save(location, comm, entries, trainer_state, overwrite, held)
+            planned = _plan_save(location, comm, entries, trainer_state, overwrite, held, staged)
             copied = time.perf_counter()
             planned.items = self._snapshot(planned.items)
             self.snapshot_seconds = time.perf_counter() - copied
@@ -309,11 +322,14 @@ class AsyncSaver:
         self.blocking_seconds = time.perf_counter() - start
 
     def _snapshot(self, items: list[ArrayItem]) -> list[ArrayItem]:
-        total = sum(item.data.nbytes for item in items)
+        total = sum(item.data.nbytes for item in items if item.ready is None)
         if self._buffer is None or self._buffer.nbytes < total:
             self._buffer = np.empty(total, np.uint8)
         out, offset = [], 0
         for item in items:
+            if item.ready is not None:  # a private copy already, still being filled
+                out.append(item)
+                continue
             array = item.data
             native = array.dtype if array.dtype.isnative else array.dtype.newbyteorder("=")
             copy = np.ndarray(array.shape, native, buffer=self._buffer, offset=offset)

@@ -29,7 +29,7 @@ import shutil
 import stat
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -146,13 +146,17 @@ _BYTES = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "cr
 class ArrayItem(NamedTuple):
     """One stored array to write: ``data`` under ``path``, with ``attributes``
     (from :func:`array_attributes`) in its zarr.json; ``cut``: the axes
-    along which the region is a part of its tensor (see :func:`chunk_shape`)."""
+    along which the region is a part of its tensor (see :func:`chunk_shape`);
+    ``ready``: see below."""
 
     path: str
     dtype: str
     data: np.ndarray
     attributes: dict[str, Any]
     cut: tuple[int, ...] = ()
+    #: Blocks until ``data`` holds its values (a device-to-host copy still in
+    #: flight); called before its bytes are written. None: ready now.
+    ready: Callable[[], None] | None = None
 
 
 def _create_spec(kvstore: dict[str, Any], dtype: str, shape: tuple[int, ...],
@@ -575,7 +579,7 @@ class Location:
         made: set[str] = set()
         # Many arrays: one syncfs at the end instead of an fsync per file and directory.
         batch = len(items) >= SYNCFS_MIN_ARRAYS and localio.has_syncfs()
-        for path, dtype, array, attributes, cut in items:
+        for path, dtype, array, attributes, cut, ready in items:
             # TODO(limitation): every array is two files (zarr.json, its chunk or shard) and
             # its own directories: thousands of small arrays cost more than the same bytes in
             # a few (no packing of small arrays into one file).
@@ -585,6 +589,10 @@ class Location:
             shape = tuple(array.shape)
             inner: tuple[int, ...] | None = chunk_shape(shape, array.dtype.itemsize, cut=cut)
             doc = localio.zarr_json(dtype, shape, None if inner == shape else inner, {ATTRIBUTE: attributes})
+            why = _wait_ready(ready)  # earlier arrays are being written meanwhile
+            if why is not None:
+                problems.append(f"{self.describe(path)}: {why}")
+                continue
             try:
                 leaf = os.path.join(directory, "c", *["0"] * (array.ndim - 1)) if array.ndim else directory
                 _make_dirs(self.local, leaf, made)
@@ -620,10 +628,11 @@ class Location:
     def _write_tensorstore(self, items: Sequence[ArrayItem]) -> None:
         opened = []
         problems: list[str] = []
-        for path, dtype, array, attributes, cut in items:
+        for path, dtype, array, attributes, cut, ready in items:
             spec = _create_spec(self.array_kvstore(path), dtype, tuple(array.shape), attributes, cut)
             try:
-                opened.append((path, array, ts.open(spec, create=True, delete_existing=True, context=_CONTEXT)))
+                opened.append((path, array, ready, ts.open(spec, create=True, delete_existing=True,
+                                                           context=_CONTEXT)))
             except Exception as e:
                 problems.append(f"{self.describe(path)}: {_error_text(e)}")
         pending: list[tuple[str, Any, int]] = []
@@ -635,7 +644,11 @@ class Location:
             except Exception as e:
                 problems.append(f"{self.describe(path)}: {_error_text(e)}")
 
-        for path, array, future in opened:
+        for path, array, ready, future in opened:
+            why = _wait_ready(ready)
+            if why is not None:
+                problems.append(f"{self.describe(path)}: {why}")
+                continue
             try:
                 store = future.result()
                 if not array.dtype.isnative:
@@ -880,6 +893,17 @@ class OpenedPlan:
     stores: dict[str, Any]
     #: Local arrays read by :mod:`localio` instead of TensorStore.
     files: dict[str, localio.ArrayFile] = dataclasses.field(default_factory=dict)
+
+
+def _wait_ready(ready: Callable[[], None] | None) -> str | None:
+    """Wait until an array's data holds its values; why it never will, or None."""
+    if ready is None:
+        return None
+    try:
+        ready()
+    except Exception as e:  # a failed device copy: this array is not written
+        return f"its data never became ready ({type(e).__name__}: {e})"
+    return None
 
 
 def _short_json(value: Any) -> str:

@@ -51,3 +51,51 @@ def test_one_save_at_a_time_and_the_buffer_is_reused(tmp_path):
         s.save({"x": gs.ShardedTensor.from_offset("x", np.zeros(2), global_shape=(3,), global_offset=(0,))},
                tmp_path / "b")
     assert s.done()
+
+
+def _shard(name, data):
+    return gs.ShardedTensor.from_offset(name, data, global_shape=data.shape, global_offset=(0,) * data.ndim)
+
+
+def test_staged_arrays_are_waited_for_before_their_writes_and_not_copied(tmp_path):
+    """A staged array is a private host copy still being filled (a device-to-host
+    copy in flight, here a thread): save() returns without waiting for it, the
+    writer waits just before writing it, and the checkpoint holds what the copy
+    delivered. Unstaged arrays are snapshotted as before."""
+    import threading
+
+    host_copy = np.zeros((256, 64), np.float32)  # the pinned buffer the device copy fills
+    plain = np.ones(8, np.float32)
+    landed = threading.Event()
+    waits = []
+
+    def ready():
+        waits.append(landed.is_set())
+        assert landed.wait(30)
+
+    s = gs.AsyncSaver()
+    s.save({"staged": _shard("a", host_copy), "plain": _shard("b", plain)}, tmp_path, staged={"staged": ready})
+    assert s._buffer.nbytes == plain.nbytes  # only the unstaged array was copied
+    plain[:] = -1  # training goes on: the snapshot keeps the ones
+    host_copy[:] = 3  # the device copy lands after save() returned
+    landed.set()
+    s.wait()
+    assert len(waits) == 1  # waited once, in the background
+    assert (gs.read_array(tmp_path, "a") == 3).all() and (gs.read_array(tmp_path, "b") == 1).all()
+
+
+def test_a_staged_copy_that_fails_fails_the_save_and_commits_nothing(tmp_path):
+    saver.save_stamped(tmp_path, 1)
+
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    s = gs.AsyncSaver()
+    state = saver.stamped_state(2)
+    name = sorted(state)[0]
+    s.save(state, tmp_path, trainer_state={"tag": 2}, overwrite=True, staged={name: broken})
+    with pytest.raises(gs.StorageError, match="never became ready .*RuntimeError: CUDA error"):
+        s.wait()
+    assert saver.whose(tmp_path) == 1  # the previous checkpoint, untouched
+    with pytest.raises(gs.LayoutError, match="staged names \\['nope'\\] are not in the state"):
+        s.save(saver.stamped_state(3), tmp_path, overwrite=True, staged={"nope": broken})

@@ -175,6 +175,42 @@ def test_cuda_tensors_go_through_pinned_host_staging(tmp_path):
     assert torch.equal(model.weight, other.weight) and other.weight.is_cuda
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_async_save_of_cuda_tensors_overlaps_their_copies_and_keeps_the_values_at_the_call(tmp_path):
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)]).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 256, device="cuda")).sum().backward()
+    opt.step()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    rules = gt.ShardingRules([(".*", gt.Replicated())])
+    saver = gs.AsyncSaver()
+    gt.save_checkpoint(tmp_path / "c", model=model, layout=gt.ParallelLayout(), rules=rules, optimizer=opt,
+                       saver=saver)
+    with torch.no_grad():  # queued on the tensors' stream: runs after their copies to the host
+        for p in model.parameters():
+            p.mul_(-1)
+    assert saver.snapshot_seconds >= 0
+    saver.wait()
+    other = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)]).cuda()
+    gt.load_checkpoint(tmp_path / "c", model=other, layout=gt.ParallelLayout(), rules=rules)
+    assert all(torch.equal(p, before[n]) for n, p in other.named_parameters())
+
+
+def test_host_staging_names_the_shards_still_being_copied():
+    staging = gt.HostStaging(overlap=True)
+    cpu = torch.arange(12.0).reshape(3, 4)
+    assert staging.host(cpu, for_save=True) is cpu  # a host tensor is its own snapshot: nothing in flight
+    pinned = np.zeros((4, 4), np.float32)
+    waited = []
+    staging._in_flight.append((pinned.ctypes.data, pinned.ctypes.data + pinned.nbytes, lambda: waited.append(1)))
+    shards = {"inside": gs.ShardedTensor.from_offset("a", pinned[2:], global_shape=(2, 4), global_offset=(0, 0)),
+              "outside": gs.ShardedTensor.from_offset("b", cpu.numpy(), global_shape=(3, 4), global_offset=(0, 0))}
+    staged = staging.staged(shards)
+    assert list(staged) == ["inside"]
+    staged["inside"]()
+    assert waited == [1]
+
+
 # ----------------------------------------------------------------------- one process, one call
 
 

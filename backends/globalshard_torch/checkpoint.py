@@ -153,7 +153,7 @@ def save_checkpoint(
     if clash:
         raise MetadataError(f"trainer_state keys {clash} are reserved for the adapter")
     shards: dict[str, gs.ShardedTensor] = {}
-    staging = HostStaging()
+    staging = HostStaging(overlap=saver is not None)
 
     zero = _is_zero_redundancy(optimizer)
     if zero:
@@ -216,8 +216,11 @@ def save_checkpoint(
                     "ranks": [g["rng"] for g in gathered]}
     if rank_state is not None:
         state["rank_state"] = [g["rank_state"] for g in gathered]
-    save = saver.save if saver is not None else gs.save
-    save(shards, path, trainer_state=state, comm=comm, overwrite=overwrite, kvstore=kvstore, stats=stats)
+    if saver is not None:  # device-to-host copies overlap with the writes
+        saver.save(shards, path, trainer_state=state, comm=comm, overwrite=overwrite, kvstore=kvstore, stats=stats,
+                   staged=staging.staged(shards))
+    else:
+        gs.save(shards, path, trainer_state=state, comm=comm, overwrite=overwrite, kvstore=kvstore, stats=stats)
 
 
 def load_checkpoint(

@@ -3,13 +3,15 @@
 CPU tensors become zero-copy numpy views. numpy has no bfloat16 or float8, so
 those go through a same-size integer view and ml_dtypes. Tensors on another
 device (CUDA) are staged through pinned host buffers: device-to-host before a
-save, host-to-device after a load.
+save (overlapped with the writes of an async save), host-to-device after a load.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import bisect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -68,34 +70,77 @@ class HostStaging:
     buffer: filled from the device (``non_blocking``) when staging for a save,
     copied back by :meth:`finish_load` after a load. Device-agnostic: only
     ``tensor.device`` decides.
+
+    ``overlap=True`` (async saves): the device-to-host copies of CUDA tensors
+    run on a side stream, which the tensors' own stream waits for before any
+    later work (so training cannot overwrite a tensor before it is copied, and
+    the host does not wait); :meth:`staged` names the shards whose buffers are
+    still being filled, each with a wait that the background writer calls just
+    before writing it. 0-d tensors are copied at once (their values are read
+    on the host while planning).
     """
 
+    overlap: bool = False
     _pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     _syncs: list[Callable[[], None]] = field(default_factory=list)
+    _in_flight: list[tuple[int, int, Callable[[], None]]] = field(default_factory=list)  # (address, end, wait)
+    _side: dict[torch.device, Any] = field(default_factory=dict)
 
     def host(self, tensor: torch.Tensor, *, for_save: bool) -> torch.Tensor:
         t = tensor.detach()
         if t.device.type == "cpu":
             return t
-        # TODO(limitation): device-to-host copies complete before the writes
-        # start; they are not overlapped with I/O tensor by tensor.
         buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=torch.cuda.is_available())
-        if for_save:
+        if not for_save:
+            self._pending.append((t, buf))
+        elif self.overlap and t.device.type == "cuda" and t.ndim > 0:
+            side = self._side.get(t.device)
+            if side is None:
+                side = self._side[t.device] = torch.cuda.Stream(t.device)
+            side.wait_stream(torch.cuda.current_stream(t.device))  # the values as of this call
+            with torch.cuda.stream(side):
+                buf.copy_(t, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(side)
+            t.record_stream(side)  # the allocator keeps t's memory until the copy is done
+            self._in_flight.append((buf.data_ptr(), buf.data_ptr() + buf.nbytes, done.synchronize))
+        else:
+            # TODO(limitation): a synchronous save's device-to-host copies complete
+            # before its writes start (only async saves overlap them).
             buf.copy_(t, non_blocking=True)
             self._note_sync(t.device)
-        else:
-            self._pending.append((t, buf))
         return buf
 
     def _note_sync(self, device: torch.device) -> None:
         if device.type == "cuda":
-            self._syncs.append(lambda: torch.cuda.synchronize(device))
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(device))
+            self._syncs.append(done.synchronize)
 
     def ready(self) -> None:
-        """Wait for staged device-to-host copies (before saving)."""
+        """Wait for the staged device-to-host copies that are not overlapped
+        (before saving); then make the devices' streams wait for the
+        overlapped ones before any later work."""
         for sync in self._syncs:
             sync()
         self._syncs.clear()
+        for device, side in self._side.items():
+            torch.cuda.current_stream(device).wait_stream(side)
+
+    def staged(self, shards: Mapping[str, Any]) -> dict[str, Callable[[], None]]:
+        """The shards (name -> ShardedTensor) whose data views a buffer still
+        being filled, each with the wait for its copy."""
+        if not self._in_flight:
+            return {}
+        spans = sorted(self._in_flight)
+        starts = [lo for lo, _, _ in spans]
+        out = {}
+        for name, shard in shards.items():
+            address = shard.data.__array_interface__["data"][0]
+            i = bisect.bisect_right(starts, address) - 1
+            if i >= 0 and address < spans[i][1]:
+                out[name] = spans[i][2]
+        return out
 
     def finish_load(self) -> None:
         """Copy loaded host buffers back to their device tensors."""
