@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from compare import _port
 from pagecache import evict
 
 import globalshard as gs
@@ -37,14 +38,6 @@ LOCAL_ROWS = 512 if QUICK else 4096  # x 4096 float32 x 8 tensors: 64 MiB / 512 
 S3_ROWS = 64 if QUICK else 512  # 8 / 64 MiB
 COLS = 4096
 REPS = 1 if QUICK else 3
-
-
-def _port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def _halves(rows: int, tp_rank: int, fill: bool) -> dict[str, gs.ShardedTensor]:

@@ -177,7 +177,7 @@ def _plan_save(location: Location, comm: Comm, entries: list[tuple[str, ShardedT
     infos = [ShardInfo.of(t) for _, t in entries]
     coordinator = _Coordinator()
 
-    digest, schema, replicas = describe_shards(infos)
+    digest, schema, replicas = describe_shards(infos) if comm.world_size > 1 else ("", [], [])
 
     def describe() -> dict[str, Any]:
         # Everything checkable is checked before anything on storage changes.
