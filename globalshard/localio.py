@@ -501,6 +501,11 @@ def _read_file_chunks(layout: ArrayFile, outer: tuple[int, ...],
         index = _shard_index(fd, path, layout, size) if layout.inner is not None else None
         per_outer = [o // c for o, c in zip(layout.outer, chunk)]
         total = 0
+        # Chunks that land whole in their target and lie back to back in the file
+        # are read by one preadv (each chunk's bytes, then its checksum): fewer
+        # system calls and GIL hand-overs than one preadv per 1 MiB chunk.
+        run: list[tuple[str, np.ndarray]] = []
+        run_start = run_end = 0
         for chunk_index, dests in chunks:
             if index is not None:
                 local = tuple(i - o * n for i, o, n in zip(chunk_index, outer, per_outer))
@@ -515,11 +520,54 @@ def _read_file_chunks(layout: ArrayFile, outer: tuple[int, ...],
             if length != nbytes + 4:
                 raise ChunkError(f"{where}: {length} bytes stored, a chunk of {list(chunk)} {layout.dtype} "
                                  f"takes {nbytes + 4} with its checksum")
-            _read_one(fd, where, offset, nbytes, chunk_index, chunk, dtype, layout.shape, dests)
             total += nbytes
+            direct = _whole_chunk_view(dests, chunk_index, chunk, dtype, layout.shape)
+            if direct is not None and (not run or (offset == run_end and len(run) < _RUN_CHUNKS)):
+                if not run:
+                    run_start = offset
+                run.append((where, direct))
+                run_end = offset + length
+                continue
+            _read_run(fd, run, run_start)
+            run = []
+            if direct is not None:
+                run, run_start, run_end = [(where, direct)], offset, offset + length
+            else:
+                _read_one(fd, where, offset, nbytes, chunk_index, chunk, dtype, layout.shape, dests)
+        _read_run(fd, run, run_start)
         return total
     finally:
         os.close(fd)
+
+
+#: Most chunks one preadv reads (two buffers each; IOV_MAX is 1024).
+_RUN_CHUNKS = 64
+
+
+def _whole_chunk_view(dests: list[_Destination], chunk_index: tuple[int, ...], chunk: tuple[int, ...],
+                      dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray | None:
+    """The target bytes a whole chunk is read straight into, or None (staged)."""
+    if len(dests) != 1:
+        return None
+    lo = tuple(i * c for i, c in zip(chunk_index, chunk))
+    if any(o + c > s for o, c, s in zip(lo, chunk, shape)):  # a partial chunk at the edge
+        return None
+    return _direct_view(dests[0], lo, chunk, dtype)
+
+
+def _read_run(fd: int, run: list[tuple[str, np.ndarray]], offset: int) -> None:
+    """Read chunks stored back to back from ``offset`` into their targets, then
+    check each one's crc32c (a failure names that chunk)."""
+    if not run:
+        return
+    crcs = [bytearray(4) for _ in run]
+    buffers: list[Any] = []
+    for (_, data), crc in zip(run, crcs):
+        buffers += [data, crc]
+    _preadv_exact(fd, buffers, offset, run[0][0])
+    for (where, data), crc in zip(run, crcs):
+        if _crc(data) != int.from_bytes(crc, "little"):
+            raise ChunkError(f"{where}: the chunk fails its crc32c checksum (damaged file)")
 
 
 def _read_one(fd: int, where: str, offset: int, nbytes: int, chunk_index: tuple[int, ...],
