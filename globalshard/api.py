@@ -26,7 +26,6 @@ from globalshard.dtypes import canonical_name, numpy_dtype
 from globalshard.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
-    CommError,
     GlobalShardError,
     LayoutError,
     MetadataError,
@@ -59,7 +58,7 @@ from globalshard.planner import (
     missing_key,
     save_dir,
 )
-from globalshard.shared import Exchange, read_shared
+from globalshard.shared import read_shared, require_exchange
 from globalshard.storage import LOCK_FILE, ArrayItem, IOStats, Location, OpenedPlan, array_attributes
 
 _log = logging.getLogger("globalshard")
@@ -588,9 +587,8 @@ class Checkpoint:
         """
         comm = comm if comm is not None else SingleProcessComm()
         shared_reads = shared_reads and comm.world_size > 1
-        if shared_reads and not isinstance(comm, Exchange):
-            raise CommError(f"shared_reads=True needs a communicator with an exchange() method; "
-                            f"{type(comm).__name__} has none")
+        if shared_reads:
+            require_exchange(comm)  # before anything is planned, on every rank alike
         entries = _entries(state)
         opened: list[OpenedPlan] = []
         stats = stats if stats is not None else IOStats()

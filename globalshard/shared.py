@@ -39,7 +39,7 @@ from globalshard.errors import CommError
 from globalshard.geometry import Box
 from globalshard.planner import LoadPlan, ReadItem, TargetPlan
 
-__all__ = ["WINDOW_BYTES", "Exchange", "Piece", "plan_sharing", "read_shared"]
+__all__ = ["WINDOW_BYTES", "Exchange", "Piece", "plan_sharing", "read_shared", "require_exchange"]
 
 #: Shared pieces per exchange window (and the most a piece holds: larger
 #: stored reads are cut along their first axis).
@@ -129,6 +129,18 @@ def windows(pieces: Sequence[Piece]) -> list[list[Piece]]:
     return out
 
 
+def require_exchange(comm: Comm) -> Exchange:
+    """``comm`` as an :class:`Exchange`, checked before a load plans anything.
+
+    Raises:
+        CommError: it has no ``exchange`` method.
+    """
+    if not isinstance(comm, Exchange):
+        raise CommError(f"shared_reads=True needs a communicator with an exchange() method; "
+                        f"{type(comm).__name__} has none")
+    return comm
+
+
 def read_shared(comm: Comm, plan: LoadPlan, datas: Sequence[np.ndarray], read: Any, stats: Any) -> None:
     """Fill ``datas`` as ``read(plan, datas, stats)`` would, reading each piece
     that several ranks need once. Collective: every rank calls it, with its own
@@ -140,9 +152,7 @@ def read_shared(comm: Comm, plan: LoadPlan, datas: Sequence[np.ndarray], read: A
         StorageError: damaged or missing data (on the rank that read it; the
             others raise CommError naming it).
     """
-    if not isinstance(comm, Exchange):
-        raise CommError(f"shared reads need a communicator with an exchange() method; "
-                        f"{type(comm).__name__} has none")
+    exchanger = require_exchange(comm)
     mine = needs_of(plan)
     _, digests = run_collectively(comm, "load: shared reads", lambda: json_digest(mine))
     lists = distinct_values(comm, "load: shared reads", digests, mine)
@@ -184,7 +194,7 @@ def read_shared(comm: Comm, plan: LoadPlan, datas: Sequence[np.ndarray], read: A
                  for peer in p.needers if peer != rank]
         recvs = [(p.owner, i, staged[i]) for i, p in enumerate(window) if p.owner != rank and rank in p.needers]
         try:
-            comm.exchange(sends, recvs)
+            exchanger.exchange(sends, recvs)
         except Exception as e:
             raise CommError(f"load: shared reads: exchanging pieces failed: {type(e).__name__}: {e}") from e
         sent += sum(a.nbytes for _, _, a in sends)
