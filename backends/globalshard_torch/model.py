@@ -118,7 +118,7 @@ def _dtensor_placement(param: torch.Tensor) -> tuple[torch.Tensor, Placement, bo
     if coord is None:
         raise LayoutError("this rank is outside the DTensor's mesh")
     global_shape = tuple(int(s) for s in param.shape)
-    indices: list[list[int]] = [list(range(n)) for n in global_shape]
+    indices = [np.arange(n, dtype=np.int64) for n in global_shape]
     for i, pl in enumerate(placements):
         if isinstance(pl, Replicate):
             continue
@@ -142,7 +142,7 @@ def _dtensor_placement(param: torch.Tensor) -> tuple[torch.Tensor, Placement, bo
     return local, Placement(global_shape, (0,) * len(global_shape), regions=regions), main, first
 
 
-def _shard_indices(placement: Any, current: list[int], chunks: int, rank: int) -> list[int]:
+def _shard_indices(placement: Any, current: np.ndarray, chunks: int, rank: int) -> np.ndarray:
     """The part of ``current`` (global indices) that ``rank`` keeps under one
     Shard or _StridedShard placement of a mesh dim with ``chunks`` ranks."""
     from torch.distributed.tensor import Shard
@@ -153,23 +153,21 @@ def _shard_indices(placement: Any, current: list[int], chunks: int, rank: int) -
 
             size, offsets = placement.local_shard_size_and_offset(len(current), chunks, rank,
                                                                   _StridedShardOffsetMode.ALL)
-            return [current[o] for o in offsets] if size else []
+            return current[np.asarray(offsets, dtype=np.int64)] if size else current[:0]
         size, offset = Shard.local_shard_size_and_offset(len(current), chunks, rank)
     except (AttributeError, ImportError, TypeError) as e:
         # TODO(limitation): _StridedShard needs torch's per-placement offsets (torch 2.13 has them).
         raise LayoutError(f"cannot compute the shard of {placement} with this torch version: {e}") from None
-    return current[int(offset):int(offset) + int(size)] if size else []
+    return current[int(offset):int(offset) + int(size)] if size else current[:0]
 
 
-def _runs(indices: list[int]) -> list[tuple[int, int, int]]:
+def _runs(indices: np.ndarray) -> list[tuple[int, int, int]]:
     """``(local start, global start, length)`` of each contiguous run."""
-    out: list[tuple[int, int, int]] = []
-    for local, g in enumerate(indices):
-        if out and out[-1][1] + out[-1][2] == g:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((local, g, 1))
-    return out
+    if not len(indices):
+        return []
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(indices) != 1) + 1))
+    ends = np.append(starts[1:], len(indices))
+    return [(int(a), int(indices[a]), int(b - a)) for a, b in zip(starts, ends)]
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
