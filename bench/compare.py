@@ -11,7 +11,7 @@ through ``torch.distributed.checkpoint.save/load`` with its default
 filesystem writer, Orbax (when installed: ``.[bench]``) through
 bench/orbax_bench.py with jax's 4 forced CPU devices. The physical limits: 4 threads writing the same bytes to
 files with fsync, and reading them back warm and cold. Each figure is the
-median of 3 runs; speeds are GB/s of state, and ratios are taken within this
+median of 3 runs (``REPS=n``: n); speeds are GB/s of state, and ratios are taken within this
 run. Then globalshard alone at 0.25, 0.5, 1 and 2 GiB (one run each), to
 see that time grows linearly with size. Writes build/bench/compare.json.
 """
@@ -42,7 +42,7 @@ QUICK = "--quick" in sys.argv
 TENSORS = 8
 ROWS, COLS = (256, 2048) if QUICK else (8192, 4096)
 STATE = TENSORS * ROWS * COLS * 4
-REPS = 3
+REPS = int(os.environ.get("REPS", 3))
 
 
 def _port() -> int:
@@ -99,6 +99,10 @@ def _rank(rank: int, world: int, port: int, system: str, action: str, path: str,
     if world > 1:
         dist.barrier()
     seconds = time.perf_counter() - start
+    if system == "globalshard":  # the replaced checkpoint's deletion ends before the next run starts
+        import globalshard
+
+        globalshard.wait_for_cleanup()
     if action != "save":  # the loaded values are right
         last = tensors - 1
         t = state[f"w{last}"]
@@ -117,6 +121,7 @@ def _rank(rank: int, world: int, port: int, system: str, action: str, path: str,
 def _run(world: int, system: str, action: str, path: str, tensors: int = TENSORS) -> float:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
+    os.sync()  # what earlier runs (or other systems) left dirty is not written back during this one
     if world == 1:
         ctx = mp.get_context("spawn")
         p = ctx.Process(target=_rank, args=(0, 1, 0, system, action, path, out, tensors))
@@ -161,6 +166,10 @@ def _raw(root: str) -> dict[str, float]:
 
     writes, warm, cold = [], [], []
     for _ in range(REPS):
+        for p in paths:  # new files, as a save writes: the old ones' pages are freed outside the timing
+            if os.path.exists(p):
+                os.unlink(p)
+        os.sync()
         writes.append(threads(write))
         warm.append(threads(read))
         evict(root)

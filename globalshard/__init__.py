@@ -9,7 +9,16 @@ torch, no jax (those adapters live in ``backends/``).
 
 import logging as _logging
 
-from globalshard.api import AsyncSaver, Checkpoint, load, read_array, read_metadata, read_trainer_state, save
+from globalshard.api import (
+    AsyncSaver,
+    Checkpoint,
+    load,
+    read_array,
+    read_metadata,
+    read_trainer_state,
+    save,
+    wait_for_cleanup,
+)
 from globalshard.comm import Comm, SingleProcessComm
 from globalshard.dtypes import SUPPORTED_DTYPES, is_exact_cast
 from globalshard.errors import (
@@ -74,6 +83,7 @@ __all__ = [
     "read_trainer_state",
     "save",
     "shards_from_flat_range",
+    "wait_for_cleanup",
 ]
 
 # Silent unless the application configures logging: save/load begin and end

@@ -216,6 +216,89 @@ def test_a_second_local_save_while_one_holds_the_lock_fails_at_once(tmp_path):
     saver.save_stamped(tmp_path, 1)  # released
 
 
+@pytest.fixture
+def paused_deletion(monkeypatch):
+    """Every replaced checkpoint counts as large (deleted in the background),
+    and its deletion waits for the event the fixture yields."""
+    from globalshard import api
+
+    monkeypatch.setattr(api, "BACKGROUND_DELETE_BYTES", 1)
+    release = threading.Event()
+    real = api._remove_superseded
+
+    def paused(location, previous, save_id):
+        if previous is not None:  # a first save only sweeps leftovers, in its own thread
+            assert release.wait(60)
+        real(location, previous, save_id)
+
+    monkeypatch.setattr(api, "_remove_superseded", paused)
+    yield release
+    release.set()
+    gs.wait_for_cleanup()
+
+
+def test_a_large_replaced_checkpoint_is_deleted_after_save_returns_under_the_lock(tmp_path, paused_deletion):
+    saver.save_stamped(tmp_path, 1)
+    old = gs.read_metadata(tmp_path).save_id
+    saver.save_stamped(tmp_path, 2, overwrite=True)  # returns with the old one still there
+    new = gs.read_metadata(tmp_path).save_id
+    assert saved_dirs(tmp_path) == sorted([old, new])
+    assert saver.whose(tmp_path) == 2
+    with pytest.raises(gs.ConcurrentSaveError):  # another writer finds the lock held
+        with Location(tmp_path).lock():
+            pass
+    # The next save of this process waits for the deletion instead of failing.
+    errors = []
+    third = threading.Thread(target=lambda: errors.extend(
+        [e for e in [_raised(saver.save_stamped, tmp_path, 3, overwrite=True)] if e]))
+    third.start()
+    third.join(0.5)
+    assert third.is_alive() and saved_dirs(tmp_path) == sorted([old, new])
+    paused_deletion.set()
+    third.join(60)
+    assert not third.is_alive() and errors == []
+    gs.wait_for_cleanup()
+    assert saved_dirs(tmp_path) == [gs.read_metadata(tmp_path).save_id]
+    assert saver.whose(tmp_path) == 3
+    with Location(tmp_path).lock():  # released
+        pass
+
+
+def _raised(fn, *args, **kw):
+    try:
+        fn(*args, **kw)
+    except BaseException as e:  # handed back to the test's thread
+        return e
+    return None
+
+
+def test_a_small_replaced_checkpoint_is_gone_when_save_returns(tmp_path):
+    saver.save_stamped(tmp_path, 1)
+    saver.save_stamped(tmp_path, 2, overwrite=True)  # 7.5 MiB: below BACKGROUND_DELETE_BYTES
+    assert saved_dirs(tmp_path) == [gs.read_metadata(tmp_path).save_id]
+
+
+def test_the_interpreter_finishes_a_background_deletion_before_it_exits(tmp_path):
+    script = (f"import sys; sys.path.insert(0, {HERE!r})\nimport saver\nfrom globalshard import api\n"
+              f"api.BACKGROUND_DELETE_BYTES = 1\nsaver.save_stamped({str(tmp_path)!r}, 1)\n"
+              f"saver.save_stamped({str(tmp_path)!r}, 2, overwrite=True)\n")
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    assert saved_dirs(tmp_path) == [gs.read_metadata(tmp_path).save_id]
+    assert saver.whose(tmp_path) == 2
+
+
+def test_an_async_save_hands_a_large_deletion_to_the_background_too(tmp_path, paused_deletion):
+    saver.save_stamped(tmp_path, 1)
+    old = gs.read_metadata(tmp_path).save_id
+    async_saver = gs.AsyncSaver()
+    async_saver.save(saver.stamped_state(2), tmp_path, trainer_state={"tag": 2}, overwrite=True)
+    async_saver.wait()  # committed; the deletion is still paused
+    assert old in saved_dirs(tmp_path) and saver.whose(tmp_path) == 2
+    paused_deletion.set()
+    gs.wait_for_cleanup()
+    assert saved_dirs(tmp_path) == [gs.read_metadata(tmp_path).save_id]
+
+
 # ----------------------------------------------------------------------- what a reader accepts
 
 
