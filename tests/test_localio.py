@@ -41,21 +41,26 @@ def engine(name, chunk_bytes=None):
         storage.LOCAL_IO, storage.CHUNK_BYTES = saved
 
 
-@given(checkpoints(), st.sampled_from(ENGINES), st.sampled_from(ENGINES), st.sampled_from([2, 8, 24, 1 << 20]))
-def test_property_either_engine_reads_what_either_wrote(tensors, writer, reader, chunk_bytes):
+@given(checkpoints(), st.sampled_from(ENGINES), st.sampled_from(ENGINES), st.sampled_from([2, 8, 24, 1 << 20]),
+       st.sampled_from([localio.READ_TASK_BYTES, (1, 1), (16, 64)]))
+def test_property_either_engine_reads_what_either_wrote(tensors, writer, reader, chunk_bytes, read_tasks):
     # Tiny chunk limits shard even these small arrays into many inner chunks,
-    # with partial chunks at every edge.
+    # with partial chunks at every edge; tiny read tasks split each file's
+    # chunks over many tasks (one chunk each at (1, 1)).
     directory = tempfile.mkdtemp()
+    saved = localio.READ_TASK_BYTES
     try:
         state, targets = shards_of(tensors)
         with engine(writer, chunk_bytes):
             gs.save(state, directory)
+        localio.READ_TASK_BYTES = read_tasks
         with engine(reader):
             gs.load(targets, directory)
             problems, _ = gs.Checkpoint(directory).verify()
             assert problems == []
             assert_loaded(tensors, targets, directory)
     finally:
+        localio.READ_TASK_BYTES = saved
         shutil.rmtree(directory, ignore_errors=True)
 
 
