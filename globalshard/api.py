@@ -273,28 +273,27 @@ def _finish_save(planned: _PlannedSave, stats: IOStats | None, held: contextlib.
         raise
     if comm.rank == 0:
         previous = coordinator.previous
-        if previous is not None and _stored_bytes(previous) >= BACKGROUND_DELETE_BYTES:
-            _delete_in_background(location, previous, save_id, held.pop_all())
+        if previous is not None and previous.stored_bytes() >= BACKGROUND_DELETE_BYTES:
+            delete_in_background(f"the checkpoint replaced at {location}",
+                                 lambda: _remove_superseded(location, previous, save_id), holding=held.pop_all())
         else:
             _remove_superseded(location, previous, save_id)
     comm.barrier()
 
 
-def _stored_bytes(metadata: Metadata) -> int:
-    return sum(r.nbytes for t in metadata.tensors.values() for r in t.regions)
-
-
-def _delete_in_background(location: Location, previous: Metadata, save_id: str, lock: contextlib.ExitStack) -> None:
-    """:func:`_remove_superseded` in a thread that then releases ``lock``. Not a
-    daemon: the interpreter waits for it at exit (a process killed meanwhile
-    leaves an unlisted save directory, which the next save removes)."""
+def delete_in_background(what: str, delete: Callable[[], None], *,
+                         holding: contextlib.ExitStack | None = None) -> None:
+    """Run ``delete`` in a thread that :func:`wait_for_cleanup` (so the next
+    save) waits for, then close ``holding`` (a lock it keeps meanwhile). Not a
+    daemon: the interpreter waits for it at exit. A failure is logged, naming
+    ``what``: what it deletes is no longer part of any checkpoint."""
 
     def run() -> None:
-        with lock:
+        with holding if holding is not None else contextlib.nullcontext():
             try:
-                _remove_superseded(location, previous, save_id)
-            except BaseException:  # the checkpoint is committed: say so, raise nowhere
-                _log.exception("deleting the checkpoint replaced at %s failed", location)
+                delete()
+            except BaseException:  # nothing committed depends on it: say so, raise nowhere
+                _log.exception("deleting %s failed", what)
 
     thread = threading.Thread(target=run, name="globalshard-delete")
     with _deleting_lock:

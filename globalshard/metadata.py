@@ -114,6 +114,10 @@ class Metadata:
             raise MetadataError(f"format version {self.version} with save_id {self.save_id!r}: version 2 "
                                 "needs 32 lowercase hex digits, version 1 none")
 
+    def stored_bytes(self) -> int:
+        """Bytes of array data the checkpoint stores (checksums and metadata aside)."""
+        return sum(r.nbytes for t in self.tensors.values() for r in t.regions)
+
     def paths(self) -> list[str]:
         """Every path this checkpoint uses: its arrays and its trainer state."""
         out = [r.path for t in self.tensors.values() for r in t.regions]

@@ -5,6 +5,7 @@ import json
 import os
 import random
 import shutil
+import threading
 
 import ml_dtypes
 import numpy as np
@@ -281,6 +282,32 @@ def test_optimizer_mismatches_are_refused_before_loading(tmp_path):
 
 
 # ----------------------------------------------------------------------- manager
+
+
+def test_manager_prunes_a_large_checkpoint_unpublished_first_then_in_the_background(tmp_path, monkeypatch):
+    from globalshard import api
+
+    monkeypatch.setattr(api, "BACKGROUND_DELETE_BYTES", 1)  # every checkpoint counts as large
+    release, seen = threading.Event(), []
+    real = api.delete_in_background
+
+    def held(what, delete, **kw):
+        seen.append(what)
+        real(what, lambda: (release.wait(60), delete()), **kw)
+
+    monkeypatch.setattr(api, "delete_in_background", held)
+    mgr = gt.CheckpointManager(tmp_path, keep_last=1)
+    model = _model()
+    try:
+        for step in (100, 200):
+            mgr.save(step, model=model, layout=gt.ParallelLayout(), rules=RULES)
+        # save returned with step 100 unpublished (no longer complete) but not yet deleted.
+        assert seen == [mgr.path(100)]
+        assert [s for s, _ in mgr.complete()] == [200] and os.path.isdir(mgr.path(100))
+    finally:
+        release.set()
+        gs.wait_for_cleanup()
+    assert not os.path.exists(mgr.path(100)) and mgr.latest() == (200, mgr.path(200))
 
 
 def test_manager_keeps_last_n_and_resumes_from_latest_complete(tmp_path):

@@ -26,6 +26,7 @@ group membership by key), ``rng`` (every rank's RNG states), ``extra_state``
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -38,6 +39,7 @@ import torch
 from torch import nn
 
 import globalshard as gs
+from globalshard import api as gs_api
 from globalshard.comm import Comm, SingleProcessComm, run_collectively
 from globalshard.errors import LayoutError, MetadataError, MismatchError, format_problems
 from globalshard.storage import Location
@@ -602,9 +604,16 @@ class CheckpointManager:
             return
         others = [path for _, path in sorted(self.complete(), reverse=True) if path != keep]
         for path in others[self.keep_last - 1:]:
+            try:
+                large = gs.read_metadata(path).stored_bytes() >= gs_api.BACKGROUND_DELETE_BYTES
+            except gs.GlobalShardError:  # complete a moment ago: gone or replaced meanwhile
+                continue
             # Un-publish before deleting: a crash mid-delete leaves no half checkpoint.
             os.unlink(os.path.join(path, "metadata.json"))
-            shutil.rmtree(path, ignore_errors=True)
+            if large:  # as a save deletes what it replaced: after the call returns
+                gs_api.delete_in_background(path, functools.partial(shutil.rmtree, path, ignore_errors=True))
+            else:
+                shutil.rmtree(path, ignore_errors=True)
 
     def _remove_leftovers(self) -> None:
         # Pointer files of managers killed between writing and renaming them.
