@@ -11,7 +11,9 @@ its script did not run): ``save_vs_disk``, ``save_vs_dcp``,
 ``async_block_vs_memcpy`` (bench/io_memory.py, the second save), ``peak_rss_over_state``
 (the larger of save and load: peak RSS rise / state), ``plan_4096_s`` (bench/run.py),
 ``shared_reads`` (time and group bytes read with shared reads over without, local warm and
-cold and S3, bench/shared_reads.py). Draws build/bench/bench.png: throughput per system and the planning curve
+cold and S3, bench/shared_reads.py), ``small_tensors_over_large`` (2,000 small tensors' save and
+load time over the same bytes in 8, and the packed prototype's projected load over the same,
+bench/small_tensors.py). Draws build/bench/bench.png: throughput per system and the planning curve
 (matplotlib, from ``.[bench]``; skipped with a message when it is missing).
 """
 
@@ -90,6 +92,11 @@ def main() -> None:
     report["shared_reads"] = {name: {"shared_over_plain_seconds": shared[name]["shared_over_plain_seconds"],
                                      "shared_over_plain_bytes_read": shared[name]["shared_over_plain_bytes_read"]}
                               for name in ("local_warm", "local_cold", "s3") if name in shared} or None
+    small = _read("small_tensors.json")
+    report["small_tensors_over_large"] = {
+        "save": small["file_small_over_large"]["save"], "load": small["file_small_over_large"]["load"],
+        "packed_prototype_load": small["packed_prototype"]["projected_load_s"] / small["file_large"]["load_s"],
+    } if "packed_prototype" in small else None
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "report.json"), "w") as f:
         json.dump(report, f, indent=1)
@@ -101,7 +108,7 @@ def main() -> None:
             print("plot: matplotlib is not installed (pip install -e '.[bench]'), no bench.png")
     for key in ("save_vs_disk", "save_vs_dcp", "load_warm_vs_page_cache", "load_warm_vs_dcp", "load_cold_vs_disk",
                 "load_cold_vs_dcp", "read_amplification", "async_block_vs_memcpy", "peak_rss_over_state",
-                "plan_4096_s", "shared_reads"):
+                "plan_4096_s", "shared_reads", "small_tensors_over_large"):
         print(f"{key}: {report[key]}")
 
 
