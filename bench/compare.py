@@ -12,8 +12,9 @@ filesystem writer, Orbax (when installed: ``.[bench]``) through
 bench/orbax_bench.py with jax's 4 forced CPU devices. The physical limits: 4 threads writing the same bytes to
 files with fsync, and reading them back warm and cold. Each figure is the
 median of 3 runs (``REPS=n``: n); speeds are GB/s of state, and ratios are taken within this
-run. Then globalshard alone at 0.25, 0.5, 1 and 2 GiB (one run each), to
-see that time grows linearly with size. Writes build/bench/compare.json.
+run. Then globalshard at 0.25, 0.5, 1 and 2 GiB (one run each, with the
+raw 4-thread write of the same bytes), to see that time grows linearly with
+size. Writes build/bench/compare.json.
 """
 
 from __future__ import annotations
@@ -59,15 +60,16 @@ def _full(k: int) -> torch.Tensor:
 
 def _state(world: int, zeros: bool, tensors: int = TENSORS) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard
 
     if world == 1:
         return {f"w{k}": (torch.zeros(ROWS, COLS) if zeros else _full(k)) for k in range(tensors)}
     mesh = init_device_mesh("cpu", (world,))
+    rank, n = dist.get_rank(), ROWS // world
     out = {}
-    for k in range(tensors):
-        full = torch.zeros(ROWS, COLS) if zeros else _full(k)
-        out[f"w{k}"] = distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
+    for k in range(tensors):  # each rank holds its own rows only, as a trainer's rank does
+        local = torch.zeros(n, COLS) if zeros else _full(k)[rank * n:(rank + 1) * n].clone()
+        out[f"w{k}"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
     return out
 
 
@@ -136,10 +138,10 @@ def _run(world: int, system: str, action: str, path: str, tensors: int = TENSORS
     return seconds
 
 
-def _raw(root: str) -> dict[str, float]:
+def _raw(root: str, tensors: int = TENSORS, reads: bool = True) -> dict[str, float]:
     """4 threads write (with fsync) and read back the same bytes as files."""
-    data = [_full(k).numpy() for k in range(TENSORS)]
-    paths = [os.path.join(root, f"raw{k}.bin") for k in range(TENSORS)]
+    data = [_full(k).numpy() for k in range(tensors)]
+    paths = [os.path.join(root, f"raw{k}.bin") for k in range(tensors)]
 
     def threads(fn: Any) -> float:
         start = time.perf_counter()
@@ -151,7 +153,7 @@ def _raw(root: str) -> dict[str, float]:
         return time.perf_counter() - start
 
     def write(i: int) -> None:
-        for k in range(i, TENSORS, 4):
+        for k in range(i, tensors, 4):
             with open(paths[k], "wb") as f:
                 f.write(memoryview(data[k]).cast("B"))
                 f.flush()
@@ -160,7 +162,7 @@ def _raw(root: str) -> dict[str, float]:
     buffers = [np.empty_like(d) for d in data]
 
     def read(i: int) -> None:
-        for k in range(i, TENSORS, 4):
+        for k in range(i, tensors, 4):
             with open(paths[k], "rb", buffering=0) as f:
                 f.readinto(memoryview(buffers[k]).cast("B"))
 
@@ -171,9 +173,15 @@ def _raw(root: str) -> dict[str, float]:
                 os.unlink(p)
         os.sync()
         writes.append(threads(write))
+        if not reads:
+            continue
         warm.append(threads(read))
         evict(root)
         cold.append(threads(read))
+    for p in paths:
+        os.unlink(p)
+    if not reads:
+        return {"write_s": statistics.median(writes)}
     return {"write_s": statistics.median(writes), "read_warm_s": statistics.median(warm),
             "read_cold_s": statistics.median(cold)}
 
@@ -211,10 +219,12 @@ def main() -> None:
         per = ROWS * COLS * 4
         for tensors in ((1, 2) if QUICK else (2, 4, 8, 16)):
             path = os.path.join(tmp, f"curve{tensors}")
+            raw_s = _raw(tmp, tensors, reads=False)["write_s"]
             save_s = _run(4, "globalshard", "save", path, tensors)
             _run(2, "globalshard", "load", path, tensors)
             load_s = _run(2, "globalshard", "load", path, tensors)
-            report["size_curve"].append({"bytes": tensors * per, "save_s": save_s, "load_tp2_warm_s": load_s})
+            report["size_curve"].append({"bytes": tensors * per, "save_s": save_s, "load_tp2_warm_s": load_s,
+                                         "raw_write_s": raw_s})
             shutil.rmtree(path)
     gs_, dcp, raw = report["globalshard"], report["dcp"], report["raw"]
     report["ratios"] = {
@@ -256,10 +266,11 @@ def main() -> None:
     for name, r in systems:
         print(f"| {name} | {rate(r['save_s'])} | {rate(r['load_tp2_warm_s'])} | {rate(r['load_tp2_cold_s'])} "
               f"| {rate(r['load_tp1_warm_s'])} |")
-    print("\n| state GiB | save s | save GB/s | load TP4->2 warm s | load GB/s |")
-    print("| --- | --- | --- | --- | --- |")
+    print("\n| state GiB | save s | save GB/s | raw write+fsync s | save / raw time | load TP4->2 warm s | load GB/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for c in report["size_curve"]:
         print(f"| {c['bytes'] / 2**30:.2f} | {c['save_s']:.2f} | {c['bytes'] / 1e9 / c['save_s']:.2f} "
+              f"| {c['raw_write_s']:.2f} | {c['save_s'] / c['raw_write_s']:.2f} "
               f"| {c['load_tp2_warm_s']:.2f} | {c['bytes'] / 1e9 / c['load_tp2_warm_s']:.2f} |")
     print()
     for k, v in report["ratios"].items():
