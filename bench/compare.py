@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from pagecache import evict
+from pagecache import evict, quiesce
 
 QUICK = "--quick" in sys.argv
 TENSORS = 8
@@ -123,7 +123,7 @@ def _rank(rank: int, world: int, port: int, system: str, action: str, path: str,
 def _run(world: int, system: str, action: str, path: str, tensors: int = TENSORS) -> float:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
-    os.sync()  # what earlier runs (or other systems) left dirty is not written back during this one
+    quiesce(path if os.path.exists(path) else os.path.dirname(path))  # nothing earlier still being written or trimmed
     if world == 1:
         ctx = mp.get_context("spawn")
         p = ctx.Process(target=_rank, args=(0, 1, 0, system, action, path, out, tensors))
@@ -171,7 +171,7 @@ def _raw(root: str, tensors: int = TENSORS, reads: bool = True) -> dict[str, flo
         for p in paths:  # new files, as a save writes: the old ones' pages are freed outside the timing
             if os.path.exists(p):
                 os.unlink(p)
-        os.sync()
+        quiesce(root)
         writes.append(threads(write))
         if not reads:
             continue

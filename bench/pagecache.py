@@ -16,3 +16,37 @@ def evict(root: str) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def quiesce(path: str, *, idle_s: float = 0.3, timeout_s: float = 30.0) -> float:
+    """os.sync(), then wait until the disk holding ``path`` has been idle for
+    ``idle_s`` (its sector counters in /sys/dev/block unchanged, nothing in
+    flight), at most ``timeout_s``. Returns the seconds waited.
+
+    A filesystem mounted with ``discard`` (this machine's root is) trims the
+    blocks of deleted files after the fact: deleting a GiB right before a
+    timed save made that save 3-4x slower. Each timed run starts from a quiet
+    disk instead."""
+    import time
+
+    start = time.perf_counter()
+    os.sync()
+    st = os.stat(path)
+    stat_file = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat"
+    if not os.path.exists(stat_file):
+        return time.perf_counter() - start
+
+    def sample() -> tuple[int, ...]:
+        with open(stat_file) as f:
+            return tuple(int(v) for v in f.read().split())
+
+    last, quiet_since = sample(), time.perf_counter()
+    while time.perf_counter() - start < timeout_s:
+        time.sleep(0.05)
+        now = sample()
+        busy = now[8] != 0 if len(now) > 8 else False  # I/Os in flight
+        if now != last or busy:
+            last, quiet_since = now, time.perf_counter()
+        elif time.perf_counter() - quiet_since >= idle_s:
+            break
+    return time.perf_counter() - start

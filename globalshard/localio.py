@@ -273,6 +273,8 @@ def _closing(pool: concurrent.futures.Executor, fd: int,
         try:
             for f in futures:
                 f.result()
+            if fsync:
+                _start_writeback(fd)
             pool.submit(_sync_close, fd, fsync).add_done_callback(lambda f: _settle(done, f))
         except BaseException as e:
             os.close(fd)
@@ -307,6 +309,33 @@ def _write_small(path: str, data: bytes, fsync: bool) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _libc_sync_file_range() -> Any:
+    try:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.sync_file_range
+        fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+        return fn
+    except (OSError, AttributeError):
+        return None
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range() if sys.platform.startswith("linux") else None
+
+
+def _start_writeback(fd: int) -> None:
+    """Start writing a finished file's dirty pages to the disk without waiting
+    (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``); its fsync, queued
+    behind the other files' writes, then has less left to wait for. Saving 2
+    GiB from 4 processes (3 alternating runs): 3.4-3.7 s without, 2.5-2.9 s
+    with; 1 GiB the same (0.8-0.9 s), where the kernel had not yet throttled
+    the writers. Durability still comes from the fsync."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE; an error is the fsync's to report
 
 
 def _libc_syncfs() -> Any:

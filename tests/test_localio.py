@@ -247,3 +247,22 @@ def test_io_threads_follow_the_environment():
     assert workers(LOCAL_WORLD_SIZE="8") == "1"  # at least one per rank
     assert workers(LOCAL_WORLD_SIZE="8", GLOBALSHARD_IO_THREADS="3") == "3"
     assert "GLOBALSHARD_IO_THREADS must be a positive integer, got '0'" in workers(GLOBALSHARD_IO_THREADS="0")
+
+
+def test_each_sharded_file_starts_its_writeback_before_its_fsync(tmp_path, monkeypatch):
+    events = []
+    real_start, real_close = localio._start_writeback, localio._sync_close
+    monkeypatch.setattr(localio, "_start_writeback", lambda fd: events.append(("start", fd)) or real_start(fd))
+    monkeypatch.setattr(localio, "_sync_close",
+                        lambda fd, fsync: events.append(("fsync", fd)) or real_close(fd, fsync))
+    with engine("direct", 4 * 64):  # three arrays, each a shard file of many inner chunks
+        gs.save({f"w{i}": gs.ShardedTensor.from_offset(f"w{i}", np.full((40, 64), i, np.float32),
+                                                       global_shape=(40, 64), global_offset=(0, 0))
+                 for i in range(3)}, tmp_path / "c")
+    starts = [fd for what, fd in events if what == "start"]
+    assert len(starts) == 3
+    for fd in starts:  # descriptor numbers are reused: match each start with the next fsync of it
+        at = events.index(("start", fd))
+        assert ("fsync", fd) in events[at + 1:]
+    for i in range(3):
+        assert np.array_equal(gs.read_array(tmp_path / "c", f"w{i}"), np.full((40, 64), i, np.float32))
