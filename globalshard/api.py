@@ -94,7 +94,8 @@ def wait_for_cleanup() -> None:
             if thread in _deleting:
                 _deleting.remove(thread)
 
-__all__ = ["AsyncSaver", "Checkpoint", "load", "read_array", "read_metadata", "read_trainer_state", "save"]
+__all__ = ["AsyncSaver", "Checkpoint", "load", "read_array", "read_metadata", "read_trainer_state", "save",
+           "wait_for_cleanup"]
 
 
 

@@ -19,6 +19,8 @@ TensorStore. Object stores always go through TensorStore.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
+import ctypes.util
 import itertools
 import json
 import math
@@ -311,20 +313,20 @@ def _write_small(path: str, data: bytes, fsync: bool) -> None:
         os.close(fd)
 
 
-def _libc_sync_file_range() -> Any:
+def _libc(name: str, *argtypes: Any) -> Any:
+    """A libc function through ctypes (Linux calls Python's os module lacks), or None."""
     try:
-        import ctypes
-        import ctypes.util
-
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.sync_file_range
-        fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+        fn = getattr(libc, name)
+        fn.argtypes = list(argtypes)
         return fn
     except (OSError, AttributeError):
         return None
 
 
-_SYNC_FILE_RANGE = _libc_sync_file_range() if sys.platform.startswith("linux") else None
+_LINUX = sys.platform.startswith("linux")
+_SYNC_FILE_RANGE = _libc("sync_file_range", ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong,
+                         ctypes.c_uint) if _LINUX else None
 
 
 def _start_writeback(fd: int) -> None:
@@ -338,20 +340,7 @@ def _start_writeback(fd: int) -> None:
         _SYNC_FILE_RANGE(fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE; an error is the fsync's to report
 
 
-def _libc_syncfs() -> Any:
-    try:
-        import ctypes
-        import ctypes.util
-
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.syncfs
-        fn.argtypes = [ctypes.c_int]
-        return fn
-    except (OSError, AttributeError):
-        return None
-
-
-_SYNCFS = _libc_syncfs() if sys.platform.startswith("linux") else None
+_SYNCFS = _libc("syncfs", ctypes.c_int) if _LINUX else None
 
 
 def has_syncfs() -> bool:
@@ -367,8 +356,6 @@ def syncfs(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         if _SYNCFS(fd) != 0:
-            import ctypes
-
             err = ctypes.get_errno()
             raise OSError(err, f"syncfs: {os.strerror(err)}", path)
     finally:
