@@ -65,6 +65,9 @@ _log = logging.getLogger("globalshard")
 #: An unlisted save directory on a kvstore root older than this is a leftover (spec 2.2).
 _LEFTOVER_AGE_MS = 24 * 3600 * 1000
 
+__all__ = ["AsyncSaver", "Checkpoint", "load", "read_array", "read_metadata", "read_trainer_state", "save",
+           "wait_for_cleanup"]
+
 #: A replaced checkpoint storing at least this many bytes is deleted by a
 #: background thread of rank 0 once the new one is committed, so that save
 #: returns without waiting for it (freeing 1 GiB of files takes 0.3 s here;
@@ -93,10 +96,6 @@ def wait_for_cleanup() -> None:
         with _deleting_lock:
             if thread in _deleting:
                 _deleting.remove(thread)
-
-__all__ = ["AsyncSaver", "Checkpoint", "load", "read_array", "read_metadata", "read_trainer_state", "save",
-           "wait_for_cleanup"]
-
 
 
 def _entries(state: Mapping[str, ShardedTensor]) -> list[tuple[str, ShardedTensor]]:

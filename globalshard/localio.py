@@ -551,9 +551,7 @@ def _read_file_chunks(layout: ArrayFile, outer: tuple[int, ...],
                                  f"takes {nbytes + 4} with its checksum")
             total += nbytes
             direct = _whole_chunk_view(dests, chunk_index, chunk, dtype, layout.shape)
-            if direct is not None and (not run or (offset == run_end and len(run) < _RUN_CHUNKS)):
-                if not run:
-                    run_start = offset
+            if direct is not None and run and offset == run_end and len(run) < _RUN_CHUNKS:
                 run.append((where, direct))
                 run_end = offset + length
                 continue
