@@ -10,11 +10,17 @@ with posix_fadvise). Every system does the same: globalshard through
 through ``torch.distributed.checkpoint.save/load`` with its default
 filesystem writer, Orbax (when installed: ``.[bench]``) through
 bench/orbax_bench.py with jax's 4 forced CPU devices. The physical limits: 4 threads writing the same bytes to
-files with fsync, and reading them back warm and cold. Each figure is the
-median of 3 runs (``REPS=n``: n); speeds are GB/s of state, and ratios are taken within this
-run. Then globalshard at 0.25, 0.5, 1 and 2 GiB (one run each, with the
-raw 4-thread write of the same bytes), to see that time grows linearly with
-size. Writes build/bench/compare.json.
+files with fsync, and reading them back warm and cold. The disk, globalshard
+and DCP take turns in each of 3 rounds (``REPS=n``: n); each figure is the
+median over the rounds, and each ratio the median of the rounds' ratios
+(this disk's write speed changes by up to 3x within minutes, so a ratio is
+only taken between runs of the same round). Speeds are GB/s of state. Then
+globalshard at 0.25, 0.5, 1 and 2 GiB, each size in rounds with the raw
+4-thread write of the same bytes, to see that time grows linearly with
+size. Every timed write goes to new files, and nothing is deleted until the
+run ends, after waiting out earlier deletions first (pagecache.settle: on
+this disk a write soon after a deletion runs several times faster).
+Writes build/bench/compare.json.
 """
 
 from __future__ import annotations
@@ -22,7 +28,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import socket
 import statistics
 import subprocess
@@ -37,7 +42,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from pagecache import evict, quiesce
+from pagecache import SETTLE_S, evict, quiesce, settle
 
 QUICK = "--quick" in sys.argv
 TENSORS = 8
@@ -138,10 +143,11 @@ def _run(world: int, system: str, action: str, path: str, tensors: int = TENSORS
     return seconds
 
 
-def _raw(root: str, tensors: int = TENSORS, reads: bool = True) -> dict[str, float]:
-    """4 threads write (with fsync) and read back the same bytes as files."""
+def _raw(root: str, tag: str, tensors: int = TENSORS, reads: bool = True) -> dict[str, float]:
+    """4 threads write (with fsync) and read back the same bytes as files,
+    once: new files, as a save writes, kept until the run ends."""
     data = [_full(k).numpy() for k in range(tensors)]
-    paths = [os.path.join(root, f"raw{k}.bin") for k in range(tensors)]
+    paths = [os.path.join(root, f"{tag}-{k}.bin") for k in range(tensors)]
 
     def threads(fn: Any) -> float:
         start = time.perf_counter()
@@ -166,47 +172,65 @@ def _raw(root: str, tensors: int = TENSORS, reads: bool = True) -> dict[str, flo
             with open(paths[k], "rb", buffering=0) as f:
                 f.readinto(memoryview(buffers[k]).cast("B"))
 
-    writes, warm, cold = [], [], []
-    for _ in range(REPS):
-        for p in paths:  # new files, as a save writes: the old ones' pages are freed outside the timing
-            if os.path.exists(p):
-                os.unlink(p)
-        quiesce(root)
-        writes.append(threads(write))
-        if not reads:
-            continue
-        warm.append(threads(read))
+    quiesce(root)
+    out = {"write_s": threads(write)}
+    if reads:
+        out["read_warm_s"] = threads(read)
         evict(root)
-        cold.append(threads(read))
-    for p in paths:
-        os.unlink(p)
-    if not reads:
-        return {"write_s": statistics.median(writes)}
-    return {"write_s": statistics.median(writes), "read_warm_s": statistics.median(warm),
-            "read_cold_s": statistics.median(cold)}
+        out["read_cold_s"] = threads(read)
+    return out
+
+
+def _system(tmp: str, system: str, rep: int) -> dict[str, float]:
+    path = os.path.join(tmp, f"{system}{rep}")
+    out = {"save_s": _run(4, system, "save", path)}
+    _run(2, system, "load", path)  # warms the page cache
+    out["load_tp2_warm_s"] = _run(2, system, "load", path)
+    out["load_tp1_warm_s"] = _run(1, system, "load", path)
+    evict(path)
+    out["load_tp2_cold_s"] = _run(2, system, "load", path)
+    return out
+
+
+def _medians(rounds: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+
+
+#: Each headline ratio: (numerator system, its figure, globalshard's figure); a
+#: ratio above 1 means globalshard took less time.
+RATIOS = {
+    "save_vs_disk": ("raw", "write_s", "save_s"),
+    "save_vs_dcp": ("dcp", "save_s", "save_s"),
+    "load_warm_vs_page_cache": ("raw", "read_warm_s", "load_tp2_warm_s"),
+    "load_warm_vs_dcp": ("dcp", "load_tp2_warm_s", "load_tp2_warm_s"),
+    "load_tp1_warm_vs_dcp": ("dcp", "load_tp1_warm_s", "load_tp1_warm_s"),
+    "load_cold_vs_disk": ("raw", "read_cold_s", "load_tp2_cold_s"),
+    "load_cold_vs_dcp": ("dcp", "load_tp2_cold_s", "load_tp2_cold_s"),
+}
 
 
 def main() -> None:
     report: dict[str, Any] = {"state_bytes": STATE, "quick": QUICK}
     base = os.environ.get("BENCH_DIR", "build")
     os.makedirs(base, exist_ok=True)
+    # Nothing is deleted until the run ends (a timed write soon after a deletion
+    # runs faster on this disk, see pagecache.settle): about 40 GiB on disk at the end.
     with tempfile.TemporaryDirectory(dir=base) as tmp:
-        print("raw disk ...", flush=True)
-        report["raw"] = _raw(tmp)
-        for system in ("globalshard", "dcp"):
-            print(f"{system} ...", flush=True)
-            figures: dict[str, list[float]] = {"save_s": [], "load_tp2_warm_s": [], "load_tp2_cold_s": [],
-                                               "load_tp1_warm_s": []}
-            for rep in range(REPS):
-                path = os.path.join(tmp, f"{system}{rep}")
-                figures["save_s"].append(_run(4, system, "save", path))
-                _run(2, system, "load", path)  # warms the page cache
-                figures["load_tp2_warm_s"].append(_run(2, system, "load", path))
-                figures["load_tp1_warm_s"].append(_run(1, system, "load", path))
-                evict(path)
-                figures["load_tp2_cold_s"].append(_run(2, system, "load", path))
-                shutil.rmtree(path)
-            report[system] = {k: statistics.median(v) for k, v in figures.items()}
+        if not QUICK:
+            print(f"waiting {SETTLE_S:.0f} s for earlier deletions to settle ...", flush=True)
+            settle()
+        # The disk, globalshard and DCP take turns within each round, so that each
+        # round's ratios compare runs made minutes apart at most: this disk's write
+        # speed changes by up to 3x from one minute to the next (see the README).
+        rounds: dict[str, list[dict[str, float]]] = {"raw": [], "globalshard": [], "dcp": []}
+        for rep in range(REPS):
+            print(f"round {rep + 1} of {REPS}: raw disk, globalshard, dcp ...", flush=True)
+            rounds["raw"].append(_raw(tmp, f"raw{rep}"))
+            for system in ("globalshard", "dcp"):
+                rounds[system].append(_system(tmp, system, rep))
+        report["rounds"] = rounds
+        for system, figures in rounds.items():
+            report[system] = _medians(figures)
         if importlib.util.find_spec("orbax") is not None:
             print("orbax ...", flush=True)
             out = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "orbax_bench.py"), tmp,
@@ -214,28 +238,26 @@ def main() -> None:
             report["orbax"] = json.loads(out.stdout.strip().splitlines()[-1])
         else:
             print("orbax: not installed (pip install -e '.[bench]'), left out", flush=True)
-        # Linear in the state's size: globalshard alone, TP=4 save and TP4->2 warm load, one run each.
+        # Linear in the state's size: globalshard's TP=4 save (with the raw write
+        # of the same bytes in the same round) and TP4->2 warm load.
         report["size_curve"] = []
         per = ROWS * COLS * 4
         for tensors in ((1, 2) if QUICK else (2, 4, 8, 16)):
-            path = os.path.join(tmp, f"curve{tensors}")
-            raw_s = _raw(tmp, tensors, reads=False)["write_s"]
-            save_s = _run(4, "globalshard", "save", path, tensors)
-            _run(2, "globalshard", "load", path, tensors)
-            load_s = _run(2, "globalshard", "load", path, tensors)
-            report["size_curve"].append({"bytes": tensors * per, "save_s": save_s, "load_tp2_warm_s": load_s,
-                                         "raw_write_s": raw_s})
-            shutil.rmtree(path)
+            print(f"size curve: {tensors * per / 2**30:.2f} GiB ...", flush=True)
+            curve: list[dict[str, float]] = []
+            for rep in range(REPS):
+                path = os.path.join(tmp, f"curve{tensors}-{rep}")
+                raw_s = _raw(tmp, f"curve{tensors}-raw{rep}", tensors, reads=False)["write_s"]
+                save_s = _run(4, "globalshard", "save", path, tensors)
+                _run(2, "globalshard", "load", path, tensors)
+                curve.append({"save_s": save_s, "raw_write_s": raw_s, "save_over_raw": save_s / raw_s,
+                              "load_tp2_warm_s": _run(2, "globalshard", "load", path, tensors)})
+            report["size_curve"].append({"bytes": tensors * per, **_medians(curve)})
+    # Median over the rounds of each round's ratio (not a ratio of medians).
+    report["ratios"] = {name: statistics.median(rounds[other][i][theirs] / rounds["globalshard"][i][ours]
+                                                for i in range(REPS))
+                        for name, (other, theirs, ours) in RATIOS.items()}
     gs_, dcp, raw = report["globalshard"], report["dcp"], report["raw"]
-    report["ratios"] = {
-        "save_vs_disk": raw["write_s"] / gs_["save_s"],
-        "save_vs_dcp": dcp["save_s"] / gs_["save_s"],
-        "load_warm_vs_page_cache": raw["read_warm_s"] / gs_["load_tp2_warm_s"],
-        "load_warm_vs_dcp": dcp["load_tp2_warm_s"] / gs_["load_tp2_warm_s"],
-        "load_tp1_warm_vs_dcp": dcp["load_tp1_warm_s"] / gs_["load_tp1_warm_s"],
-        "load_cold_vs_disk": raw["read_cold_s"] / gs_["load_tp2_cold_s"],
-        "load_cold_vs_dcp": dcp["load_tp2_cold_s"] / gs_["load_tp2_cold_s"],
-    }
     if "orbax" in report:
         orbax = report["orbax"]
         if "globalshard_jax" in orbax:
@@ -266,11 +288,11 @@ def main() -> None:
     for name, r in systems:
         print(f"| {name} | {rate(r['save_s'])} | {rate(r['load_tp2_warm_s'])} | {rate(r['load_tp2_cold_s'])} "
               f"| {rate(r['load_tp1_warm_s'])} |")
-    print("\n| state GiB | save s | save GB/s | raw write+fsync s | save / raw time | load TP4->2 warm s | load GB/s |")
+    print("\n| state GiB | save s | save GB/s | raw write+fsync s | save / raw | load TP4->2 warm s | load GB/s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for c in report["size_curve"]:
         print(f"| {c['bytes'] / 2**30:.2f} | {c['save_s']:.2f} | {c['bytes'] / 1e9 / c['save_s']:.2f} "
-              f"| {c['raw_write_s']:.2f} | {c['save_s'] / c['raw_write_s']:.2f} "
+              f"| {c['raw_write_s']:.2f} | {c['save_over_raw']:.2f} "
               f"| {c['load_tp2_warm_s']:.2f} | {c['bytes'] / 1e9 / c['load_tp2_warm_s']:.2f} |")
     print()
     for k, v in report["ratios"].items():

@@ -27,7 +27,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from pagecache import evict
+from pagecache import evict, quiesce
 
 import globalshard_jax as gj
 
@@ -64,6 +64,7 @@ def run(root: str, name: str, save: Any, restore: Any, tensors: int, full: Any) 
                                        "load_tp1_warm_s": []}
     for rep in range(3):
         path = os.path.abspath(os.path.join(root, f"{name}{rep}"))
+        quiesce(root)  # as bench/compare.py does before each timed step
         start = time.perf_counter()
         save(path)
         figures["save_s"].append(time.perf_counter() - start)

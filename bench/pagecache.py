@@ -50,3 +50,22 @@ def quiesce(path: str, *, idle_s: float = 0.3, timeout_s: float = 30.0) -> float
         elif time.perf_counter() - quiet_since >= idle_s:
             break
     return time.perf_counter() - start
+
+
+#: Seconds to wait after files were deleted before timing a write. On this
+#: machine (ext4 mounted with ``discard`` on a virtual disk) a write soon after
+#: a deletion runs several times faster than one made later: 0.5 GiB written
+#: by one thread with fsync, after deleting 1 GiB and :func:`quiesce`, took
+#: 0.40-0.46 s when started 0-5 s later, 0.76 s at 10 s, 2.18-2.19 s at 20 and
+#: 40 s (bench run of 2026-12-01). A run that deletes between its timed writes
+#: therefore times some of them in that window and some not.
+SETTLE_S = 30.0
+
+
+def settle(seconds: float = SETTLE_S) -> None:
+    """Wait until deletions made before this point no longer speed up writes
+    (:data:`SETTLE_S`): call once before the first timed write of a run that
+    itself deletes nothing until its end, so every write meets the same disk."""
+    import time
+
+    time.sleep(seconds)
