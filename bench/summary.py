@@ -4,8 +4,7 @@
 
 Reads the JSON files the other bench scripts wrote in this run and adds, at
 the top level of report.json, each figure under a fixed name (null where
-its script did not run): ``save_vs_disk``, ``save_vs_disk_early_writeback`` (against a
-raw writer that also starts each file's writeback at once), ``save_vs_dcp``,
+its script did not run): ``save_vs_disk``, ``save_vs_dcp``,
 ``load_warm_vs_page_cache``, ``load_warm_vs_dcp``, ``load_cold_vs_disk``,
 ``load_cold_vs_dcp`` (bench/compare.py, higher is faster), ``read_amplification``
 (bytes read / needed per rank, TP=4 -> 2 and across axes, bench/run.py),
@@ -78,8 +77,8 @@ def plot(compare: dict[str, Any], report: dict[str, Any], path: str) -> None:
 def main() -> None:
     report, compare, memory = _read("report.json"), _read("compare.json"), _read("io_memory.json")
     ratios = compare.get("ratios", {})
-    for key in ("save_vs_disk", "save_vs_disk_early_writeback", "save_vs_dcp", "load_warm_vs_page_cache",
-                "load_warm_vs_dcp", "load_cold_vs_disk", "load_cold_vs_dcp"):
+    for key in ("save_vs_disk", "save_vs_dcp", "load_warm_vs_page_cache", "load_warm_vs_dcp", "load_cold_vs_disk",
+                "load_cold_vs_dcp"):
         report[key] = ratios.get(key)
     loads = {row["load"]: row["read_over_needed"] for c in report.get("io", {}).get("chunks", [])
              if c.get("chunk_mib") == 1 for row in c["loads"]}
@@ -107,10 +106,9 @@ def main() -> None:
             print(f"plot: {os.path.join(OUT, 'bench.png')}")
         except ImportError:
             print("plot: matplotlib is not installed (pip install -e '.[bench]'), no bench.png")
-    for key in ("save_vs_disk", "save_vs_disk_early_writeback", "save_vs_dcp", "load_warm_vs_page_cache",
-                "load_warm_vs_dcp", "load_cold_vs_disk", "load_cold_vs_dcp", "read_amplification",
-                "async_block_vs_memcpy", "peak_rss_over_state", "plan_4096_s", "shared_reads",
-                "small_tensors_over_large"):
+    for key in ("save_vs_disk", "save_vs_dcp", "load_warm_vs_page_cache", "load_warm_vs_dcp", "load_cold_vs_disk",
+                "load_cold_vs_dcp", "read_amplification", "async_block_vs_memcpy", "peak_rss_over_state",
+                "plan_4096_s", "shared_reads", "small_tensors_over_large"):
         print(f"{key}: {report[key]}")
 
 
