@@ -165,9 +165,7 @@ def _raw(root: str, tag: str, tensors: int = TENSORS, reads: bool = True) -> dic
     """The disk's limits, once: 4 fresh processes (as the save's 4 ranks) each
     write their rows of every tensor as files with fsync; then 4 threads read
     the files back, warm and cold. New files, as a save writes, kept until the
-    run ends. (The same 4-thread write from this process, which holds every
-    tensor and has torch loaded, ran at 1.9-2.6 s per GiB where a standalone
-    process wrote at 0.65-0.98 s in the same minutes.)"""
+    run ends."""
     world = 4
     paths = [os.path.join(root, f"{tag}-r{r}-{k}.bin") for r in range(world) for k in range(tensors)]
     ctx = mp.get_context("spawn")
