@@ -17,7 +17,7 @@ median over the rounds, and each ratio the median of the rounds' ratios
 (this disk's write speed changes by up to 3x within minutes, so a ratio is
 only taken between runs of the same round). Speeds are GB/s of state. Then
 globalshard at 0.25, 0.5, 1 and 2 GiB, each size in rounds with the raw
-4-thread write of the same bytes, to see that time grows linearly with
+4-process write of the same bytes, to see that time grows linearly with
 size. Every timed write goes to new files, and nothing is deleted until the
 run ends, after waiting out earlier deletions first (pagecache.settle: on
 this disk a write soon after a deletion runs several times faster).
