@@ -148,7 +148,7 @@ def _raw_writer(rank: int, world: int, paths: list[str], tensors: int, barrier: 
     """One process of the raw write: this rank's rows of every tensor, each a
     file written whole and fsynced, timed between two barriers."""
     n = ROWS // world
-    data = [_full(k)[rank * n:(rank + 1) * n].numpy() for k in range(tensors)]
+    data = [_full(k)[rank * n:(rank + 1) * n].clone().numpy() for k in range(tensors)]  # only its rows, as a rank
     barrier.wait()
     start = time.perf_counter()
     for k in range(tensors):
