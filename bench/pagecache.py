@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 
 def evict(root: str) -> None:
@@ -27,8 +28,6 @@ def quiesce(path: str, *, idle_s: float = 0.3, timeout_s: float = 30.0) -> float
     blocks of deleted files after the fact: deleting a GiB right before a
     timed save made that save 3-4x slower. Each timed run starts from a quiet
     disk instead."""
-    import time
-
     start = time.perf_counter()
     os.sync()
     st = os.stat(path)
@@ -66,6 +65,4 @@ def settle(seconds: float = SETTLE_S) -> None:
     """Wait until deletions made before this point no longer speed up writes
     (:data:`SETTLE_S`): call once before the first timed write of a run that
     itself deletes nothing until its end, so every write meets the same disk."""
-    import time
-
     time.sleep(seconds)
