@@ -6,6 +6,7 @@ MUST check and reads any global box of any tensor.
 """
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -89,9 +90,9 @@ def _path(value, where):
     return value
 
 
-def _members(obj, names, where):
-    if not isinstance(obj, dict) or set(obj) != set(names):
-        raise Invalid(f"{where}: must be an object with exactly {sorted(names)}")
+def _members(obj, names, where, optional=()):
+    if not isinstance(obj, dict) or not set(names) <= set(obj) <= set(names) | set(optional):
+        raise Invalid(f"{where}: must be an object with exactly {sorted(names)} (and optionally {list(optional)})")
 
 
 class Checkpoint:
@@ -107,7 +108,7 @@ class Checkpoint:
             raise Invalid("$.save_id: not 32 lowercase hex digits")
         if not isinstance(meta["tensors"], dict):
             raise Invalid("$.tensors: not an object")
-        self.save_id, self.tensors, paths = meta["save_id"], meta["tensors"], []
+        self.save_id, self.tensors, paths, packs = meta["save_id"], meta["tensors"], [], {}
         for key, t in self.tensors.items():
             where = f"$.tensors[{json.dumps(key)}]"
             _members(t, ["dtype", "global_shape", "regions"], where)
@@ -119,13 +120,17 @@ class Checkpoint:
             boxes = []
             for i, r in enumerate(t["regions"]):
                 at = f"{where}.regions[{i}]"
-                _members(r, ["offset", "shape", "path", "nbytes"], at)
+                _members(r, ["offset", "shape", "path", "nbytes"], at, optional=["byte_offset"])
                 off, shp = _ints(r["offset"], f"{at}.offset", len(shape)), _ints(r["shape"], f"{at}.shape", len(shape))
                 if 0 in shp or any(o + s > g for o, s, g in zip(off, shp, shape)):
                     raise Invalid(f"{at}: empty, or outside the global shape")
                 if _int(r["nbytes"], f"{at}.nbytes") != math.prod(shp) * ITEMSIZE[t["dtype"]]:
                     raise Invalid(f"{at}.nbytes: not shape x item size")
-                paths.append(_path(r["path"], f"{at}.path"))
+                if "byte_offset" in r:  # a packed region: packs may be shared, their members may not overlap
+                    start = _int(r["byte_offset"], f"{at}.byte_offset")
+                    packs.setdefault(_path(r["path"], f"{at}.path"), []).append((start, start + r["nbytes"]))
+                else:
+                    paths.append(_path(r["path"], f"{at}.path"))
                 boxes.append((off, shp))
             # Exact cover: volumes add up to the whole, and no two regions overlap.
             if sum(math.prod(s) for _, s in boxes) != math.prod(shape) or any(
@@ -144,8 +149,13 @@ class Checkpoint:
             self.trainer_state = _parse(data, strict_int=False)
             if not isinstance(self.trainer_state, dict):
                 raise Invalid(f"{ref['path']}: not a JSON object")
+        paths += list(packs)
         if len(set(paths)) != len(paths) or any(b.startswith(a + "/") for a in paths for b in paths):
             raise Invalid("$: paths repeat, or one is a directory of another")
+        for pack, ranges in packs.items():
+            ranges.sort()
+            if any(b[0] < a[1] for a, b in itertools.pairwise(ranges)):
+                raise Invalid(f"{pack}: packed regions overlap")
 
     def _file(self, path):
         full = os.path.realpath(os.path.join(self.root, path))
@@ -165,29 +175,47 @@ class Checkpoint:
             hi = [min(a + s, b + w) for a, s, b, w in zip(offset, shape, r["offset"], r["shape"])]
             if any(h <= l for l, h in zip(lo, hi)):
                 continue
-            full = os.path.realpath(os.path.join(self.root, r["path"]))
-            if not full.startswith(self.root + os.sep):
-                raise Invalid(f"{r['path']}: outside the checkpoint")
-            try:
-                store = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": full + "/"},
-                                 "fill_missing_data_reads": False}, open=True, read=True).result()
-            except ValueError as e:
-                raise Invalid(f"{r['path']}: {e}") from None
-            if store.dtype.name != t["dtype"] or list(store.shape) != r["shape"]:
-                raise Invalid(f"{r['path']}: not {t['dtype']} {r['shape']}")
+            store = self._open(r["path"])
             meta = store.spec().to_json()["metadata"]
-            if meta.get("attributes", {}).get("globalshard") != {"key": key, "offset": r["offset"],
-                                                                  "save_id": self.save_id}:
-                raise Invalid(f"{r['path']}: its attributes name another key, box or save")
             if not _has_crc32c(meta["codecs"]):
                 raise Invalid(f"{r['path']}: a chunk without crc32c")
+            attributes = meta.get("attributes", {}).get("globalshard")
             src = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, r["offset"]))
             dst = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offset))
-            try:  # TensorStore verifies every chunk's crc32c; a missing chunk is an error, never zeros
-                out[dst] = store[src].read().result() if src else store.read().result()
-            except ValueError as e:
-                raise Invalid(f"{r['path']}: {e}") from None
+            if "byte_offset" in r:  # section 5.1: bytes of a uint8 pack that lists this region
+                start, n = r["byte_offset"], r["nbytes"]
+                if store.dtype.name != "uint8" or store.rank != 1 or start + n > store.shape[0]:
+                    raise Invalid(f"{r['path']}: not a uint8 pack holding bytes [{start}, {start + n})")
+                if not isinstance(attributes, dict) or attributes.get("save_id") != self.save_id or \
+                        [key, r["offset"], start, n] not in attributes.get("members", []):
+                    raise Invalid(f"{r['path']}: the pack does not list {key!r} {r['offset']} of this save")
+                raw = self._read(store[start:start + n], r["path"])
+                values = raw.view(np.dtype(out.dtype).newbyteorder("<")).reshape(r["shape"])
+                out[dst] = values[src] if src else values
+                continue
+            if store.dtype.name != t["dtype"] or list(store.shape) != r["shape"]:
+                raise Invalid(f"{r['path']}: not {t['dtype']} {r['shape']}")
+            if attributes != {"key": key, "offset": r["offset"], "save_id": self.save_id}:
+                raise Invalid(f"{r['path']}: its attributes name another key, box or save")
+            out[dst] = self._read(store[src] if src else store, r["path"])
         return out
+
+    def _open(self, path):
+        full = os.path.realpath(os.path.join(self.root, path))
+        if not full.startswith(self.root + os.sep):
+            raise Invalid(f"{path}: outside the checkpoint")
+        try:
+            return ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": full + "/"},
+                            "fill_missing_data_reads": False}, open=True, read=True).result()
+        except ValueError as e:
+            raise Invalid(f"{path}: {e}") from None
+
+    @staticmethod
+    def _read(view, path):
+        try:  # TensorStore verifies every chunk's crc32c; a missing chunk is an error, never zeros
+            return view.read().result()
+        except ValueError as e:
+            raise Invalid(f"{path}: {e}") from None
 
 
 def _has_crc32c(codecs):
