@@ -52,6 +52,8 @@ from globalshard.planner import (
     SavePlan,
     SavePlanner,
     ShardInfo,
+    WriteItem,
+    check_pack_below,
     describe_shards,
     group_descriptions,
     group_ranks,
@@ -59,7 +61,19 @@ from globalshard.planner import (
     save_dir,
 )
 from globalshard.shared import read_shared, require_exchange
-from globalshard.storage import LOCK_FILE, ArrayItem, IOStats, Location, OpenedPlan, array_attributes
+from globalshard.storage import (
+    LOCK_FILE,
+    ArrayItem,
+    IOStats,
+    Location,
+    OpenedPlan,
+    PackExpect,
+    PackItem,
+    array_attributes,
+    item_bytes,
+    pack_attributes,
+    pack_expect,
+)
 
 _log = logging.getLogger("globalshard")
 #: An unlisted save directory on a kvstore root older than this is a leftover (spec 2.2).
@@ -118,6 +132,7 @@ def save(
     overwrite: bool = False,
     kvstore: Any = None,
     stats: IOStats | None = None,
+    pack_below: int = 0,
 ) -> None:
     """Save this rank's shards as (part of) one checkpoint.
 
@@ -144,6 +159,11 @@ def save(
         kvstore: a TensorStore kvstore spec (dict or URL: S3, GCS, OCDBT, ...)
             holding the checkpoint at ``path``.
         stats: an :class:`IOStats` to fill with this rank's figures.
+        pack_below: store every region of fewer than this many bytes (at most
+            16 MiB) packed with the other small regions its writer stores,
+            in a few arrays rather than one each (spec section 5.1): for
+            states of thousands of small tensors. 0 (default): no packs.
+            Every rank must pass the same value.
 
     Raises:
         LayoutError, MetadataError, CheckpointExistsError (ConcurrentSaveError),
@@ -164,9 +184,9 @@ def save(
     start = time.perf_counter()
     _log.info("save begins: %s, %d tensors on rank %d of %d", location, len(entries), comm.rank, comm.world_size)
     with contextlib.ExitStack() as held:  # rank 0's lock, held until the cleanup is done
-        planned = _plan_save(location, comm, entries, trainer_state, overwrite, held)
+        planned = _plan_save(location, comm, entries, trainer_state, overwrite, held, pack_below=pack_below)
         _log.debug("save %s planned: this rank writes %d arrays, %d bytes", planned.save_id, len(planned.items),
-                   sum(item[2].nbytes for item in planned.items))
+                   sum(item_bytes(item) for item in planned.items))
         _finish_save(planned, stats, held)
     _log_end("save", location, stats.bytes_written, time.perf_counter() - start)
 
@@ -193,15 +213,16 @@ class _PlannedSave:
     comm: Comm
     save_id: str
     plan: SavePlan
-    items: list[ArrayItem]
+    items: list[ArrayItem | PackItem]
     coordinator: _Coordinator
 
 
 def _plan_save(location: Location, comm: Comm, entries: list[tuple[str, ShardedTensor]],
                trainer_state: dict[str, Any] | None, overwrite: bool, held: contextlib.ExitStack,
-               staged: Mapping[str, Callable[[], None]] | None = None) -> _PlannedSave:
+               staged: Mapping[str, Callable[[], None]] | None = None, *, pack_below: int = 0) -> _PlannedSave:
     """Describe, validate and plan collectively; rank 0 takes the lock into
     ``held`` and finds what the save replaces. Nothing on storage changes."""
+    check_pack_below(pack_below)
     infos = [ShardInfo.of(t) for _, t in entries]
     coordinator = _Coordinator()
 
@@ -209,7 +230,7 @@ def _plan_save(location: Location, comm: Comm, entries: list[tuple[str, ShardedT
 
     def describe() -> dict[str, Any]:
         # Everything checkable is checked before anything on storage changes.
-        out: dict[str, Any] = {"digest": digest, "replicas": replicas}
+        out: dict[str, Any] = {"digest": digest, "replicas": replicas, "pack_below": pack_below}
         if comm.rank == 0:
             wait_for_cleanup()  # an earlier save's deletion holds the lock until it ends
             save_id = new_save_id()
@@ -226,6 +247,9 @@ def _plan_save(location: Location, comm: Comm, entries: list[tuple[str, ShardedT
     # 8 lists rather than 4096 (bench/run.py measures both).
     _, gathered = run_collectively(comm, "save: planning", describe)
     save_id = gathered[0]["save_id"]
+    packing = {g["pack_below"] for g in gathered}
+    if len(packing) > 1:  # the plan must be the same on every rank
+        raise LayoutError(f"ranks passed different pack_below values: {sorted(packing)}; pass the same on every rank")
     digests = [g["digest"] for g in gathered]
     if comm.world_size == 1:
         groups = group_ranks([infos])
@@ -234,15 +258,26 @@ def _plan_save(location: Location, comm: Comm, entries: list[tuple[str, ShardedT
         groups = group_descriptions(digests, schemas, [g["replicas"] for g in gathered])
     # TODO(limitation): every rank plans the whole save (identically, from the distinct
     # lists); a planner rank scattering each rank's part is measured, not built.
-    plan = SavePlanner().plan_groups(groups, comm.world_size, save_id=save_id)  # pure: same verdict everywhere
-    items = []
+    plan = SavePlanner().plan_groups(groups, comm.world_size, save_id=save_id,
+                                     pack_below=pack_below)  # pure: same verdict everywhere
+    items: list[ArrayItem | PackItem] = []
+    packs: dict[str, list[tuple[WriteItem, np.ndarray, Callable[[], None] | None]]] = {}
     for w in plan.for_rank(comm.rank):
         name, tensor = entries[w.shard]
         local = tensor.regions[w.region].global_to_local(w.box)
+        ready = staged.get(name) if staged else None
+        if w.byte_offset is not None:
+            packs.setdefault(w.path, []).append((w, local.view(tensor.data), ready))
+            continue
         cut = tuple(a for a, (n, g) in enumerate(zip(w.box.shape, tensor.global_shape)) if n < g)
         items.append(ArrayItem(w.path, tensor.dtype, local.view(tensor.data),
-                               array_attributes(w.key, w.box.offset, save_id), cut,
-                               staged.get(name) if staged else None))
+                               array_attributes(w.key, w.box.offset, save_id), cut, ready))
+    for path, members in packs.items():  # after the arrays: packs are built as they are written
+        members.sort(key=lambda m: m[0].byte_offset or 0)
+        attributes = pack_attributes(save_id, [(w.key, w.box.offset, w.byte_offset, w.nbytes) for w, _, _ in members])
+        end = max((w.byte_offset or 0) + w.nbytes for w, _, _ in members)
+        items.append(PackItem(path, end, tuple((w.byte_offset or 0, data, ready) for w, data, ready in members),
+                              attributes))
     return _PlannedSave(location, comm, save_id, plan, items, coordinator)
 
 
@@ -338,7 +373,8 @@ class AsyncSaver:
 
     def save(self, state: Mapping[str, ShardedTensor], path: Any, *, trainer_state: dict[str, Any] | None = None,
              comm: Comm | None = None, overwrite: bool = False, kvstore: Any = None,
-             stats: IOStats | None = None, staged: Mapping[str, Callable[[], None]] | None = None) -> None:
+             stats: IOStats | None = None, staged: Mapping[str, Callable[[], None]] | None = None,
+             pack_below: int = 0) -> None:
         """As :func:`save`, returning after the host snapshot (see the class).
 
         ``staged``: names of ``state`` whose ``data`` is already a private host
@@ -358,7 +394,8 @@ class AsyncSaver:
             raise LayoutError(f"staged names {unknown[:5]} are not in the state")
         held = contextlib.ExitStack()
         try:
-            planned = _plan_save(location, comm, entries, trainer_state, overwrite, held, staged)
+            planned = _plan_save(location, comm, entries, trainer_state, overwrite, held, staged,
+                                 pack_below=pack_below)
             copied = time.perf_counter()
             planned.items = self._snapshot(planned.items)
             self.snapshot_seconds = time.perf_counter() - copied
@@ -377,21 +414,31 @@ class AsyncSaver:
         self._thread.start()
         self.blocking_seconds = time.perf_counter() - start
 
-    def _snapshot(self, items: list[ArrayItem]) -> list[ArrayItem]:
-        total = sum(item.data.nbytes for item in items if item.ready is None)
+    def _snapshot(self, items: list[ArrayItem | PackItem]) -> list[ArrayItem | PackItem]:
+        arrays = [(i.data, i.ready) for i in items if isinstance(i, ArrayItem)]
+        arrays += [(data, ready) for i in items if isinstance(i, PackItem) for _, data, ready in i.members]
+        total = sum(data.nbytes for data, ready in arrays if ready is None)
         if self._buffer is None or self._buffer.nbytes < total:
             self._buffer = np.empty(total, np.uint8)
-        out, offset = [], 0
-        for item in items:
-            if item.ready is not None:  # a private copy already, still being filled
-                out.append(item)
-                continue
-            array = item.data
+        offset = 0
+
+        def copied(array: np.ndarray, ready: Callable[[], None] | None) -> np.ndarray:
+            nonlocal offset
+            if ready is not None:  # a private copy already, still being filled
+                return array
             native = array.dtype if array.dtype.isnative else array.dtype.newbyteorder("=")
             copy = np.ndarray(array.shape, native, buffer=self._buffer, offset=offset)
             np.copyto(copy, array)
-            out.append(item._replace(data=copy))
             offset += array.nbytes
+            return copy
+
+        out: list[ArrayItem | PackItem] = []
+        for item in items:
+            if isinstance(item, PackItem):
+                out.append(item._replace(members=tuple((b, copied(data, ready), ready)
+                                                       for b, data, ready in item.members)))
+            else:
+                out.append(item._replace(data=copied(item.data, item.ready)))
         return out
 
     def done(self) -> bool:
@@ -570,13 +617,16 @@ def load(
                               shared_reads=shared_reads)
 
 
-def _expected_attributes(metadata: Metadata, plan: LoadPlan) -> dict[str, dict[str, Any] | None]:
-    """What each array a plan reads must say of itself (None in version 1)."""
-    out: dict[str, dict[str, Any] | None] = {}
+def _expected_attributes(metadata: Metadata, plan: LoadPlan) -> dict[str, dict[str, Any] | PackExpect | None]:
+    """What each array and pack a plan reads must say of itself (None in version 1)."""
+    out: dict[str, dict[str, Any] | PackExpect | None] = {}
     for key in {t.key for t in plan.targets}:
         for r in metadata.tensors[key].regions:
             if r.path in plan.arrays:
                 out[r.path] = array_attributes(key, r.box.offset, metadata.save_id) if metadata.save_id else None
+    for path, regions in plan.packs.items():
+        assert metadata.save_id is not None  # packs exist from version 2
+        out[path] = pack_expect(metadata.save_id, regions)
     return out
 
 
@@ -687,11 +737,30 @@ class Checkpoint:
         arrays at a time. Returns ``(problems, bytes read)``: one line per
         damaged or foreign array, naming its key, box and file (none: sound).
         ``progress(nbytes)`` is called as each array is done."""
-        jobs = [(key, t.dtype, r) for key in sorted(self.metadata.tensors)
-                for t in [self.metadata.tensors[key]] for r in t.regions]
+        jobs: list[tuple[str, str, Any]] = []
+        packs: dict[str, list[tuple[str, Any]]] = {}
+        for key in sorted(self.metadata.tensors):
+            t = self.metadata.tensors[key]
+            for r in t.regions:
+                if r.byte_offset is None:
+                    jobs.append((key, t.dtype, r))
+                else:
+                    packs.setdefault(r.path, []).append((key, r))
+        jobs += [("", "uint8", path) for path in sorted(packs)]  # each pack once, with every region in it
 
         def one(job: tuple[str, str, Any]) -> tuple[str | None, int]:
             key, dtype, r = job
+            if isinstance(r, str):  # a pack
+                members = sorted(packs[r], key=lambda m: m[1].byte_offset)
+                assert self.metadata.save_id is not None
+                expect = PackExpect(self.metadata.save_id, tuple((k, m.box.offset, m.byte_offset, m.nbytes)
+                                                                 for k, m in members))
+                try:
+                    return None, self._location.verify_array(r, "uint8", None, expect)
+                except GlobalShardError as e:
+                    names = ", ".join(f"{k} {m.box}" for k, m in members[:5])
+                    more = f" and {len(members) - 5} more" if len(members) > 5 else ""
+                    return f"pack {r} holding {names}{more}: {e}", sum(m.nbytes for _, m in members)
             want = array_attributes(key, r.box.offset, self.metadata.save_id) if self.metadata.save_id else None
             try:
                 return None, self._location.verify_array(r.path, dtype, r.box.shape, want)

@@ -66,13 +66,16 @@ def _inspect(args: argparse.Namespace) -> int:
     md, trainer = ckpt.metadata, ckpt.trainer_state
     total = sum(r.nbytes for t in md.tensors.values() for r in t.regions)
     regions = sum(len(t.regions) for t in md.tensors.values())
+    packed = [r for t in md.tensors.values() for r in t.regions if r.byte_offset is not None]
+    packs = len({r.path for r in packed})
     doc = {"path": args.path, "format_version": md.version, "save_id": md.save_id, "bytes": total,
-           "regions": regions, "trainer_state_keys": sorted(trainer),
+           "regions": regions, "packed_regions": len(packed), "packs": packs, "trainer_state_keys": sorted(trainer),
            "tensors": {k: {"dtype": t.dtype, "global_shape": list(t.global_shape), "regions": len(t.regions),
                            "bytes": sum(r.nbytes for r in t.regions)} for k, t in sorted(md.tensors.items())}}
     width = max((len(k) for k in md.tensors), default=3)
     text = [f"{args.path}: globalshard format {md.version}, {len(md.tensors)} tensors, "
-            f"{regions} stored regions, {total / 2**20:.2f} MiB",
+            f"{regions} stored regions{f' ({len(packed)} of them in {packs} packs)' if packs else ''}, "
+            f"{total / 2**20:.2f} MiB",
             f"{'key':{width}}  {'dtype':14} {'global shape':20} {'regions':>7} {'MiB':>9}"]
     for key in sorted(md.tensors):
         t = md.tensors[key]

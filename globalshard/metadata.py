@@ -11,6 +11,7 @@ reported together, each with its JSON path, in one :class:`MetadataError`.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import re
@@ -68,11 +69,17 @@ def is_save_id(value: Any) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class StoredRegion:
-    """One stored array: the global ``box`` it holds and where it lives."""
+    """One stored region: the global ``box`` it holds and where it lives.
+
+    ``byte_offset`` None: ``path`` is the region's own array. Otherwise the
+    region is packed: bytes ``[byte_offset, byte_offset + nbytes)`` of the
+    pack (a 1-d uint8 array) at ``path`` (spec/FORMAT.md section 5.1).
+    """
 
     box: Box
     path: str
     nbytes: int
+    byte_offset: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,8 +126,8 @@ class Metadata:
         return sum(r.nbytes for t in self.tensors.values() for r in t.regions)
 
     def paths(self) -> list[str]:
-        """Every path this checkpoint uses: its arrays and its trainer state."""
-        out = [r.path for t in self.tensors.values() for r in t.regions]
+        """Every path this checkpoint uses, each once: its arrays, packs and trainer state."""
+        out = list(dict.fromkeys(r.path for t in self.tensors.values() for r in t.regions))
         if self.trainer_state is not None:
             out.append(self.trainer_state.path)
         return out
@@ -133,10 +140,7 @@ class Metadata:
             tensors[key] = {
                 "dtype": t.dtype,
                 "global_shape": list(t.global_shape),
-                "regions": [
-                    {"offset": list(r.box.offset), "shape": list(r.box.shape), "path": r.path, "nbytes": r.nbytes}
-                    for r in sorted(t.regions, key=lambda r: r.box.offset)
-                ],
+                "regions": [_region_json(r) for r in sorted(t.regions, key=lambda r: r.box.offset)],
             }
         ts: dict[str, Any] | None = None
         if self.trainer_state is not None:
@@ -151,6 +155,14 @@ class Metadata:
     def dumps(self) -> str:
         """Serialise to the text of metadata.json."""
         return json.dumps(self.to_json(), separators=(",", ":")) + "\n"
+
+
+def _region_json(r: StoredRegion) -> dict[str, Any]:
+    out: dict[str, Any] = {"offset": list(r.box.offset), "shape": list(r.box.shape), "path": r.path,
+                           "nbytes": r.nbytes}
+    if r.byte_offset is not None:
+        out["byte_offset"] = r.byte_offset
+    return out
 
 
 # --------------------------------------------------------------------------- JSON
@@ -228,7 +240,8 @@ class _Parser:
     def bad(self, where: str, what: str) -> None:
         self.problems.append(f"{where}: {what}")
 
-    def obj(self, value: Any, where: str, required: tuple[str, ...]) -> dict[str, Any] | None:
+    def obj(self, value: Any, where: str, required: tuple[str, ...],
+            optional: tuple[str, ...] = ()) -> dict[str, Any] | None:
         if not isinstance(value, dict):
             self.bad(where, f"must be an object, got {_json_type(value)}")
             return None
@@ -236,7 +249,7 @@ class _Parser:
             if k not in value:
                 self.bad(where, f"missing field {k!r}")
         for k in value:
-            if k not in required:
+            if k not in required and k not in optional:
                 self.bad(f"{where}.{k}", "unknown field")
         return value
 
@@ -323,6 +336,7 @@ def parse_metadata(data: bytes | str, *, source: str = METADATA_FILE) -> Metadat
         p.bad("$.tensors", f"must be an object, got {_json_type(raw_tensors)}")
         raw_tensors = {}
     all_paths: dict[str, str] = {}
+    packs: dict[str, list[tuple[int, int, str]]] = {}  # pack path -> (byte_offset, end, JSON path) of its members
     for key, raw in raw_tensors.items():
         where = _path("$.tensors", key)
         if not key:
@@ -330,7 +344,7 @@ def parse_metadata(data: bytes | str, *, source: str = METADATA_FILE) -> Metadat
         elif not _is_unicode(key):
             p.bad(where, "a checkpoint key must be valid Unicode (it holds a lone surrogate)")
             continue
-        t = _parse_tensor(p, raw, where, all_paths)
+        t = _parse_tensor(p, raw, where, all_paths, packs, version)
         if t is not None:
             tensors[key] = t
 
@@ -358,12 +372,14 @@ def parse_metadata(data: bytes | str, *, source: str = METADATA_FILE) -> Metadat
             elif nbytes is not None:
                 ts_ref = TrainerStateRef(nbytes, digest, ts_path)
     _check_nesting(p, all_paths)
+    _check_packs(p, packs)
     if p.problems:
         raise MetadataError(format_problems(f"{source} is invalid", p.problems))
     return Metadata(tensors, ts_ref, version, save_id)
 
 
-def _parse_tensor(p: _Parser, raw: Any, where: str, all_paths: dict[str, str]) -> TensorMetadata | None:
+def _parse_tensor(p: _Parser, raw: Any, where: str, all_paths: dict[str, str],
+                  packs: dict[str, list[tuple[int, int, str]]], version: int) -> TensorMetadata | None:
     o = p.obj(raw, where, ("dtype", "global_shape", "regions"))
     if o is None:
         return None
@@ -393,22 +409,27 @@ def _parse_tensor(p: _Parser, raw: Any, where: str, all_paths: dict[str, str]) -
     region_where: list[str] = []
     for i, rr in enumerate(raw_regions):
         rw = f"{where}.regions[{i}]"
-        r = p.obj(rr, rw, ("offset", "shape", "path", "nbytes"))
+        r = p.obj(rr, rw, ("offset", "shape", "path", "nbytes"), ("byte_offset",) if version >= 2 else ())
         if r is None:
             continue
         offset = p.uints(r.get("offset"), f"{rw}.offset", len(gshape))
         shape = p.uints(r.get("shape"), f"{rw}.shape", len(gshape))
         nbytes = p.uint(r.get("nbytes"), f"{rw}.nbytes")
+        packed = "byte_offset" in r
+        byte_offset = p.uint(r.get("byte_offset"), f"{rw}.byte_offset") if packed else None
         raw_path = r.get("path")
         why = check_relative_path(raw_path)
         path = raw_path if isinstance(raw_path, str) else ""
         if why is not None:
             p.bad(f"{rw}.path", why)
-        elif path in all_paths:
-            p.bad(f"{rw}.path", f"{path!r} is also used by {all_paths[path]}")
+        elif path in all_paths and not (packed and path in packs):
+            kind = "a pack of" if path in packs else "also used by"
+            p.bad(f"{rw}.path", f"{path!r} is {kind} {all_paths[path]}")
         else:
-            all_paths[path] = rw
-        if offset is None or shape is None or nbytes is None or why is not None:
+            all_paths.setdefault(path, rw)
+            if packed and byte_offset is not None and nbytes is not None:
+                packs.setdefault(path, []).append((byte_offset, byte_offset + nbytes, rw))
+        if offset is None or shape is None or nbytes is None or why is not None or (packed and byte_offset is None):
             continue
         box = Box._trusted(offset, shape)
         if box.is_empty:
@@ -419,7 +440,7 @@ def _parse_tensor(p: _Parser, raw: Any, where: str, all_paths: dict[str, str]) -
             continue
         if itemsize is not None and nbytes != box.volume * itemsize:
             p.bad(f"{rw}.nbytes", f"is {nbytes}, but {box.volume} elements of {dtype} take {box.volume * itemsize}")
-        regions.append(StoredRegion(box, path, nbytes))
+        regions.append(StoredRegion(box, path, nbytes, byte_offset))
         region_where.append(rw)
     if len(p.problems) > before:
         return None
@@ -435,6 +456,16 @@ def _parse_tensor(p: _Parser, raw: Any, where: str, all_paths: dict[str, str]) -
     if gaps or overlaps:
         return None
     return TensorMetadata(str(dtype), gshape, tuple(regions))
+
+
+def _check_packs(p: _Parser, packs: dict[str, list[tuple[int, int, str]]]) -> None:
+    # Members of one pack hold disjoint byte ranges (spec section 3).
+    for path, members in packs.items():
+        members.sort()
+        for (_, end, where), (start, _, other) in itertools.pairwise(members):
+            if start < end:
+                p.bad(f"{other}.byte_offset", f"bytes from {start} of pack {path!r} overlap {where}, "
+                                              f"which ends at {end}")
 
 
 def _check_nesting(p: _Parser, all_paths: dict[str, str]) -> None:

@@ -39,6 +39,8 @@ from globalshard.metadata import FORMAT_VERSION, Metadata, StoredRegion, TensorM
 __all__ = [
     "LoadPlan",
     "LoadPlanner",
+    "PACK_BYTES",
+    "PackedRegion",
     "RankGroup",
     "ReadItem",
     "SavePlan",
@@ -47,6 +49,8 @@ __all__ = [
     "TargetPlan",
     "WriteItem",
     "array_dir",
+    "check_pack_below",
+    "pack_path",
     "describe_shards",
     "group_descriptions",
     "group_ranks",
@@ -96,7 +100,8 @@ class ShardInfo:
 @dataclass(frozen=True, slots=True)
 class WriteItem:
     """Write global ``box`` of ``key`` to ``path``, from region ``region`` of
-    shard ``shard`` (an index into rank ``rank``'s shard list)."""
+    shard ``shard`` (an index into rank ``rank``'s shard list); at
+    ``byte_offset`` of the pack at ``path`` when not None."""
 
     key: str
     box: Box
@@ -105,6 +110,7 @@ class WriteItem:
     rank: int
     shard: int
     region: int
+    byte_offset: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +136,12 @@ _SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz012345678
 
 #: Everything one save writes, besides metadata.json, lies under this prefix.
 SAVES_DIR = "saves"
+
+#: The most bytes one pack of small regions holds (spec section 5.1): each
+#: is built in host memory before it is written.
+PACK_BYTES = 16 << 20
+#: Packed regions start at multiples of this many bytes.
+PACK_ALIGN = 64
 
 
 def save_dir(save_id: str) -> str:
@@ -277,28 +289,35 @@ class SavePlanner:
     number of stored regions, not with ranks x tensors.
     """
 
-    def plan(self, shards_per_rank: Sequence[Sequence[ShardInfo]], *, save_id: str = "0" * 32) -> SavePlan:
+    def plan(self, shards_per_rank: Sequence[Sequence[ShardInfo]], *, save_id: str = "0" * 32,
+             pack_below: int = 0) -> SavePlan:
         """Plan a save. ``shards_per_rank[r]`` lists rank ``r``'s shards, in the
         order that rank will look them up when writing. Arrays are placed
         under :func:`save_dir` of ``save_id`` (the api passes a fresh id).
+        Stored regions of fewer than ``pack_below`` bytes are packed (see
+        :func:`check_pack_below`).
 
         Raises:
             LayoutError: the shards are inconsistent (names the keys, ranks, boxes).
         """
         if not is_save_id(save_id):
             raise LayoutError(f"save_id must be 32 lowercase hex digits, got {save_id!r}")
-        return self.plan_groups(group_ranks(shards_per_rank), len(shards_per_rank), save_id=save_id)
+        return self.plan_groups(group_ranks(shards_per_rank), len(shards_per_rank), save_id=save_id,
+                                pack_below=pack_below)
 
-    def plan_groups(self, groups: Sequence[RankGroup], world_size: int, *, save_id: str = "0" * 32) -> SavePlan:
+    def plan_groups(self, groups: Sequence[RankGroup], world_size: int, *, save_id: str = "0" * 32,
+                    pack_below: int = 0) -> SavePlan:
         """:meth:`plan` from the ranks' :class:`RankGroup` s (every rank in one group)."""
         if not is_save_id(save_id):
             raise LayoutError(f"save_id must be 32 lowercase hex digits, got {save_id!r}")
+        check_pack_below(pack_below)
         # Planning builds many small objects and no reference cycles: the cyclic
         # collector would only traverse them again and again.
         paused = gc.isenabled()
         gc.disable()
         try:
-            return self._plan(groups, world_size, save_id)
+            plan = self._plan(groups, world_size, save_id)
+            return _pack(plan, pack_below) if pack_below else plan
         finally:
             if paused:
                 gc.enable()
@@ -397,6 +416,58 @@ class SavePlanner:
         return TensorMetadata(first.dtype, first.global_shape, tuple(regions))
 
 
+def check_pack_below(pack_below: Any) -> int:
+    """``pack_below``, checked: regions of fewer bytes are packed (0: none);
+    at most :data:`PACK_BYTES`, the size of one pack.
+
+    Raises:
+        LayoutError: not an integer in ``[0, PACK_BYTES]``.
+    """
+    if type(pack_below) is not int or not 0 <= pack_below <= PACK_BYTES:
+        raise LayoutError(f"pack_below must be an integer number of bytes in [0, {PACK_BYTES}], "
+                          f"got {pack_below!r}")
+    return pack_below
+
+
+def pack_path(save_id: str, rank: int, n: int) -> str:
+    """Where writer ``rank`` stores its ``n``-th pack of small regions."""
+    return f"{save_dir(save_id)}/packs/{rank}/{n}"
+
+
+def _pack(plan: SavePlan, pack_below: int) -> SavePlan:
+    """``plan`` with each stored region of fewer than ``pack_below`` bytes
+    moved into a pack of the rank that writes it (spec section 5.1): per
+    rank, in the order of key then offset, aligned to :data:`PACK_ALIGN`,
+    a new pack whenever the next region would pass :data:`PACK_BYTES`."""
+    save_id = plan.metadata.save_id
+    assert save_id is not None
+    fill: dict[int, tuple[int, int]] = {}  # rank -> (pack number, bytes used)
+    moved: dict[tuple[str, tuple[int, ...]], tuple[str, int]] = {}
+    writes = []
+    for w in plan.writes:  # sorted by key, then offset
+        if w.nbytes >= pack_below:
+            writes.append(w)
+            continue
+        n, used = fill.get(w.rank, (0, 0))
+        start = -(-used // PACK_ALIGN) * PACK_ALIGN
+        if used and start + w.nbytes > PACK_BYTES:
+            n, start = n + 1, 0
+        fill[w.rank] = (n, start + w.nbytes)
+        path = pack_path(save_id, w.rank, n)
+        moved[(w.key, w.box.offset)] = (path, start)
+        writes.append(dataclasses.replace(w, path=path, byte_offset=start))
+    if not moved:
+        return plan
+    tensors = {}
+    for key, t in plan.metadata.tensors.items():
+        regions = []
+        for r in t.regions:
+            where = moved.get((key, r.box.offset))
+            regions.append(r if where is None else StoredRegion(r.box, where[0], r.nbytes, where[1]))
+        tensors[key] = TensorMetadata(t.dtype, t.global_shape, tuple(regions))
+    return SavePlan(dataclasses.replace(plan.metadata, tensors=tensors), tuple(writes), plan.world_size)
+
+
 def _assign_writers(
     tensors: dict[str, TensorMetadata],
     candidates: dict[tuple[str, Box], list[_Holder]],
@@ -437,12 +508,15 @@ def _assign_writers(
 
 @dataclass(frozen=True, slots=True)
 class ReadItem:
-    """Copy ``stored_box`` (relative to the stored array at ``path``) into
-    ``target_box`` of the target's local array."""
+    """Copy ``stored_box`` (relative to the stored region) into ``target_box``
+    of the target's local array. The region is the array at ``path``, or,
+    when ``byte_offset`` is not None, the packed region at that byte offset of
+    the pack at ``path``."""
 
     path: str
     stored_box: Box
     target_box: Box
+    byte_offset: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -457,11 +531,27 @@ class TargetPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class PackedRegion:
+    """A packed region a load reads: what its pack must list, and its layout."""
+
+    key: str
+    dtype: str
+    box: Box  # global
+    nbytes: int
+
+    def member(self, byte_offset: int) -> list[Any]:
+        """Its entry in the pack's ``members`` attribute (spec section 5.1)."""
+        return [self.key, list(self.box.offset), byte_offset, self.nbytes]
+
+
+@dataclass(frozen=True, slots=True)
 class LoadPlan:
     """The outcome of :meth:`LoadPlanner.plan`, one entry per target."""
 
     targets: tuple[TargetPlan, ...]
     arrays: dict[str, tuple[str, tuple[int, ...]]]  # path -> (dtype, shape) of each array read
+    #: pack path -> byte_offset -> the packed region read from it.
+    packs: dict[str, dict[int, PackedRegion]] = dataclasses.field(default_factory=dict)
 
     @property
     def bytes_needed(self) -> int:
@@ -507,6 +597,7 @@ class LoadPlanner:
         indexes: dict[str, BoxIndex] = {}
         plans = []
         arrays: dict[str, tuple[str, tuple[int, ...]]] = {}
+        packs: dict[str, dict[int, PackedRegion]] = {}
         for t_idx, info in enumerate(targets):
             label = f"{names[t_idx]!r} (key {info.key!r})" if names else repr(info.key)
             stored = metadata.tensors.get(info.key)
@@ -540,8 +631,12 @@ class LoadPlanner:
                         continue
                     got += inter.volume
                     rel = Box._trusted(tuple(a - b for a, b in zip(inter.offset, s.box.offset)), inter.shape)
-                    reads.append(ReadItem(s.path, rel, region.global_to_local(inter)))
-                    arrays[s.path] = (stored.dtype, s.box.shape)
+                    reads.append(ReadItem(s.path, rel, region.global_to_local(inter), s.byte_offset))
+                    if s.byte_offset is None:
+                        arrays[s.path] = (stored.dtype, s.box.shape)
+                    else:
+                        packs.setdefault(s.path, {})[s.byte_offset] = PackedRegion(
+                            info.key, stored.dtype, s.box, s.nbytes)
                 if got != want.volume:  # cannot happen with parsed metadata; never fill silently
                     problems.append(f"{label}: the checkpoint does not cover global box {want}")
             padding, _ = cover_problems(
@@ -554,4 +649,4 @@ class LoadPlanner:
             raise error(format_problems(summary, problems + cast_problems))
         if cast_problems:
             raise CastError(format_problems("cannot load: lossy dtype conversions", cast_problems))
-        return LoadPlan(tuple(plans), arrays)
+        return LoadPlan(tuple(plans), arrays, packs)

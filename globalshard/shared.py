@@ -64,7 +64,8 @@ class Piece:
     """A box of a stored array needed by several ranks, read by ``owner``."""
 
     path: str
-    box: Box  # relative to the stored array, as in ReadItem.stored_box
+    byte_offset: int | None  # the packed region's, as in ReadItem.byte_offset
+    box: Box  # relative to the stored region, as in ReadItem.stored_box
     dtype: str
     owner: int
     needers: tuple[int, ...]  # every rank that needs it, owner included, ascending
@@ -76,9 +77,11 @@ class Piece:
 
 
 def needs_of(plan: LoadPlan) -> list[list[Any]]:
-    """The distinct stored reads of a plan, as JSON: ``[path, offset, shape, dtype]``, sorted."""
-    seen = {(r.path, r.stored_box.offset, r.stored_box.shape, t.stored_dtype) for t in plan.targets for r in t.reads}
-    return [[p, list(o), list(s), d] for p, o, s, d in sorted(seen)]
+    """The distinct stored reads of a plan, as JSON: ``[path, byte_offset, offset,
+    shape, dtype]`` (``byte_offset`` -1 for a region stored whole), sorted."""
+    seen = {(r.path, -1 if r.byte_offset is None else r.byte_offset, r.stored_box.offset, r.stored_box.shape,
+             t.stored_dtype) for t in plan.targets for r in t.reads}
+    return [[p, b, list(o), list(s), d] for p, b, o, s, d in sorted(seen)]
 
 
 def plan_sharing(needs: Sequence[Sequence[Sequence[Any]]]) -> list[Piece]:
@@ -92,26 +95,27 @@ def plan_sharing(needs: Sequence[Sequence[Sequence[Any]]]) -> list[Piece]:
     """
     # TODO(limitation): only identical stored reads are shared; partial overlaps
     # between ranks of different layouts are each read by every rank that needs them.
-    needers: dict[tuple[str, tuple[int, ...], tuple[int, ...], str], list[int]] = {}
+    needers: dict[tuple[str, int, tuple[int, ...], tuple[int, ...], str], list[int]] = {}
     for rank, items in enumerate(needs):
-        for path, offset, shape, dtype in items:
-            needers.setdefault((path, tuple(offset), tuple(shape), dtype), []).append(rank)
+        for path, byte_offset, offset, shape, dtype in items:
+            needers.setdefault((path, byte_offset, tuple(offset), tuple(shape), dtype), []).append(rank)
     load = [0] * len(needs)
     shared = []
-    for (path, offset, shape, dtype), ranks in needers.items():
+    for (path, byte_offset, offset, shape, dtype), ranks in needers.items():
         nbytes = math.prod(shape) * numpy_dtype(dtype).itemsize
         if len(ranks) == 1:
             load[ranks[0]] += nbytes
-        else:
-            shared.append((nbytes, path, offset, shape, dtype, tuple(ranks)))  # ranks ascending, each once
+        else:  # ranks ascending, each once
+            shared.append((nbytes, path, byte_offset, offset, shape, dtype, tuple(ranks)))
     pieces = []
-    for nbytes, path, offset, shape, dtype, group in sorted(shared, key=lambda s: (-s[0], s[1], s[2])):
+    for nbytes, path, byte_offset, offset, shape, dtype, group in sorted(shared, key=lambda s: (-s[0], *s[1:4])):
         owner = min(group, key=lambda r: (load[r], r))
         load[owner] += nbytes
         whole = Box(offset, shape)
+        packed = None if byte_offset < 0 else byte_offset
         for box in whole.row_windows(numpy_dtype(dtype).itemsize, _PIECE_BYTES):
-            pieces.append(Piece(path, box, dtype, owner, group, whole))
-    pieces.sort(key=lambda p: (p.path, p.box.offset))
+            pieces.append(Piece(path, packed, box, dtype, owner, group, whole))
+    pieces.sort(key=lambda p: (p.path, -1 if p.byte_offset is None else p.byte_offset, p.box.offset))
     return pieces
 
 
@@ -159,14 +163,14 @@ def read_shared(comm: Comm, plan: LoadPlan, datas: Sequence[np.ndarray], read: A
     pieces = plan_sharing([lists[d] for d in digests])
     rank = comm.rank
     # My reads of each shared stored box: the pieces land in these targets.
-    where: dict[tuple[str, Box], list[tuple[int, Box]]] = {}
-    shared = {(p.path, p.read) for p in pieces if rank in p.needers}
+    where: dict[tuple[str, int | None, Box], list[tuple[int, Box]]] = {}
+    shared = {(p.path, p.byte_offset, p.read) for p in pieces if rank in p.needers}
     unshared = []
     for t in plan.targets:
         keep = []
         for r in t.reads:
-            if (r.path, r.stored_box) in shared:
-                where.setdefault((r.path, r.stored_box), []).append((t.target, r.target_box))
+            if (r.path, r.byte_offset, r.stored_box) in shared:
+                where.setdefault((r.path, r.byte_offset, r.stored_box), []).append((t.target, r.target_box))
             else:
                 keep.append(r)
         unshared.append(TargetPlan(t.target, t.key, t.stored_dtype, tuple(keep), t.padding))
@@ -176,7 +180,7 @@ def read_shared(comm: Comm, plan: LoadPlan, datas: Sequence[np.ndarray], read: A
 
         def read_window(n: int = n, window: list[Piece] = window, staged: dict[int, np.ndarray] = staged) -> None:
             if n == 0:
-                read(LoadPlan(tuple(unshared), plan.arrays), datas, stats)
+                read(LoadPlan(tuple(unshared), plan.arrays, plan.packs), datas, stats)
             targets: list[TargetPlan] = []
             buffers: list[np.ndarray] = []
             for i, p in enumerate(window):
@@ -184,10 +188,10 @@ def read_shared(comm: Comm, plan: LoadPlan, datas: Sequence[np.ndarray], read: A
                     staged[i] = np.empty(p.box.shape, numpy_dtype(p.dtype))
                 if p.owner == rank:
                     targets.append(TargetPlan(len(buffers), "", p.dtype,
-                                              (ReadItem(p.path, p.box, Box.full(p.box.shape)),), ()))
+                                              (ReadItem(p.path, p.box, Box.full(p.box.shape), p.byte_offset),), ()))
                     buffers.append(staged[i])
             if targets:
-                read(LoadPlan(tuple(targets), plan.arrays), buffers, stats)
+                read(LoadPlan(tuple(targets), plan.arrays, plan.packs), buffers, stats)
 
         run_collectively(comm, "load: shared reads", read_window)
         sends = [(peer, i, staged[i]) for i, p in enumerate(window) if p.owner == rank
@@ -201,7 +205,7 @@ def read_shared(comm: Comm, plan: LoadPlan, datas: Sequence[np.ndarray], read: A
         received += sum(a.nbytes for _, _, a in recvs)
         for i, buf in staged.items():
             p = window[i]
-            for target, target_box in where[(p.path, p.read)]:
+            for target, target_box in where[(p.path, p.byte_offset, p.read)]:
                 shift = tuple(a + b - c for a, b, c in zip(target_box.offset, p.box.offset, p.read.offset))
                 cast_into(Box(shift, p.box.shape).view(datas[target]), buf)
     if stats is not None:

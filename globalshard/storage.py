@@ -18,6 +18,7 @@ error, never a block of zeros.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import fcntl
@@ -27,6 +28,7 @@ import math
 import os
 import shutil
 import stat
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -41,9 +43,10 @@ from globalshard.dtypes import cast_into, numpy_dtype
 from globalshard.errors import ConcurrentSaveError, GlobalShardError, MetadataError, StorageError, format_problems
 from globalshard.geometry import Box
 from globalshard.metadata import MAX_FILE_BYTES, check_relative_path
-from globalshard.planner import LoadPlan
+from globalshard.planner import LoadPlan, PackedRegion
 
-__all__ = ["CHUNK_BYTES", "READ_WINDOW_BYTES", "WRITE_WINDOW_BYTES", "ArrayItem", "IOStats", "Location", "chunk_shape"]
+__all__ = ["CHUNK_BYTES", "READ_WINDOW_BYTES", "WRITE_WINDOW_BYTES", "ArrayItem", "IOStats", "Location", "PackExpect",
+           "PackItem", "chunk_shape"]
 
 #: Upper bound on the bytes of one (inner) chunk: the unit a load reads.
 CHUNK_BYTES = 1 << 20
@@ -66,6 +69,9 @@ SYNCFS_MIN_ARRAYS = 64
 #: Bytes of writes in flight at once. TensorStore copies what it is given to
 #: write, so this bounds the extra memory a save needs.
 WRITE_WINDOW_BYTES = 64 << 20
+
+#: Bytes of packs (spec section 5.1) built in host memory and not yet written.
+PACK_WINDOW_BYTES = 32 << 20
 
 #: Bytes of reads in flight at once: TensorStore decodes each chunk into a
 #: buffer of its own before copying it into the target, so this bounds the
@@ -157,6 +163,58 @@ class ArrayItem(NamedTuple):
     #: Blocks until ``data`` holds its values (a device-to-host copy still in
     #: flight); called before its bytes are written. None: ready now.
     ready: Callable[[], None] | None = None
+
+
+class PackItem(NamedTuple):
+    """One pack to write (spec section 5.1): ``nbytes`` bytes at ``path``,
+    holding ``members``, each ``(byte_offset, data, ready)`` (``ready`` as in
+    :class:`ArrayItem`), with ``attributes`` from :func:`pack_attributes`.
+    The pack is built in host memory once its members are ready."""
+
+    path: str
+    nbytes: int
+    members: tuple[tuple[int, np.ndarray, Callable[[], None] | None], ...]
+    attributes: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class PackExpect:
+    """What a pack a load reads must say of itself: its save, and (at least)
+    these members, each ``[key, offset, byte_offset, nbytes]``."""
+
+    save_id: str
+    members: tuple[tuple[str, tuple[int, ...], int, int], ...]
+
+
+def pack_attributes(save_id: str, members: Sequence[Sequence[Any]]) -> dict[str, Any]:
+    """What a pack says of itself (spec section 5.1): its save and members
+    ``[key, offset, byte_offset, nbytes]``; checked on load."""
+    return {"save_id": save_id, "members": [[k, [int(o) for o in off], int(b), int(n)] for k, off, b, n in members]}
+
+
+def pack_expect(save_id: str, regions: Mapping[int, PackedRegion]) -> PackExpect:
+    """The :class:`PackExpect` of the packed regions a load reads from one pack."""
+    return PackExpect(save_id, tuple((r.key, r.box.offset, b, r.nbytes) for b, r in sorted(regions.items())))
+
+
+def _pack_data(item: PackItem) -> tuple[np.ndarray | None, str | None]:
+    """A pack's bytes, built once its members are ready; or why it cannot be."""
+    data = np.zeros(item.nbytes, np.uint8)
+    for byte_offset, array, ready in item.members:
+        why = _wait_ready(ready)
+        if why is not None:
+            return None, why
+        flat = np.ascontiguousarray(array).reshape(-1)
+        if not flat.dtype.isnative:
+            flat = flat.astype(flat.dtype.newbyteorder("="))
+        if sys.byteorder == "big":  # the format's bytes are little-endian
+            flat = flat.byteswap()
+        data[byte_offset:byte_offset + flat.nbytes] = flat.view(np.uint8)
+    return data, None
+
+
+def item_bytes(item: ArrayItem | PackItem) -> int:
+    return item.nbytes if isinstance(item, PackItem) else item.data.nbytes
 
 
 def _create_spec(kvstore: dict[str, Any], dtype: str, shape: tuple[int, ...],
@@ -551,8 +609,10 @@ class Location:
 
     # ------------------------------------------------------------ arrays
 
-    def write_arrays(self, items: Sequence[ArrayItem], stats: IOStats | None = None) -> None:
-        """Store each :class:`ArrayItem` as a zarr v3 array, all in parallel.
+    def write_arrays(self, items: Sequence[ArrayItem | PackItem], stats: IOStats | None = None) -> None:
+        """Store each :class:`ArrayItem` (and :class:`PackItem`) as a zarr v3
+        array, all in parallel; packs are built at most
+        :data:`PACK_WINDOW_BYTES` at a time.
 
         Raises:
             StorageError: listing every array that could not be written.
@@ -564,36 +624,48 @@ class Location:
             self._write_tensorstore(items)
         if stats is not None:
             stats.arrays += len(items)
-            stats.bytes_written += sum(item[2].nbytes for item in items)
+            stats.bytes_written += sum(item_bytes(item) for item in items)
             stats.seconds += time.perf_counter() - start
 
     def _direct(self) -> bool:
         return self.local is not None and LOCAL_IO == "direct"
 
-    def _write_direct(self, items: Sequence[ArrayItem]) -> None:
+    def _write_direct(self, items: Sequence[ArrayItem | PackItem]) -> None:
         assert self.local is not None
         pool = localio.pool()
         problems: list[str] = []
         futures: list[tuple[str, Any]] = []
         directories: set[str] = set()
         made: set[str] = set()
+        packs: collections.deque[tuple[int, list[Any]]] = collections.deque()  # built packs being written
+        pack_bytes = 0
         # Many arrays: one syncfs at the end instead of an fsync per file and directory.
         batch = len(items) >= SYNCFS_MIN_ARRAYS and localio.has_syncfs()
-        for path, dtype, array, attributes, cut, ready in items:
-            # TODO(limitation): every array is two files (zarr.json, its chunk or shard) and
-            # its own directories: thousands of small arrays cost more than the same bytes in
-            # a few. Packing them into one file is the measured fix (bench/small_tensors.py's
-            # prototype), a format change not made.
+        for item in items:
+            # TODO(limitation): unless packed (save(pack_below=)), every array is two files
+            # (zarr.json, its chunk or shard) and its own directories: thousands of small
+            # arrays cost more than the same bytes in a few (bench/small_tensors.py).
+            path = item.path
+            if isinstance(item, PackItem):
+                while packs and pack_bytes + item.nbytes > PACK_WINDOW_BYTES:  # bound the packs in memory
+                    nbytes, done = packs.popleft()
+                    concurrent.futures.wait(done)
+                    pack_bytes -= nbytes
+                array, why = _pack_data(item)
+                dtype, attributes, cut = "uint8", item.attributes, tuple[int, ...]()
+            else:
+                dtype, array, attributes, cut = item.dtype, item.data, item.attributes, item.cut
+                why = _wait_ready(item.ready)  # earlier arrays are being written meanwhile
+            if why is not None or array is None:
+                problems.append(f"{self.describe(path)}: {why}")
+                continue
             directory = os.path.join(self.local, path)
             if not array.dtype.isnative:
                 array = array.astype(array.dtype.newbyteorder("="))
             shape = tuple(array.shape)
             inner: tuple[int, ...] | None = chunk_shape(shape, array.dtype.itemsize, cut=cut)
             doc = localio.zarr_json(dtype, shape, None if inner == shape else inner, {ATTRIBUTE: attributes})
-            why = _wait_ready(ready)  # earlier arrays are being written meanwhile
-            if why is not None:
-                problems.append(f"{self.describe(path)}: {why}")
-                continue
+            first = len(futures)
             try:
                 leaf = os.path.join(directory, "c", *["0"] * (array.ndim - 1)) if array.ndim else directory
                 _make_dirs(self.local, leaf, made)
@@ -602,6 +674,9 @@ class Location:
             except OSError as e:
                 problems.append(f"{self.describe(path)}: {e.strerror or e}")
                 continue
+            if isinstance(item, PackItem):
+                packs.append((item.nbytes, [f for _, f in futures[first:]]))
+                pack_bytes += item.nbytes
             child = os.path.join(directory, "c", *["0"] * (array.ndim - 1)) if array.ndim else directory
             while _inside(child, self.local) and child not in directories:
                 directories.add(child)
@@ -626,16 +701,22 @@ class Location:
         if problems:
             raise StorageError(format_problems("cannot write the checkpoint's arrays", problems))
 
-    def _write_tensorstore(self, items: Sequence[ArrayItem]) -> None:
-        opened = []
+    def _write_tensorstore(self, items: Sequence[ArrayItem | PackItem]) -> None:
+        opened: list[tuple[str, Any, Any, Any]] = []
         problems: list[str] = []
-        for path, dtype, array, attributes, cut, ready in items:
-            spec = _create_spec(self.array_kvstore(path), dtype, tuple(array.shape), attributes, cut)
+        for item in items:
+            if isinstance(item, PackItem):
+                spec = _create_spec(self.array_kvstore(item.path), "uint8", (item.nbytes,), item.attributes)
+                source: Any = item
+            else:
+                spec = _create_spec(self.array_kvstore(item.path), item.dtype, tuple(item.data.shape),
+                                    item.attributes, item.cut)
+                source = item.data
             try:
-                opened.append((path, array, ready, ts.open(spec, create=True, delete_existing=True,
-                                                           context=_CONTEXT)))
+                opened.append((item.path, source, item.ready if not isinstance(item, PackItem) else None,
+                               ts.open(spec, create=True, delete_existing=True, context=_CONTEXT)))
             except Exception as e:
-                problems.append(f"{self.describe(path)}: {_error_text(e)}")
+                problems.append(f"{self.describe(item.path)}: {_error_text(e)}")
         pending: list[tuple[str, Any, int]] = []
         in_flight = 0
 
@@ -646,8 +727,11 @@ class Location:
                 problems.append(f"{self.describe(path)}: {_error_text(e)}")
 
         for path, array, ready, future in opened:
-            why = _wait_ready(ready)
-            if why is not None:
+            if isinstance(array, PackItem):  # built now: the window below bounds what is held
+                array, why = _pack_data(array)
+            else:
+                why = _wait_ready(ready)
+            if why is not None or array is None:
                 problems.append(f"{self.describe(path)}: {why}")
                 continue
             try:
@@ -667,42 +751,45 @@ class Location:
         if problems:
             raise StorageError(format_problems("cannot write the checkpoint's arrays", problems))
 
-    def open_plan(self, plan: LoadPlan, expected: Mapping[str, dict[str, Any] | None]) -> OpenedPlan:
-        """Open every stored array a load plan reads, and check it, reading no data.
+    def open_plan(self, plan: LoadPlan, expected: Mapping[str, dict[str, Any] | PackExpect | None]) -> OpenedPlan:
+        """Open every stored array and pack a load plan reads, and check it, reading no data.
 
         Each array must stay inside the root, open with the shape and dtype of
         metadata.json, carry a crc32c on every chunk, and say in its zarr.json
         attributes that it holds the key, offset and save ``expected[path]``
-        names (None: a version 1 checkpoint, which records none).
+        names (None: a version 1 checkpoint, which records none). Each pack
+        must be a 1-d uint8 array that names the save and lists every packed
+        region read from it (a :class:`PackExpect`), each inside it.
 
         Raises:
             MetadataError: a path escapes the checkpoint.
             StorageError: every array that is missing, damaged or not the one
             metadata.json names, each named by its file.
         """
-        problems = self.check_contained(sorted(plan.arrays))
+        problems = self.check_contained(sorted([*plan.arrays, *plan.packs]))
         if problems:
             raise MetadataError(format_problems("checkpoint paths escape the checkpoint", problems))
         futures = {}
         files: dict[str, localio.ArrayFile] = {}
         direct = self._direct()
-        for path, (dtype, shape) in plan.arrays.items():
+        wanted: list[tuple[str, str, tuple[int, ...] | None]] = [
+            *((path, dtype, tuple(shape)) for path, (dtype, shape) in plan.arrays.items()),
+            *((path, "uint8", None) for path in plan.packs)]
+        for path, dtype, shape in wanted:
             # zarr.json files are read one after the other: for 2,000 small arrays that
             # took half the time of a pool of threads warm (they contend for the GIL)
             # and the same cold (bench/small_tensors.py).
             if direct:
                 try:
-                    found = self._open_direct(path, dtype, tuple(shape), expected.get(path))
+                    found = self._open_direct(path, dtype, shape, expected.get(path))
                 except StorageError as e:
                     problems.append(str(e))
                     continue
                 if found is not None:
                     files[path] = found
                     continue
-            spec = {"driver": "zarr3", "kvstore": self.array_kvstore(path), "fill_missing_data_reads": False}
             try:
-                futures[path] = ts.open(spec, open=True, read=True, dtype=ts.dtype(dtype), shape=shape,
-                                        context=_CONTEXT)
+                futures[path] = self._open_tensorstore(path, dtype, shape)
             except Exception as e:
                 problems.append(f"{self.describe(path)}: {_error_text(e)}")
         stores: dict[str, Any] = {}
@@ -721,10 +808,18 @@ class Location:
             raise StorageError(format_problems("cannot open the checkpoint's arrays", problems))
         return OpenedPlan(plan, stores, files)
 
-    def _open_direct(self, path: str, dtype: str, shape: tuple[int, ...],
-                     want: dict[str, Any] | None) -> localio.ArrayFile | None:
+    def _open_tensorstore(self, path: str, dtype: str, shape: tuple[int, ...] | None) -> Any:
+        """Open a stored array (``shape`` None: a pack, of one axis) for reading: a future."""
+        spec = {"driver": "zarr3", "kvstore": self.array_kvstore(path), "fill_missing_data_reads": False}
+        if shape is None:
+            return ts.open(spec, open=True, read=True, dtype=ts.dtype(dtype), rank=1, context=_CONTEXT)
+        return ts.open(spec, open=True, read=True, dtype=ts.dtype(dtype), shape=shape, context=_CONTEXT)
+
+    def _open_direct(self, path: str, dtype: str, shape: tuple[int, ...] | None,
+                     want: dict[str, Any] | PackExpect | None) -> localio.ArrayFile | None:
         """A local array's layout from its zarr.json, checked like TensorStore's
-        open plus :meth:`_not_the_array`; None if :mod:`localio` cannot serve it.
+        open plus :meth:`_not_the_array` (``shape`` None: a pack, of one axis);
+        None if :mod:`localio` cannot serve it.
 
         Raises:
             StorageError: the array is missing or is not the one named.
@@ -741,17 +836,44 @@ class Location:
         layout = localio.parse(os.path.join(self.local, path), doc)
         if layout is None:
             return None
-        if layout.dtype != dtype or layout.shape != shape:
+        if shape is None and (layout.dtype != dtype or len(layout.shape) != 1):
+            raise StorageError(f"{self.describe(name)}: the array is {layout.dtype} {list(layout.shape)}, "
+                               f"metadata.json names a pack: {dtype} of one axis")
+        if shape is not None and (layout.dtype != dtype or layout.shape != shape):
             raise StorageError(f"{self.describe(name)}: the array is {layout.dtype} {list(layout.shape)}, "
                                f"metadata.json says {dtype} {list(shape)}")
-        if want is not None:
-            got = layout.attributes.get(ATTRIBUTE) if isinstance(layout.attributes, dict) else None
-            if got != want:
-                raise StorageError(f"{self.describe(path)}: the array says it holds {_short_json(got)}, "
-                                   f"metadata.json expects {_short_json(want)}")
+        why = self._attribute_problem(path, layout.attributes, layout.shape, want)
+        if why is not None:
+            raise StorageError(why)
         return layout
 
-    def _not_the_array(self, path: str, store: Any, want: dict[str, Any] | None) -> str | None:
+    def _attribute_problem(self, path: str, attributes: Any, shape: tuple[int, ...],
+                           want: dict[str, Any] | PackExpect | None) -> str | None:
+        """Why an array's attributes do not name what metadata.json expects there, or None."""
+        got = attributes.get(ATTRIBUTE) if isinstance(attributes, dict) else None
+        if isinstance(want, PackExpect):
+            if not isinstance(got, dict) or got.get("save_id") != want.save_id:
+                saved = got.get("save_id") if isinstance(got, dict) else None
+                return (f"{self.describe(path)}: the pack says it belongs to save {_short_json(saved)}, "
+                        f"metadata.json expects {want.save_id}")
+            listed = got.get("members")
+            members = {json.dumps(m) for m in listed} if isinstance(listed, list) else set()
+            size = shape[0] if len(shape) == 1 else 0
+            for key, offset, byte_offset, nbytes in want.members:
+                entry = [key, list(offset), byte_offset, nbytes]
+                if json.dumps(entry) not in members:
+                    return (f"{self.describe(path)}: the pack does not list {_short_json(entry)} "
+                            "([key, offset, byte_offset, nbytes]) as metadata.json expects")
+                if byte_offset + nbytes > size:
+                    return (f"{self.describe(path)}: {key!r} at byte {byte_offset} ({nbytes} bytes) lies past the "
+                            f"end of the pack ({size} bytes)")
+            return None
+        if want is not None and got != want:
+            return (f"{self.describe(path)}: the array says it holds {_short_json(got)}, "
+                    f"metadata.json expects {_short_json(want)}")
+        return None
+
+    def _not_the_array(self, path: str, store: Any, want: dict[str, Any] | PackExpect | None) -> str | None:
         """Why an opened array may not be read as the one metadata.json names, or None."""
         codecs = store.codec.to_json().get("codecs")
         if not _checksummed(codecs):
@@ -760,16 +882,15 @@ class Location:
                     "unverifiable data is not read")
         if want is not None:
             attributes = (store.spec().to_json().get("metadata") or {}).get("attributes") or {}
-            got = attributes.get(ATTRIBUTE)
-            if got != want:
-                return (f"{self.describe(path)}: the array says it holds {_short_json(got)}, "
-                        f"metadata.json expects {_short_json(want)}")
+            return self._attribute_problem(path, attributes, tuple(store.shape), want)
         return None
 
-    def verify_array(self, path: str, dtype: str, shape: tuple[int, ...], want: dict[str, Any] | None) -> int:
+    def verify_array(self, path: str, dtype: str, shape: tuple[int, ...] | None,
+                     want: dict[str, Any] | PackExpect | None) -> int:
         """Read every chunk of one stored array, verifying its checksums, one
         window of chunks at a time (memory stays bounded whatever the array's
-        size). Returns the bytes read.
+        size). Returns the bytes read. A pack: ``shape`` None, ``want`` the
+        :class:`PackExpect` of every region metadata.json places in it.
 
         Raises:
             MetadataError: the path escapes the checkpoint.
@@ -784,14 +905,14 @@ class Location:
             if problems:
                 raise StorageError(format_problems(f"{self.describe(path)} is damaged", problems))
             return nbytes
-        spec = {"driver": "zarr3", "kvstore": self.array_kvstore(path), "fill_missing_data_reads": False}
         try:
-            store = ts.open(spec, open=True, read=True, dtype=ts.dtype(dtype), shape=shape, context=_CONTEXT).result()
+            store = self._open_tensorstore(path, dtype, shape).result()
         except Exception as e:
             raise StorageError(f"{self.describe(path)}: {_error_text(e)}") from None
         why = self._not_the_array(path, store, want)
         if why is not None:
             raise StorageError(why)
+        shape = tuple(store.shape)
         chunk = _read_chunk(store)
         itemsize = numpy_dtype(dtype).itemsize
         window: list[Any] = []
@@ -844,12 +965,17 @@ class Location:
         # decode buffer and a copy per chunk).
         files = opened.files
         requests = []
+        packed: dict[tuple[str, int], list[tuple[np.ndarray, Box, Box]]] = {}
         for tp in plan.targets:
             data = datas[tp.target]
             direct = data.dtype == numpy_dtype(tp.stored_dtype) and data.dtype.isnative
             view = ts.array(data, copy=False, write=True) if direct and stores else None
             itemsize = numpy_dtype(tp.stored_dtype).itemsize
             for r in tp.reads:
+                if r.byte_offset is not None:
+                    needed += r.stored_box.volume * itemsize
+                    packed.setdefault((r.path, r.byte_offset), []).append((data, r.stored_box, r.target_box))
+                    continue
                 if r.path in files:
                     needed += r.stored_box.volume * itemsize
                     requests.append((files[r.path], r.stored_box, data, r.target_box))
@@ -871,6 +997,8 @@ class Location:
         if requests:
             read_direct, more = localio.Reader(localio.pool()).read(requests)
             problems += more
+        if packed and not problems:
+            read_direct += self._read_packed(opened, packed, problems, touched, chunks)
         if problems:
             raise StorageError(format_problems("cannot read the checkpoint's arrays", problems))
         for tp in plan.targets:
@@ -881,9 +1009,96 @@ class Location:
             stats.bytes_needed += needed
             stats.bytes_read += read_direct
             for path, spans in touched.items():
-                itemsize = numpy_dtype(plan.arrays[path][0]).itemsize
+                itemsize = numpy_dtype(plan.arrays[path][0]).itemsize if path in plan.arrays else 1
                 stats.bytes_read += _union_volume(spans) * math.prod(chunks[path]) * itemsize
             stats.seconds += time.perf_counter() - start
+
+
+    def _read_packed(self, opened: OpenedPlan, packed: dict[tuple[str, int], list[tuple[np.ndarray, Box, Box]]],
+                     problems: list[str], touched: dict[str, list[Any]], chunks: dict[str, tuple[int, ...]]) -> int:
+        """Fill the targets' parts of packed regions: ``packed[(pack, byte_offset)]``
+        lists ``(target, stored_box, target_box)``. Each region's bytes are read
+        once (straight into the target when it takes the whole region as it is
+        stored), at most :data:`READ_WINDOW_BYTES` of staging at a time. Returns
+        the bytes of chunks read through :mod:`localio`."""
+        plan = opened.plan
+        total = 0
+        members = sorted(packed)
+        start = 0
+        while start < len(members):
+            window: list[tuple[str, int, np.ndarray, bool]] = []  # pack, byte offset, bytes, staged
+            staged_bytes = 0
+            while start < len(members) and (not window or staged_bytes < READ_WINDOW_BYTES):
+                path, byte_offset = members[start]
+                start += 1
+                region = plan.packs[path][byte_offset]
+                uses = packed[(path, byte_offset)]
+                into = _whole_region_bytes(uses, region)
+                staged = into is None
+                if into is None:
+                    into = np.empty(region.nbytes, np.uint8)
+                    staged_bytes += region.nbytes
+                window.append((path, byte_offset, into, staged))
+            requests = []
+            pending = []
+            for path, byte_offset, into, _ in window:
+                box = Box._trusted((byte_offset,), (into.nbytes,))
+                if path in opened.files:
+                    requests.append((opened.files[path], box, into, Box._trusted((0,), (into.nbytes,))))
+                else:
+                    touched.setdefault(path, []).append(_chunk_span(box, chunks[path]))
+                    pending.append((path, into, _at(opened.stores[path], box).read()))
+            if requests:
+                nbytes, more = localio.Reader(localio.pool()).read(requests)
+                total += nbytes
+                problems += [self._naming_members(p, plan.packs, window) for p in more]
+            for path, into, future in pending:
+                try:
+                    into[...] = future.result()
+                except Exception as e:
+                    problems.append(self._naming_members(f"{self.describe(path)}: {_error_text(e)}", plan.packs,
+                                                         window))
+            if problems:
+                return total
+            for path, byte_offset, into, staged in window:
+                if not staged:
+                    continue
+                region = plan.packs[path][byte_offset]
+                values = _from_le(into, numpy_dtype(region.dtype)).reshape(region.box.shape)
+                for target, stored_box, target_box in packed[(path, byte_offset)]:
+                    cast_into(target_box.view(target), stored_box.view(values))
+        return total
+
+    def _naming_members(self, problem: str, packs: Mapping[str, Mapping[int, PackedRegion]],
+                        window: Sequence[tuple[str, int, np.ndarray, bool]]) -> str:
+        """A problem met reading a pack, with the packed regions it affects."""
+        for path in {p for p, _, _, _ in window}:
+            if self.describe(path) in problem or path in problem:
+                regions = [packs[path][b] for p, b, _, _ in window if p == path]
+                names = ", ".join(f"{r.key!r} {r.box}" for r in regions[:5])
+                more = f" and {len(regions) - 5} more" if len(regions) > 5 else ""
+                return f"{problem} (the pack holds {names}{more})"
+        return problem
+
+
+def _whole_region_bytes(uses: list[tuple[np.ndarray, Box, Box]], region: PackedRegion) -> np.ndarray | None:
+    """The target's bytes when one target takes a whole packed region as it is
+    stored (same dtype, contiguous, little-endian host), else None."""
+    if len(uses) != 1 or sys.byteorder != "little":
+        return None
+    target, stored_box, target_box = uses[0]
+    if stored_box.shape != region.box.shape or target.dtype != numpy_dtype(region.dtype) or not target.dtype.isnative:
+        return None
+    out = target_box.view(target)
+    if not out.flags.c_contiguous:
+        return None
+    return out.reshape(-1).view(np.uint8)
+
+
+def _from_le(data: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
+    """Little-endian stored bytes as values of ``dtype``."""
+    values = data.view(dtype)
+    return values.byteswap() if sys.byteorder == "big" and dtype.itemsize > 1 else values
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,9 +71,9 @@ def test_property_shared_reads_fill_targets_like_plain_reads(case):
 
 def test_owners_balance_and_every_shared_box_has_one_owner():
     # Four ranks need the same 4 stored reads of 400 bytes; rank 3 also reads 1000 alone.
-    common = [[f"a/{n}", [0], [100], "float32"] for n in range(4)]
+    common = [[f"a/{n}", -1, [0], [100], "float32"] for n in range(4)]
     needs = [list(common) for _ in range(4)]
-    needs[3].append(["b/0", [0], [250], "float32"])
+    needs[3].append(["b/0", -1, [0], [250], "float32"])
     pieces = plan_sharing(needs)
     assert sorted(p.path for p in pieces) == [f"a/{n}" for n in range(4)]
     assert all(p.needers == (0, 1, 2, 3) for p in pieces)
@@ -81,7 +81,7 @@ def test_owners_balance_and_every_shared_box_has_one_owner():
     # A read is cut along its first axis into pieces that tile it.
     shared._PIECE_BYTES, saved = 40, shared._PIECE_BYTES  # 5 rows of 8 bytes
     try:
-        cut = plan_sharing([[["x", [5, 0], [9, 2], "float32"]]] * 2)
+        cut = plan_sharing([[["x", -1, [5, 0], [9, 2], "float32"]]] * 2)
     finally:
         shared._PIECE_BYTES = saved
     assert [(p.box.offset, p.box.shape) for p in cut] == [((5, 0), (5, 2)), ((10, 0), (4, 2))]

@@ -145,12 +145,13 @@ def _shards(key: str, leaf: Any, axes: tuple[int, ...] | None, rank: int) -> lis
 
 def save(path: Any, pytree: Any, *, trainer_state: dict[str, Any] | None = None, comm: Comm | None = None,
          keys: KeyMap = None, overwrite: bool = False, kvstore: Any = None,
-         stats: gs.IOStats | None = None) -> None:
+         stats: gs.IOStats | None = None, pack_below: int = 0) -> None:
     """Save a pytree of arrays (``jax.Array``, numpy, Python scalars) as one checkpoint.
 
     Every process calls it with its own view of the same pytree. ``keys``
     maps a pytree key to a checkpoint key, or to ``(key, axes)`` to store the
     leaf transposed (see :meth:`globalshard.ShardedTensor.transposed`).
+    ``pack_below``: as for :func:`globalshard.save` (small regions stored in a few packs).
     """
     comm = comm if comm is not None else default_comm()
     state: dict[str, gs.ShardedTensor] = {}
@@ -158,7 +159,8 @@ def save(path: Any, pytree: Any, *, trainer_state: dict[str, Any] | None = None,
         ckpt_key, axes = _resolve(keys, key)
         for i, t in enumerate(_shards(ckpt_key, leaf, axes, comm.rank)):
             state[f"{key}#{i}"] = t
-    gs.save(state, path, trainer_state=trainer_state, comm=comm, overwrite=overwrite, kvstore=kvstore, stats=stats)
+    gs.save(state, path, trainer_state=trainer_state, comm=comm, overwrite=overwrite, kvstore=kvstore, stats=stats,
+            pack_below=pack_below)
 
 
 def load(path: Any, abstract_pytree: Any, *, comm: Comm | None = None, keys: KeyMap = None,

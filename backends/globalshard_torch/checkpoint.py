@@ -131,6 +131,7 @@ def save_checkpoint(
     kvstore: Any = None,
     stats: gs.IOStats | None = None,
     saver: gs.AsyncSaver | None = None,
+    pack_below: int = 0,
 ) -> None:
     """Save this rank's part of the model, optimizer, scheduler and trainer state.
 
@@ -147,7 +148,8 @@ def save_checkpoint(
     ``saver`` (a :class:`globalshard.AsyncSaver`) the call returns once this
     rank's data is copied to host memory, and the rest runs in the
     background: call ``saver.wait()`` before exiting or loading. A failure on
-    any rank raises on every rank and commits nothing.
+    any rank raises on every rank and commits nothing. ``pack_below``: as for
+    :func:`globalshard.save` (small regions stored in a few packs).
     """
     comm = comm if comm is not None else (default_comm() or SingleProcessComm())
     user = dict(trainer_state or {})
@@ -220,9 +222,10 @@ def save_checkpoint(
         state["rank_state"] = [g["rank_state"] for g in gathered]
     if saver is not None:  # device-to-host copies overlap with the writes
         saver.save(shards, path, trainer_state=state, comm=comm, overwrite=overwrite, kvstore=kvstore, stats=stats,
-                   staged=staging.staged(shards))
+                   staged=staging.staged(shards), pack_below=pack_below)
     else:
-        gs.save(shards, path, trainer_state=state, comm=comm, overwrite=overwrite, kvstore=kvstore, stats=stats)
+        gs.save(shards, path, trainer_state=state, comm=comm, overwrite=overwrite, kvstore=kvstore, stats=stats,
+                pack_below=pack_below)
 
 
 def load_checkpoint(

@@ -107,8 +107,9 @@ def _tensor_shard(key: str, t: torch.Tensor, staging: HostStaging, rank: int, *,
 
 
 def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, overwrite: bool = False,
-         kvstore: Any = None, stats: gs.IOStats | None = None) -> None:
+         kvstore: Any = None, stats: gs.IOStats | None = None, pack_below: int = 0) -> None:
     """Save a nested state dict (see the module docstring). Call on every rank.
+    ``pack_below``: as for :func:`globalshard.save` (small regions stored in a few packs).
 
     Raises:
         LayoutError: a leaf that cannot be saved (named by its key), or
@@ -147,7 +148,7 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
 
     run_collectively(comm, "save: describing the state dict", describe)
     gs.save(shards, path, trainer_state={_VALUES: values, _BYTES: sorted(byte_keys)}, comm=comm,
-            overwrite=overwrite, kvstore=kvstore, stats=stats)
+            overwrite=overwrite, kvstore=kvstore, stats=stats, pack_below=pack_below)
 
 
 def _like(template: Any, value: Any) -> Any:
