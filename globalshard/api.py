@@ -758,9 +758,11 @@ class Checkpoint:
                 try:
                     return None, self._location.verify_array(r, "uint8", None, expect)
                 except GlobalShardError as e:
-                    names = ", ".join(f"{k} {m.box}" for k, m in members[:5])
-                    more = f" and {len(members) - 5} more" if len(members) > 5 else ""
-                    return f"pack {r} holding {names}{more}: {e}", sum(m.nbytes for _, m in members)
+                    lost = self._unreadable(members)  # the regions in its damaged chunks
+                    names = ", ".join(f"{k} {m.box}" for k, m in lost[:20])
+                    more = f" and {len(lost) - 20} more" if len(lost) > 20 else ""
+                    return (f"pack {r}: {e}\nregions of the pack that cannot be read: {names}{more}",
+                            sum(m.nbytes for _, m in members))
             want = array_attributes(key, r.box.offset, self.metadata.save_id) if self.metadata.save_id else None
             try:
                 return None, self._location.verify_array(r.path, dtype, r.box.shape, want)
@@ -777,6 +779,17 @@ class Checkpoint:
                 if progress is not None:
                     progress(n)
         return problems, nbytes
+
+
+    def _unreadable(self, members: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """The packed regions (``(key, StoredRegion)``) that fail to read, each tried alone."""
+        out = []
+        for key, region in members:
+            try:
+                self.read_array(key, region.box)
+            except GlobalShardError:
+                out.append((key, region))
+        return out
 
 
 def _as_box(box: Any, global_shape: tuple[int, ...], key: str) -> Box:

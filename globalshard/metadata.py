@@ -423,8 +423,15 @@ def _parse_tensor(p: _Parser, raw: Any, where: str, all_paths: dict[str, str],
         if why is not None:
             p.bad(f"{rw}.path", why)
         elif path in all_paths and not (packed and path in packs):
-            kind = "a pack of" if path in packs else "also used by"
-            p.bad(f"{rw}.path", f"{path!r} is {kind} {all_paths[path]}")
+            if path in packs:
+                p.bad(f"{rw}.path", f"{path!r} is a pack of {all_paths[path]} (regions with a byte_offset); "
+                                    "this region has none")
+            elif packed:  # said once per path: the regions after it would repeat it
+                p.bad(f"{rw}.path", f"{path!r} is the array of {all_paths[path]}, which has no byte_offset; "
+                                    "this region has one (a pack's path is only packed regions')")
+                packs.setdefault(path, [])
+            else:
+                p.bad(f"{rw}.path", f"{path!r} is also used by {all_paths[path]}")
         else:
             all_paths.setdefault(path, rw)
             if packed and byte_offset is not None and nbytes is not None:

@@ -26,6 +26,7 @@ import itertools
 import json
 import math
 import os
+import re
 import shutil
 import stat
 import sys
@@ -1051,12 +1052,12 @@ class Location:
             if requests:
                 nbytes, more = localio.Reader(localio.pool()).read(requests)
                 total += nbytes
-                problems += [self._naming_members(p, plan.packs, window) for p in more]
+                problems += [self._naming_members(p, opened, window) for p in more]
             for path, into, future in pending:
                 try:
                     into[...] = future.result()
                 except Exception as e:
-                    problems.append(self._naming_members(f"{self.describe(path)}: {_error_text(e)}", plan.packs,
+                    problems.append(self._naming_members(f"{self.describe(path)}: {_error_text(e)}", opened,
                                                          window))
             if problems:
                 return total
@@ -1069,15 +1070,22 @@ class Location:
                     cast_into(target_box.view(target), stored_box.view(values))
         return total
 
-    def _naming_members(self, problem: str, packs: Mapping[str, Mapping[int, PackedRegion]],
+    def _naming_members(self, problem: str, opened: OpenedPlan,
                         window: Sequence[tuple[str, int, np.ndarray, bool]]) -> str:
-        """A problem met reading a pack, with the packed regions it affects."""
+        """A problem met reading a pack, with the packed regions it affects:
+        those in the damaged inner chunk when the problem names one."""
+        packs = opened.plan.packs
         for path in {p for p, _, _, _ in window}:
             if self.describe(path) in problem or path in problem:
-                regions = [packs[path][b] for p, b, _, _ in window if p == path]
-                names = ", ".join(f"{r.key!r} {r.box}" for r in regions[:5])
+                regions = [(b, packs[path][b]) for p, b, _, _ in window if p == path]
+                found = re.search(r"\(inner chunk \[(\d+)\]\)", problem)
+                if found and path in opened.files:
+                    size = opened.files[path].chunk[0]
+                    lo = int(found.group(1)) * size
+                    regions = [(b, r) for b, r in regions if b < lo + size and b + r.nbytes > lo]
+                names = ", ".join(f"{r.key!r} {r.box}" for _, r in regions[:5])
                 more = f" and {len(regions) - 5} more" if len(regions) > 5 else ""
-                return f"{problem} (the pack holds {names}{more})"
+                return f"{problem} (packed regions it holds: {names}{more})"
         return problem
 
 

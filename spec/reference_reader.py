@@ -186,8 +186,9 @@ class Checkpoint:
                 start, n = r["byte_offset"], r["nbytes"]
                 if store.dtype.name != "uint8" or store.rank != 1 or start + n > store.shape[0]:
                     raise Invalid(f"{r['path']}: not a uint8 pack holding bytes [{start}, {start + n})")
-                if not isinstance(attributes, dict) or attributes.get("save_id") != self.save_id or \
-                        [key, r["offset"], start, n] not in attributes.get("members", []):
+                listed = attributes.get("members") if isinstance(attributes, dict) else None
+                if attributes.get("save_id") != self.save_id or not isinstance(listed, list) or \
+                        json.dumps([key, r["offset"], start, n]) not in map(json.dumps, listed):  # 64.0 is not 64
                     raise Invalid(f"{r['path']}: the pack does not list {key!r} {r['offset']} of this save")
                 raw = self._read(store[start:start + n], r["path"])
                 values = raw.view(np.dtype(out.dtype).newbyteorder("<")).reshape(r["shape"])

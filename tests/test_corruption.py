@@ -91,16 +91,18 @@ def _names(message, rel):
         return True  # the parser names the JSON path; a renamed key is named as missing
     parts = rel.split("/")
     candidates = {rel}
-    if "arrays" in parts:
-        i = parts.index("arrays")
-        candidates.add("/".join(parts[: i + 3]))  # saves/<id>/arrays/<dir>/<n>
+    for kind in ("arrays", "packs"):
+        if kind in parts:
+            i = parts.index(kind)
+            candidates.add("/".join(parts[: i + 3]))  # saves/<id>/arrays/<dir>/<n>, saves/<id>/packs/<rank>/<n>
     return any(c in message for c in candidates)
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
+@pytest.fixture(scope="module", params=[0, 1 << 20], ids=["arrays", "packed"])
+def base(tmp_path_factory, request):
+    # Packed: the twelve 128 KiB layer regions share one pack of two 1 MiB-or-less inner chunks.
     root = tmp_path_factory.mktemp("corruption") / "base"
-    saver.save_stamped(root, 1)
+    saver.save_stamped(root, 1, pack_below=request.param)
     return root
 
 
@@ -110,7 +112,8 @@ def test_every_file_every_damage_every_reader(base, tmp_path, how):
     outside.mkdir()
     detected = harmless = 0
     files = _files(base)
-    assert len(files) >= 25 and "metadata.json" in files
+    packed = any("/packs/" in f for f in files)
+    assert len(files) >= (7 if packed else 25) and "metadata.json" in files
     for n, rel in enumerate(files):
         ckpt = tmp_path / f"c{n}"
         shutil.copytree(base, ckpt, symlinks=True)
@@ -131,7 +134,7 @@ def test_every_file_every_damage_every_reader(base, tmp_path, how):
     if how in ("delete", "empty", "truncate", "symlink-out"):
         # Whole-file damage: every reader that touches the file fails.
         assert detected >= len(files), (detected, harmless)
-    _record(how, len(files), detected, harmless)
+    _record(how + (" (packed)" if packed else ""), len(files), detected, harmless)
 
 
 def _record(how, files, detected, harmless):

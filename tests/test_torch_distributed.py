@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 from torch_harness import Topo, assemble, run, topo_dict, values_of, write_expected
 
+import globalshard as gs
+
 # (saving topology, loading topology, parameter dtype, fp32 master weights)
 CASES = [
     pytest.param(Topo(tp=2, pp=2), Topo(tp=4), "float32", False, id="tp2pp2-to-tp4 (tied embeddings PP2->1)"),
@@ -95,6 +97,29 @@ def test_shared_reads_between_dp_replicas_over_gloo(tmp_path):
     assert [s["bytes_read"] + s["bytes_received"] for s in shared] == [p["bytes_read"] for p in plain]
     assert sum(s["bytes_read"] for s in shared) * 2 <= sum(p["bytes_read"] for p in plain)
     assert [s["bytes_needed"] for s in shared] == [p["bytes_needed"] for p in plain]
+
+
+def test_a_packed_checkpoint_of_four_ranks_loads_on_other_layouts(tmp_path):
+    """Every tensor of the model is small: with pack_below each of the four saving
+    ranks stores its regions in a pack of its own; loads at TP=4, and at TP=2 x
+    DP=2 with shared reads, find every parameter and moment bit for bit."""
+    ckpt, dumps, expect = str(tmp_path / "ckpt"), str(tmp_path / "dumps"), str(tmp_path / "expect")
+    os.makedirs(dumps)
+    values_of(run(4, "save_job", str(tmp_path / "save"), topo=topo_dict(Topo(tp=2, pp=2)), dtype="float32",
+                  path=ckpt, dump_dir=dumps, pack_below=1 << 20))
+    md = gs.read_metadata(ckpt)
+    regions = [r for t in md.tensors.values() for r in t.regions]
+    assert all(r.byte_offset is not None for r in regions)
+    assert {r.path.split("/")[-2] for r in regions} == {"0", "1", "2", "3"}  # every rank wrote its own pack
+    write_expected(assemble(dumps), expect)
+    for name, topo, shared in (("tp4", Topo(tp=4), False), ("tp2dp2", Topo(tp=2, dp=2), True)):
+        results = values_of(run(topo.world, "load_job", str(tmp_path / name), topo=topo_dict(topo), dtype="float32",
+                                path=ckpt, expect_dir=expect, shared_reads=shared))
+        for r, res in enumerate(results):
+            assert res["mismatches"] == [], f"{name} rank {r}: {res['mismatches'][:10]}"
+            assert res["n_state"] > 0 and res["trainer_state_step"] == 1
+        if shared:
+            assert sum(res["bytes_received"] for res in results) > 0
 
 
 def test_a_rank_failing_mid_save_commits_nothing_and_fails_every_rank(tmp_path):

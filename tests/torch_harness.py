@@ -311,7 +311,7 @@ def dump_globals(layout: gt.ParallelLayout, chunks: list[Chunk], opt: torch.opti
 
 
 def save_job(rank: int, *, topo: dict[str, int], dtype: str, path: str, dump_dir: str, master: bool = False,
-             fail_rank: int | None = None, steps: int = 1) -> dict[str, Any]:
+             fail_rank: int | None = None, steps: int = 1, pack_below: int = 0) -> dict[str, Any]:
     layout, chunks = build(topo, rank, dtype)
     fill(layout, chunks, reference(0, DTYPES[dtype][1]))
     opt, masters = make_optimizer(chunks, master)
@@ -327,7 +327,7 @@ def save_job(rank: int, *, topo: dict[str, int], dtype: str, path: str, dump_dir
     gt.save_checkpoint(path, model=model, layout=layout, rules=RULES, optimizer=opt, scheduler=sched,
                        trainer_state={"step": steps, "consumed_samples": 64 * steps,
                                       "model_config": {"vocab": VOCAB, "hidden": HIDDEN}},
-                       stats=stats, **kwargs)
+                       stats=stats, pack_below=pack_below, **kwargs)
     return {"lr": opt.param_groups[0]["lr"], "bytes_written": stats.bytes_written}
 
 
