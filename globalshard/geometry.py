@@ -86,7 +86,9 @@ class Box:
     def full(cls, shape: Sequence[int]) -> Box:
         """The box covering a whole array of ``shape``."""
         shape = _int_tuple(shape, "shape")
-        return cls((0,) * len(shape), shape)
+        if any(v < 0 for v in shape):
+            raise LayoutError(f"shape {shape} must be non-negative")
+        return cls._trusted((0,) * len(shape), shape)  # checked: no second check in __post_init__
 
     @property
     def ndim(self) -> int:

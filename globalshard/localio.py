@@ -37,7 +37,7 @@ import numpy as np
 from globalshard.dtypes import cast_into, numpy_dtype
 from globalshard.geometry import Box
 
-__all__ = ["ArrayFile", "parse", "zarr_json", "write_array", "Reader"]
+__all__ = ["ArrayFile", "parse", "read_packs", "zarr_json", "write_array", "Reader"]
 
 def _workers() -> int:
     """Threads doing local reads and writes (I/O and checksums release the GIL):
@@ -487,6 +487,151 @@ class Reader:
         """Read and check every chunk of an array; ``(bytes read, problems)``."""
         box = Box._trusted((0,) * len(layout.shape), layout.shape)
         return self.read([(layout, box, None, box)])
+
+
+def read_packs(pool: concurrent.futures.Executor,
+               packs: Sequence[tuple[ArrayFile, Sequence[tuple[int, np.ndarray]]]]) -> tuple[int, list[str]]:
+    """Fill the members of packs (spec section 5.1): for each 1-d uint8 array,
+    ``(byte_offset, buffer)`` pairs whose buffers (contiguous uint8) take
+    that many bytes from that offset. Each chunk holding any of them is read
+    once, scattered by ``preadv`` straight into the buffers (bytes no buffer
+    takes land in scratch memory), and its crc32c is checked over the pieces
+    before the call returns. Returns ``(bytes of chunks read, problems)``;
+    each problem names the file and the chunk."""
+    futures = []
+    current: list[tuple[ArrayFile, int, list[tuple[int, Any]]]] = []
+    size = 0
+    total_bytes = sum(len(buf) for _, members in packs for _, buf in members)
+    low, high = READ_TASK_BYTES
+    task = min(high, max(low, total_bytes // (2 * WORKERS)))
+    def add(layout: ArrayFile, c: int, pieces: list[tuple[int, Any]]) -> None:
+        nonlocal current, size
+        if size and size + layout.chunk[0] > task:  # each task starts while the next is put together
+            futures.append(pool.submit(_read_pack_task, current))
+            current, size = [], 0
+        current.append((layout, c, pieces))
+        size += layout.chunk[0]
+
+    for layout, members in packs:
+        chunk = layout.chunk[0]
+        pieces: dict[int, list[tuple[int, Any]]] = {}  # chunks that later members may still reach
+        for start, buf in sorted(members, key=lambda m: m[0]):  # members do not overlap
+            view = memoryview(buf.reshape(-1).view(np.uint8))  # type: ignore[arg-type]  # numpy is a buffer
+            end = start + len(view)
+            first = start // chunk
+            for c in sorted(c for c in pieces if c < first):
+                add(layout, c, pieces.pop(c))
+            for c in range(first, -(-end // chunk)):
+                lo, hi = max(start, c * chunk), min(end, (c + 1) * chunk)
+                pieces.setdefault(c, []).append((lo, view[lo - start:hi - start]))
+        for c in sorted(pieces):
+            add(layout, c, pieces[c])
+    if current:
+        futures.append(pool.submit(_read_pack_task, current))
+    total, problems = 0, []
+    for f in futures:
+        nbytes, more = f.result()
+        total += nbytes
+        problems += more
+    return total, problems
+
+
+def _read_pack_task(units: Sequence[tuple[ArrayFile, int, list[tuple[int, Any]]]]) -> tuple[int, list[str]]:
+    """Read chunks of packs, each ``(layout, chunk index, [(byte offset, view)])``,
+    consecutive chunks of one file by one ``preadv``."""
+    total, problems = 0, []
+    fd, opened, size, index = -1, None, 0, None
+    failed: set[tuple[ArrayFile, int]] = set()  # files that would not open: said once
+    run: list[tuple[str, list[Any], bytearray]] = []  # (where, buffers, crc) of chunks back to back in the file
+    run_start = run_end = 0
+    buffers = 0
+
+    def flush() -> None:
+        nonlocal run
+        if run:
+            _preadv_exact(fd, [b for _, bufs, crc in run for b in (*bufs, crc)], run_start, run[0][0])
+            for where, bufs, crc in run:
+                value = 0
+                for b in bufs:
+                    value = _crc(b, value)
+                if value != int.from_bytes(crc, "little"):
+                    raise ChunkError(f"{where}: the chunk fails its crc32c checksum (damaged file)")
+        run = []
+
+    try:
+        for layout, c, pieces in units:
+            chunk = layout.chunk[0]
+            per_file = layout.outer[0] // chunk
+            outer = c // per_file  # the file (outer chunk) holding chunk c, and c's place in it
+            path = layout.file_of((outer,))
+            if (layout, outer) in failed:
+                continue
+            try:
+                if opened != (layout, outer):
+                    flush()
+                    if fd >= 0:
+                        os.close(fd)
+                        fd = -1
+                    opened = None
+                    failed.add((layout, outer))
+                    try:
+                        fd = os.open(path, _FLAGS)
+                    except FileNotFoundError:
+                        raise ChunkError(f"{path}: the chunk file is missing") from None
+                    size = os.fstat(fd).st_size
+                    index = _shard_index(fd, path, layout, size) if layout.inner is not None else None
+                    failed.discard((layout, outer))
+                    opened = (layout, outer)
+                if index is not None:
+                    offset, length = (int(v) for v in index[c - outer * per_file])
+                    where = f"{path} (inner chunk [{c - outer * per_file}])"
+                    if offset == _EMPTY and length == _EMPTY:
+                        raise ChunkError(f"{where}: the chunk is missing from the shard")
+                    if offset + length > size:
+                        raise ChunkError(f"{where}: the shard index points past the end of the file (truncated?)")
+                else:
+                    offset, length, where = 0, size, path
+                if length != chunk + 4:
+                    raise ChunkError(f"{where}: {length} bytes stored, a chunk of [{chunk}] uint8 takes "
+                                     f"{chunk + 4} with its checksum")
+                bufs: list[Any] = []
+                cursor, end = c * chunk, (c + 1) * chunk
+                gaps = sum(len(v) for _, v in pieces)
+                scratch = memoryview(bytearray(chunk - gaps)) if gaps < chunk else None
+                used = 0
+                for lo, view in pieces:
+                    if lo > cursor:
+                        assert scratch is not None
+                        bufs.append(scratch[used:used + lo - cursor])
+                        used += lo - cursor
+                    bufs.append(view)
+                    cursor = lo + len(view)
+                if cursor < end:
+                    assert scratch is not None
+                    bufs.append(scratch[used:used + end - cursor])
+                if not run or offset != run_end or buffers + len(bufs) + 1 > 1000:
+                    flush()
+                    run_start, buffers = offset, 0
+                run.append((where, bufs, bytearray(4)))
+                run_end = offset + length
+                buffers += len(bufs) + 1
+                total += chunk
+            except ChunkError as e:
+                run = []
+                problems.append(str(e))
+            except OSError as e:
+                run = []
+                problems.append(f"{e.filename or path}: {e.strerror or e}")
+        try:
+            flush()
+        except ChunkError as e:
+            problems.append(str(e))
+        except OSError as e:
+            problems.append(f"{e.filename}: {e.strerror or e}")
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    return total, problems
 
 
 def _read_units(units: Sequence[tuple[ArrayFile, tuple[int, ...], Any]]) -> tuple[int, list[str]]:

@@ -236,6 +236,14 @@ def check_relative_path(path: Any) -> str | None:
 class _Parser:
     def __init__(self) -> None:
         self.problems: list[str] = []
+        self._paths: dict[str, str | None] = {}  # check_relative_path of each path seen (packs share theirs)
+
+    def path_problem(self, path: Any) -> str | None:
+        if type(path) is not str:
+            return check_relative_path(path)
+        if path not in self._paths:
+            self._paths[path] = check_relative_path(path)
+        return self._paths[path]
 
     def bad(self, where: str, what: str) -> None:
         self.problems.append(f"{where}: {what}")
@@ -263,6 +271,12 @@ class _Parser:
         return value
 
     def uints(self, value: Any, where: str, length: int | None = None) -> tuple[int, ...] | None:
+        if type(value) is list and (length is None or len(value) == length):
+            for v in value:  # the usual case, without a call per integer
+                if type(v) is not int or not 0 <= v <= _MAX_INT:
+                    break
+            else:
+                return tuple(value)
         if not isinstance(value, list):
             self.bad(where, f"must be an array of integers, got {_json_type(value)}")
             return None
@@ -404,7 +418,7 @@ def _parse_tensor(p: _Parser, raw: Any, where: str, all_paths: dict[str, str],
         return None
     if gshape is None:
         return None
-    bounds = Box.full(gshape)
+    bounds = Box._trusted((0,) * len(gshape), gshape)  # parsed: a tuple of non-negative ints
     regions: list[StoredRegion] = []
     region_where: list[str] = []
     for i, rr in enumerate(raw_regions):
@@ -418,7 +432,7 @@ def _parse_tensor(p: _Parser, raw: Any, where: str, all_paths: dict[str, str],
         packed = "byte_offset" in r
         byte_offset = p.uint(r.get("byte_offset"), f"{rw}.byte_offset") if packed else None
         raw_path = r.get("path")
-        why = check_relative_path(raw_path)
+        why = p.path_problem(raw_path)
         path = raw_path if isinstance(raw_path, str) else ""
         if why is not None:
             p.bad(f"{rw}.path", why)

@@ -599,8 +599,10 @@ class LoadPlanner:
         arrays: dict[str, tuple[str, tuple[int, ...]]] = {}
         packs: dict[str, dict[int, PackedRegion]] = {}
         for t_idx, info in enumerate(targets):
-            label = f"{names[t_idx]!r} (key {info.key!r})" if names else repr(info.key)
             stored = metadata.tensors.get(info.key)
+            if stored is None or stored.global_shape != info.global_shape or (
+                    not allow_lossy_cast and not is_exact_cast(stored.dtype, info.dtype)):
+                label = f"{names[t_idx]!r} (key {info.key!r})" if names else repr(info.key)
             if stored is None:
                 problems.append(f"{label}: {missing_key(info.key, metadata)}")
                 missing = True
@@ -626,18 +628,24 @@ class LoadPlanner:
                 got = 0
                 for i in (index.query(want) if index is not None else range(len(stored.regions))):
                     s = stored.regions[i]
-                    inter = s.box.intersect(want)
-                    if inter is None:
-                        continue
+                    if s.box == want:  # the commonest case, as saved: no arithmetic
+                        inter, rel, local = want, Box._trusted((0,) * len(want.shape), want.shape), region.local_box
+                    else:
+                        found = s.box.intersect(want)
+                        if found is None:
+                            continue
+                        inter = found
+                        rel = Box._trusted(tuple(a - b for a, b in zip(inter.offset, s.box.offset)), inter.shape)
+                        local = region.global_to_local(inter)
                     got += inter.volume
-                    rel = Box._trusted(tuple(a - b for a, b in zip(inter.offset, s.box.offset)), inter.shape)
-                    reads.append(ReadItem(s.path, rel, region.global_to_local(inter), s.byte_offset))
+                    reads.append(ReadItem(s.path, rel, local, s.byte_offset))
                     if s.byte_offset is None:
                         arrays[s.path] = (stored.dtype, s.box.shape)
                     else:
                         packs.setdefault(s.path, {})[s.byte_offset] = PackedRegion(
                             info.key, stored.dtype, s.box, s.nbytes)
                 if got != want.volume:  # cannot happen with parsed metadata; never fill silently
+                    label = f"{names[t_idx]!r} (key {info.key!r})" if names else repr(info.key)
                     problems.append(f"{label}: the checkpoint does not cover global box {want}")
             padding, _ = cover_problems(
                 Box.full(info.local_shape), [r.local_box for r in info.regions], limit=1 << 62

@@ -198,6 +198,16 @@ def pack_expect(save_id: str, regions: Mapping[int, PackedRegion]) -> PackExpect
     return PackExpect(save_id, tuple((r.key, r.box.offset, b, r.nbytes) for b, r in sorted(regions.items())))
 
 
+def _member(entry: Any) -> tuple[Any, ...] | None:
+    """A pack's ``[key, offset, byte_offset, nbytes]`` entry as a tuple, or None
+    unless it is exactly that: a string, a list of integers, two integers
+    (``64.0`` or ``true`` is not an integer of this format)."""
+    if type(entry) is list and len(entry) == 4 and type(entry[0]) is str and type(entry[1]) is list \
+            and type(entry[2]) is int and type(entry[3]) is int and all(type(v) is int for v in entry[1]):
+        return (entry[0], tuple(entry[1]), entry[2], entry[3])
+    return None
+
+
 def _pack_data(item: PackItem) -> tuple[np.ndarray | None, str | None]:
     """A pack's bytes, built once its members are ready; or why it cannot be."""
     data = np.zeros(item.nbytes, np.uint8)
@@ -858,11 +868,11 @@ class Location:
                 return (f"{self.describe(path)}: the pack says it belongs to save {_short_json(saved)}, "
                         f"metadata.json expects {want.save_id}")
             listed = got.get("members")
-            members = {json.dumps(m) for m in listed} if isinstance(listed, list) else set()
+            members = {_member(m) for m in listed} if isinstance(listed, list) else set()
             size = shape[0] if len(shape) == 1 else 0
             for key, offset, byte_offset, nbytes in want.members:
                 entry = [key, list(offset), byte_offset, nbytes]
-                if json.dumps(entry) not in members:
+                if (key, tuple(offset), byte_offset, nbytes) not in members:
                     return (f"{self.describe(path)}: the pack does not list {_short_json(entry)} "
                             "([key, offset, byte_offset, nbytes]) as metadata.json expects")
                 if byte_offset + nbytes > size:
@@ -1040,17 +1050,17 @@ class Location:
                     into = np.empty(region.nbytes, np.uint8)
                     staged_bytes += region.nbytes
                 window.append((path, byte_offset, into, staged))
-            requests = []
+            requests: dict[str, list[tuple[int, np.ndarray]]] = {}
             pending = []
             for path, byte_offset, into, _ in window:
-                box = Box._trusted((byte_offset,), (into.nbytes,))
                 if path in opened.files:
-                    requests.append((opened.files[path], box, into, Box._trusted((0,), (into.nbytes,))))
+                    requests.setdefault(path, []).append((byte_offset, into))
                 else:
+                    box = Box._trusted((byte_offset,), (into.nbytes,))
                     touched.setdefault(path, []).append(_chunk_span(box, chunks[path]))
                     pending.append((path, into, _at(opened.stores[path], box).read()))
             if requests:
-                nbytes, more = localio.Reader(localio.pool()).read(requests)
+                nbytes, more = localio.read_packs(localio.pool(), [(opened.files[p], m) for p, m in requests.items()])
                 total += nbytes
                 problems += [self._naming_members(p, opened, window) for p in more]
             for path, into, future in pending:
@@ -1079,8 +1089,9 @@ class Location:
             if self.describe(path) in problem or path in problem:
                 regions = [(b, packs[path][b]) for p, b, _, _ in window if p == path]
                 found = re.search(r"\(inner chunk \[(\d+)\]\)", problem)
-                if found and path in opened.files:
-                    size = opened.files[path].chunk[0]
+                layout = opened.files.get(path)
+                if found and layout is not None and layout.outer[0] >= layout.shape[0]:  # one file: its index
+                    size = layout.chunk[0]
                     lo = int(found.group(1)) * size
                     regions = [(b, r) for b, r in regions if b < lo + size and b + r.nbytes > lo]
                 names = ", ".join(f"{r.key!r} {r.box}" for _, r in regions[:5])

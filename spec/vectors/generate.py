@@ -17,6 +17,8 @@ with the library and with spec/reference_reader.py.
 | flat | ZeRO-style flat ranges: boxes cut from a contiguous range of elements |
 | scalars_and_empty | 0-d tensors and zero-size tensors (no regions), and a trainer state |
 | replicas | data-parallel replicas: stored once |
+| small_packs | packs (section 5.1): every dtype, a 0-d tensor and a split tensor in six small packs, |
+| | members straddling 40-byte inner chunks, next to a region stored whole |
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 import numpy as np
 
 import globalshard as gs
-from globalshard import storage
+from globalshard import planner, storage
 from globalshard.dtypes import numpy_dtype
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -135,6 +137,22 @@ def vector_replicas() -> tuple[dict[str, np.ndarray], dict[str, gs.ShardedTensor
     return g, state, None
 
 
+def vector_small_packs() -> tuple[dict[str, np.ndarray], dict[str, gs.ShardedTensor], Any]:
+    g = {f"p.{d}": bits((3, 2), d, 20 + i) for i, d in enumerate(gs.SUPPORTED_DTYPES)}
+    g["scalar"] = np.array(-2.5, np.float32)
+    g["split"] = bits((5, 4), "int32", 40)  # two regions, both packed
+    g["whole"] = bits((40, 4), "float64", 41)  # 1280 bytes: over pack_below, stored as its own array
+    state = {k: whole(k, v.copy()) for k, v in g.items() if k != "split"}
+    state |= rows("split", g["split"], 2)
+    return g, state, None
+
+
+#: save() options of the vectors that need them, and (CHUNK_BYTES, PACK_BYTES) while they are written.
+OPTIONS: dict[str, tuple[dict[str, Any], int | None, int | None]] = {
+    "sharded": ({}, 24, None),  # inner chunks of a few elements: shards even for tiny arrays
+    "small_packs": ({"pack_below": 256}, 40, 256),  # packs of a few members, in 40-byte inner chunks
+}
+
 VECTORS = {name[len("vector_"):]: fn for name, fn in list(globals().items()) if name.startswith("vector_")}
 
 
@@ -149,13 +167,14 @@ def main(out: str = HERE) -> None:
         g, state, trainer = fn()
         path = os.path.join(out, name)
         shutil.rmtree(path, ignore_errors=True)
-        saved = storage.CHUNK_BYTES
-        if name == "sharded":
-            storage.CHUNK_BYTES = 24  # inner chunks of a few elements: shards even for tiny arrays
+        options, chunk_bytes, pack_bytes = OPTIONS.get(name, ({}, None, None))
+        saved = storage.CHUNK_BYTES, planner.PACK_BYTES
+        storage.CHUNK_BYTES = chunk_bytes or saved[0]
+        planner.PACK_BYTES = pack_bytes or saved[1]
         try:
-            gs.save(state, path, trainer_state=trainer)
+            gs.save(state, path, trainer_state=trainer, **options)
         finally:
-            storage.CHUNK_BYTES = saved
+            storage.CHUNK_BYTES, planner.PACK_BYTES = saved
         with open(os.path.join(path, "expected.json"), "w") as f:
             json.dump(expected_json(g), f, indent=1, sort_keys=True)
             f.write("\n")
