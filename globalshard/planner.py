@@ -416,6 +416,8 @@ class SavePlanner:
         return TensorMetadata(first.dtype, first.global_shape, tuple(regions))
 
 
+# TODO(limitation): packing is opt-in (pack_below=0 by default): readers of the format
+# written before spec section 5.1 refuse a packed checkpoint, so it is not the default.
 def check_pack_below(pack_below: Any) -> int:
     """``pack_below``, checked: regions of fewer bytes are packed (0: none);
     at most :data:`PACK_BYTES`, the size of one pack.

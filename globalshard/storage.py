@@ -1044,6 +1044,8 @@ class Location:
                 start += 1
                 region = plan.packs[path][byte_offset]
                 uses = packed[(path, byte_offset)]
+                # TODO(limitation): a target that needs part of a packed region reads all of
+                # it (fewer than pack_below bytes) and the pack chunks holding it.
                 into = _whole_region_bytes(uses, region)
                 staged = into is None
                 if into is None:
