@@ -76,6 +76,30 @@ def test_s3_round_trip_across_layouts(s3):
         gs.save(shards(full, 4), "runs/a/iter_0000100", kvstore=spec)
 
 
+def test_s3_packed_checkpoint_round_trips_and_damage_names_the_pack(s3):
+    spec, client, _ = s3
+    rng = np.random.default_rng(1)
+    values = {f"b{i}": rng.standard_normal(i + 1).astype(np.float32) for i in range(20)}
+    state = {k: gs.ShardedTensor.from_offset(k, v, global_shape=v.shape, global_offset=(0,)) for k, v in values.items()}
+    state |= shards(np.arange(24, dtype=np.float32).reshape(8, 3), 2)
+    gs.save(state, "runs/p", kvstore=spec, pack_below=4096)
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket="ckpt", Prefix="runs/p/saves/")["Contents"]]
+    assert {k.split("/")[4] for k in keys} == {"packs"}  # runs/p/saves/<id>/packs: every region here is small
+    targets = {k: gs.ShardedTensor.from_offset(k, np.zeros_like(v), global_shape=v.shape, global_offset=(0,))
+               for k, v in values.items()}
+    gs.load(targets, "runs/p", kvstore=spec)
+    assert all(np.array_equal(targets[k].data, v) for k, v in values.items())
+    assert np.array_equal(gs.read_array("runs/p", "w", kvstore=spec), np.arange(24, dtype=np.float32).reshape(8, 3))
+    assert gs.Checkpoint("runs/p", kvstore=spec).verify()[0] == []
+    chunk = next(k for k in keys if not k.endswith("zarr.json"))
+    body = client.get_object(Bucket="ckpt", Key=chunk)["Body"].read()
+    client.put_object(Bucket="ckpt", Key=chunk, Body=bytes([body[0] ^ 1]) + body[1:])
+    pack = chunk.split("/c/")[0][len("runs/p/"):]
+    with pytest.raises(gs.StorageError) as e:
+        gs.load(targets, "runs/p", kvstore=spec)
+    assert pack in str(e.value)
+
+
 def test_s3_damage_is_detected(s3):
     spec, client, _ = s3
     full = np.arange(24, dtype=np.float32).reshape(8, 3)
