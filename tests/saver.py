@@ -127,6 +127,7 @@ def main() -> None:
     parser.add_argument("--count", action="store_true")
     parser.add_argument("--manager", action="store_true", help="save through globalshard_torch's manager")
     parser.add_argument("--async-save", action="store_true", help="through gs.AsyncSaver")
+    parser.add_argument("--pack-below", type=int, default=0, help="save(pack_below=)")
     parser.add_argument("--ignore-sigxfsz", action="store_true",
                         help="under a file-size limit, fail writes with EFBIG instead of dying")
     args = parser.parse_args()
@@ -152,7 +153,8 @@ def main() -> None:
             t.data[...] = 0  # the snapshot, not the live arrays, is what gets written
         background.wait()
     else:
-        gs.save(state, args.path, trainer_state={"tag": args.tag}, overwrite=args.overwrite, kvstore=kvstore)
+        gs.save(state, args.path, trainer_state={"tag": args.tag}, overwrite=args.overwrite, kvstore=kvstore,
+                pack_below=args.pack_below)
     if count is not None:
         print(json.dumps({"events": count[0], "seconds": time.perf_counter() - start}))
     os._exit(0)  # a kill timer must not outlive the save

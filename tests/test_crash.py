@@ -60,11 +60,14 @@ def _check_after_kill(path, expect_new, **kw):
     return tag
 
 
-def test_sigkill_at_every_phase_of_a_local_overwrite(tmp_path):
+@pytest.mark.parametrize("pack_below", [0, 1 << 20], ids=["arrays", "packed"])
+def test_sigkill_at_every_phase_of_a_local_overwrite(tmp_path, pack_below):
+    # Packed: the new save packs its twelve 128 KiB layer regions; the one after it does not.
     base = tmp_path / "base"
     saver.save_stamped(base, 1)
     shutil.copytree(base, tmp_path / "count")
-    counted = _saver(str(tmp_path / "count"), "--tag", "2", "--overwrite", "--count")
+    packing = ["--pack-below", str(pack_below)]
+    counted = _saver(str(tmp_path / "count"), "--tag", "2", "--overwrite", "--count", *packing)
     assert counted.returncode == 0, counted.stderr
     events, duration = json.loads(counted.stdout)["events"], json.loads(counted.stdout)["seconds"]
     points = [("at", k) for k in _spread(events, max(2, POINTS - POINTS // 4))]
@@ -74,7 +77,7 @@ def test_sigkill_at_every_phase_of_a_local_overwrite(tmp_path):
     for n, (how, when) in enumerate(points):
         ckpt = tmp_path / f"k{n}"
         shutil.copytree(base, ckpt)
-        out = _saver(str(ckpt), "--tag", "2", "--overwrite", f"--kill-{how}", str(when))
+        out = _saver(str(ckpt), "--tag", "2", "--overwrite", f"--kill-{how}", str(when), *packing)
         killed += out.returncode == -9
         assert out.returncode in (0, -9), out.stderr
         outcomes[_check_after_kill(ckpt, 2)] += 1
@@ -84,7 +87,7 @@ def test_sigkill_at_every_phase_of_a_local_overwrite(tmp_path):
         shutil.rmtree(ckpt)
     assert killed >= 0.8 * len(points)  # nearly every point lands inside the save (timed ones may miss)
     assert outcomes[1] and outcomes[2], outcomes  # kills before and after the commit both happened
-    _record("local, single process", len(points), survived, killed)
+    _record("local, single process" + (", packed" if pack_below else ""), len(points), survived, killed)
 
 
 def test_sigkill_during_the_background_part_of_an_async_save(tmp_path):
