@@ -173,11 +173,13 @@ def _reject_constant(name: str) -> Any:
 
 
 def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate object key {k!r}")
-        out[k] = v
+    out = dict(pairs)
+    if len(out) != len(pairs):  # some key repeats: name the first
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise ValueError(f"duplicate object key {k!r}")
+            seen.add(k)
     return out
 
 
@@ -456,7 +458,7 @@ def _parse_tensor(p: _Parser, raw: Any, where: str, all_paths: dict[str, str],
         if box.is_empty:
             p.bad(rw, "a stored region must hold at least one element")
             continue
-        if not bounds.contains(box):
+        if box != bounds and not bounds.contains(box):  # a whole-tensor region needs no check
             p.bad(rw, f"box {box} is outside the global shape {gshape}")
             continue
         if itemsize is not None and nbytes != box.volume * itemsize:
