@@ -10,12 +10,14 @@ reported together, each with its JSON path, in one :class:`MetadataError`.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import itertools
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +62,20 @@ MAX_FILE_BYTES = 256 << 20
 _HEX = frozenset("0123456789abcdef")
 _FLOAT_TAG = "$float"
 _NON_FINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector: parsing and planning build many
+    small objects and no cycles, and in a trainer holding millions of Python
+    objects each collection the allocations trigger walks all of them."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if paused:
+            gc.enable()
 
 
 def is_save_id(value: Any) -> bool:
@@ -323,6 +339,11 @@ def parse_metadata(data: bytes | str, *, source: str = METADATA_FILE) -> Metadat
         MetadataError: listing every problem found, each with its JSON path
         (``$.tensors["w"].regions[2].offset[0]``).
     """
+    with gc_paused():
+        return _parse_metadata(data, source)
+
+
+def _parse_metadata(data: bytes | str, source: str) -> Metadata:
     doc = _loads(data, source, strict_integers=True)
     p = _Parser()
     version = doc.get("version") if isinstance(doc, dict) else None

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import gc
 import hashlib
 from collections import defaultdict
 from collections.abc import Sequence
@@ -34,7 +33,7 @@ from globalshard.dtypes import is_exact_cast, numpy_dtype
 from globalshard.errors import CastError, LayoutError, MismatchError, MissingKeyError, format_problems
 from globalshard.geometry import Box, BoxIndex, Region, cover_problems
 from globalshard.layout import ShardedTensor
-from globalshard.metadata import FORMAT_VERSION, Metadata, StoredRegion, TensorMetadata, is_save_id
+from globalshard.metadata import FORMAT_VERSION, Metadata, StoredRegion, TensorMetadata, gc_paused, is_save_id
 
 __all__ = [
     "LoadPlan",
@@ -311,16 +310,9 @@ class SavePlanner:
         if not is_save_id(save_id):
             raise LayoutError(f"save_id must be 32 lowercase hex digits, got {save_id!r}")
         check_pack_below(pack_below)
-        # Planning builds many small objects and no reference cycles: the cyclic
-        # collector would only traverse them again and again.
-        paused = gc.isenabled()
-        gc.disable()
-        try:
+        with gc_paused():  # many small objects, no cycles
             plan = self._plan(groups, world_size, save_id)
             return _pack(plan, pack_below) if pack_below else plan
-        finally:
-            if paused:
-                gc.enable()
 
     def _plan(self, groups: Sequence[RankGroup], world_size: int, save_id: str) -> SavePlan:
         by_key: dict[str, list[tuple[int, int]]] = defaultdict(list)
@@ -593,6 +585,11 @@ class LoadPlanner:
             MismatchError: shapes differ (with every problem).
             CastError: only dtype conversions are refused.
         """
+        with gc_paused():
+            return self._plan(metadata, targets, allow_lossy_cast, names)
+
+    def _plan(self, metadata: Metadata, targets: Sequence[ShardInfo], allow_lossy_cast: bool,
+              names: Sequence[str] | None) -> LoadPlan:
         problems: list[str] = []
         cast_problems: list[str] = []
         missing = False
