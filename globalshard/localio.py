@@ -37,7 +37,7 @@ import numpy as np
 from globalshard.dtypes import cast_into, numpy_dtype
 from globalshard.geometry import Box
 
-__all__ = ["ArrayFile", "parse", "read_packs", "zarr_json", "write_array", "Reader"]
+__all__ = ["ArrayFile", "parse", "read_packs", "zarr_json", "write_array", "write_pack", "Reader"]
 
 def _workers() -> int:
     """Threads doing local reads and writes (I/O and checksums release the GIL):
@@ -248,6 +248,72 @@ def write_array(directory: str, array: np.ndarray, doc: dict[str, Any],
     except BaseException:
         os.close(fd)
         raise
+
+
+#: A chunk of a pack whose pieces (members and the gaps between them) are
+#: more than this many is copied into one buffer first (IOV_MAX is 1024).
+_MAX_PIECES = 500
+
+
+def write_pack(directory: str, members: Sequence[tuple[int, np.ndarray]], doc: dict[str, Any],
+               pool: concurrent.futures.Executor, *, fsync: bool = True) -> list[concurrent.futures.Future[Any]]:
+    """Start writing a pack (spec section 5.1; ``doc`` from :func:`zarr_json`
+    for a ``uint8`` array of one axis) straight from its members'
+    bytes, each ``(byte_offset, contiguous uint8 array)``, without assembling
+    it: each chunk is one ``pwritev`` of the member pieces it holds, zeros
+    between them, and its crc32c computed over the pieces. The directories
+    exist (the caller made them); durability as in :func:`write_array`."""
+    layout = parse(directory, doc)
+    assert layout is not None and layout.dtype == "uint8" and len(layout.shape) == 1
+    size, chunk = layout.shape[0], layout.chunk[0]
+    count = -(-size // chunk)
+    zeros = memoryview(bytes(chunk))
+    pieces: list[list[Any]] = [[] for _ in range(count)]
+    ends = [c * chunk for c in range(count)]  # how far each chunk's pieces reach
+    for start, data in sorted(members, key=lambda m: m[0]):
+        view = memoryview(data).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
+        end = start + len(view)
+        for c in range(start // chunk, -(-end // chunk)):
+            lo, hi = max(start, c * chunk), min(end, (c + 1) * chunk)
+            if lo > ends[c]:
+                pieces[c].append(zeros[:lo - ends[c]])
+            pieces[c].append(view[lo - start:hi - start])
+            ends[c] = hi
+    for c in range(count):  # zeros to each chunk's end (the array's end, unsharded)
+        stop = (c + 1) * chunk if layout.inner is not None else size
+        if stop > ends[c]:
+            pieces[c].append(zeros[:stop - ends[c]])
+    path = layout.file_of((0,))
+    text = json.dumps(doc, allow_nan=False).encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        futures = [pool.submit(_write_small, os.path.join(directory, "zarr.json"), text, fsync)]
+        stored = chunk + 4 if layout.inner is not None else size + 4
+        per_task = max(1, TASK_BYTES // stored)
+        for first in range(0, count, per_task):
+            batch = [(pieces[c], c * stored) for c in range(first, min(count, first + per_task))]
+            futures.append(pool.submit(_write_pack_chunks, fd, batch))
+        if layout.inner is not None:
+            index = np.empty((count, 2), dtype="<u8")
+            index[:, 0] = np.arange(count, dtype=np.uint64) * stored
+            index[:, 1] = stored
+            raw = index.tobytes()
+            futures.append(pool.submit(_pwritev, fd, [raw + _crc(raw).to_bytes(4, "little")], count * stored))
+        return [_closing(pool, fd, futures, fsync)]
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _write_pack_chunks(fd: int, batch: Sequence[tuple[list[Any], int]]) -> None:
+    """Write chunks of a pack, each ``(pieces, file offset)``, followed by its crc32c."""
+    for parts, offset in batch:
+        if len(parts) > _MAX_PIECES:
+            parts = [b"".join(parts)]
+        value = 0
+        for part in parts:
+            value = _crc(part, value)
+        _pwritev(fd, [*parts, value.to_bytes(4, "little")], offset)
 
 
 def _write_whole(directory: str, path: str, array: np.ndarray, zarr_json_bytes: bytes, fsync: bool) -> None:

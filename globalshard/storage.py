@@ -71,7 +71,10 @@ SYNCFS_MIN_ARRAYS = 64
 #: write, so this bounds the extra memory a save needs.
 WRITE_WINDOW_BYTES = 64 << 20
 
-#: Bytes of packs (spec section 5.1) built in host memory and not yet written.
+#: Bytes of packs (spec section 5.1) in host memory and not yet written:
+#: whole packs assembled for TensorStore; locally, only copies of members
+#: that were not contiguous little-endian bytes (the rest is written from
+#: the members themselves).
 PACK_WINDOW_BYTES = 32 << 20
 
 #: Bytes of reads in flight at once: TensorStore decodes each chunk into a
@@ -208,19 +211,27 @@ def _member(entry: Any) -> tuple[Any, ...] | None:
     return None
 
 
+def _le_bytes(array: np.ndarray) -> np.ndarray:
+    """A packed region's bytes (spec section 5.1): its elements in C order,
+    little-endian; a view of ``array`` when it already is that."""
+    flat = np.ascontiguousarray(array).reshape(-1)
+    if not flat.dtype.isnative:
+        flat = flat.astype(flat.dtype.newbyteorder("="))
+    if sys.byteorder == "big":  # the format's bytes are little-endian
+        flat = flat.byteswap()
+    return flat.view(np.uint8)
+
+
 def _pack_data(item: PackItem) -> tuple[np.ndarray | None, str | None]:
-    """A pack's bytes, built once its members are ready; or why it cannot be."""
+    """A pack's bytes, assembled once its members are ready (for TensorStore,
+    which writes from one array); or why it cannot be."""
     data = np.zeros(item.nbytes, np.uint8)
     for byte_offset, array, ready in item.members:
         why = _wait_ready(ready)
         if why is not None:
             return None, why
-        flat = np.ascontiguousarray(array).reshape(-1)
-        if not flat.dtype.isnative:
-            flat = flat.astype(flat.dtype.newbyteorder("="))
-        if sys.byteorder == "big":  # the format's bytes are little-endian
-            flat = flat.byteswap()
-        data[byte_offset:byte_offset + flat.nbytes] = flat.view(np.uint8)
+        flat = _le_bytes(array)
+        data[byte_offset:byte_offset + flat.nbytes] = flat
     return data, None
 
 
@@ -648,7 +659,7 @@ class Location:
         futures: list[tuple[str, Any]] = []
         directories: set[str] = set()
         made: set[str] = set()
-        packs: collections.deque[tuple[int, list[Any]]] = collections.deque()  # built packs being written
+        packs: collections.deque[tuple[int, list[Any]]] = collections.deque()  # packs' copies being written
         pack_bytes = 0
         # Many arrays: one syncfs at the end instead of an fsync per file and directory.
         batch = len(items) >= SYNCFS_MIN_ARRAYS and localio.has_syncfs()
@@ -658,16 +669,19 @@ class Location:
             # arrays cost more than the same bytes in a few (bench/small_tensors.py).
             path = item.path
             if isinstance(item, PackItem):
-                while packs and pack_bytes + item.nbytes > PACK_WINDOW_BYTES:  # bound the packs in memory
+                while packs and pack_bytes + item.nbytes > PACK_WINDOW_BYTES:  # bound the copies in memory
                     nbytes, done = packs.popleft()
                     concurrent.futures.wait(done)
                     pack_bytes -= nbytes
-                array, why = _pack_data(item)
-                dtype, attributes, cut = "uint8", item.attributes, tuple[int, ...]()
-            else:
-                dtype, array, attributes, cut = item.dtype, item.data, item.attributes, item.cut
-                why = _wait_ready(item.ready)  # earlier arrays are being written meanwhile
-            if why is not None or array is None:
+                first = len(futures)
+                copied = self._write_pack(item, pool, futures, problems, made, directories, fsync=not batch)
+                if copied:
+                    packs.append((copied, [f for _, f in futures[first:]]))
+                    pack_bytes += copied
+                continue
+            dtype, array, attributes, cut = item.dtype, item.data, item.attributes, item.cut
+            why = _wait_ready(item.ready)  # earlier arrays are being written meanwhile
+            if why is not None:
                 problems.append(f"{self.describe(path)}: {why}")
                 continue
             directory = os.path.join(self.local, path)
@@ -676,7 +690,6 @@ class Location:
             shape = tuple(array.shape)
             inner: tuple[int, ...] | None = chunk_shape(shape, array.dtype.itemsize, cut=cut)
             doc = localio.zarr_json(dtype, shape, None if inner == shape else inner, {ATTRIBUTE: attributes})
-            first = len(futures)
             try:
                 leaf = os.path.join(directory, "c", *["0"] * (array.ndim - 1)) if array.ndim else directory
                 _make_dirs(self.local, leaf, made)
@@ -685,9 +698,6 @@ class Location:
             except OSError as e:
                 problems.append(f"{self.describe(path)}: {e.strerror or e}")
                 continue
-            if isinstance(item, PackItem):
-                packs.append((item.nbytes, [f for _, f in futures[first:]]))
-                pack_bytes += item.nbytes
             child = os.path.join(directory, "c", *["0"] * (array.ndim - 1)) if array.ndim else directory
             while _inside(child, self.local) and child not in directories:
                 directories.add(child)
@@ -711,6 +721,38 @@ class Location:
                     problems.append(f"{e.filename}: {e.strerror or e}")
         if problems:
             raise StorageError(format_problems("cannot write the checkpoint's arrays", problems))
+
+    def _write_pack(self, item: PackItem, pool: Any, futures: list[tuple[str, Any]], problems: list[str],
+                    made: set[str], directories: set[str], *, fsync: bool) -> int:
+        """Start writing one pack from its members' own bytes (:func:`localio.write_pack`),
+        once each is ready; returns the bytes copied on the way (members that
+        were not contiguous little-endian bytes)."""
+        assert self.local is not None
+        members, copied = [], 0
+        for byte_offset, array, ready in item.members:
+            why = _wait_ready(ready)
+            if why is not None:
+                problems.append(f"{self.describe(item.path)}: {why}")
+                return copied
+            flat = _le_bytes(array)
+            copied += 0 if np.may_share_memory(flat, array) else flat.nbytes
+            members.append((byte_offset, flat))
+        directory = os.path.join(self.local, item.path)
+        leaf = os.path.join(directory, "c")
+        inner = chunk_shape((item.nbytes,), 1)
+        doc = localio.zarr_json("uint8", (item.nbytes,), None if inner == (item.nbytes,) else inner,
+                                {ATTRIBUTE: item.attributes})
+        try:
+            _make_dirs(self.local, leaf, made)
+            futures += [(item.path, f) for f in localio.write_pack(directory, members, doc, pool, fsync=fsync)]
+        except OSError as e:
+            problems.append(f"{self.describe(item.path)}: {e.strerror or e}")
+            return copied
+        child = leaf
+        while _inside(child, self.local) and child not in directories:
+            directories.add(child)
+            child = os.path.dirname(child)
+        return copied
 
     def _write_tensorstore(self, items: Sequence[ArrayItem | PackItem]) -> None:
         opened: list[tuple[str, Any, Any, Any]] = []

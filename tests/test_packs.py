@@ -164,6 +164,25 @@ def test_a_load_reads_only_the_pack_chunks_it_needs(tmp_path):
     assert stats.bytes_needed == 4096 and 4096 < stats.bytes_read <= 2 << 20
 
 
+@pytest.mark.parametrize("io", ENGINES)
+def test_thousands_of_scalars_and_strided_members_in_one_chunk(tmp_path, io):
+    # 3,000 0-d tensors 64 bytes apart: chunks of thousands of pieces (written through
+    # one buffer); transposed and byte-swapped members are copied to their bytes.
+    values = {f"s{i}": np.array(i * 0.5, np.float32) for i in range(3000)}
+    state = {k: gs.ShardedTensor.from_offset(k, v, global_shape=(), global_offset=()) for k, v in values.items()}
+    t = np.arange(12, dtype=np.int64).reshape(3, 4)
+    state["t"] = gs.ShardedTensor.from_offset("t", t.T, global_shape=(4, 3), global_offset=(0, 0))
+    state["be"] = gs.ShardedTensor.from_offset("be", np.arange(5, dtype=">i4"), global_shape=(5,), global_offset=(0,))
+    with engine(io):
+        gs.save(state, tmp_path, pack_below=1 << 20)
+        assert gs.Checkpoint(tmp_path).verify()[0] == []
+    assert gs.read_array(tmp_path, "s2999") == np.float32(1499.5)
+    assert np.array_equal(gs.read_array(tmp_path, "t"), t.T)
+    assert np.array_equal(gs.read_array(tmp_path, "be"), np.arange(5, dtype=np.int32))
+    spec_only = reference_reader.Checkpoint(tmp_path)
+    assert spec_only.read("s17") == np.float32(8.5) and np.array_equal(spec_only.read("t"), t.T)
+
+
 @pytest.mark.parametrize("bad", [-1, True, 1.5, "4096", planner.PACK_BYTES + 1])
 def test_pack_below_out_of_range_is_refused_before_anything_is_written(tmp_path, bad):
     _, state = _small_state(4)
