@@ -648,18 +648,8 @@ def _read_pack_task(units: Sequence[tuple[ArrayFile, int, list[tuple[int, Any]]]
                     index = _shard_index(fd, path, layout, size) if layout.inner is not None else None
                     failed.discard((layout, outer))
                     opened = (layout, outer)
-                if index is not None:
-                    offset, length = (int(v) for v in index[c - outer * per_file])
-                    where = f"{path} (inner chunk [{c - outer * per_file}])"
-                    if offset == _EMPTY and length == _EMPTY:
-                        raise ChunkError(f"{where}: the chunk is missing from the shard")
-                    if offset + length > size:
-                        raise ChunkError(f"{where}: the shard index points past the end of the file (truncated?)")
-                else:
-                    offset, length, where = 0, size, path
-                if length != chunk + 4:
-                    raise ChunkError(f"{where}: {length} bytes stored, a chunk of [{chunk}] uint8 takes "
-                                     f"{chunk + 4} with its checksum")
+                local = c - outer * per_file
+                offset, length, where = _stored_chunk(path, index, local, [local], size, chunk, f"[{chunk}] uint8")
                 bufs: list[Any] = []
                 cursor, end = c * chunk, (c + 1) * chunk
                 gaps = sum(len(v) for _, v in pieces)
@@ -713,6 +703,25 @@ def _read_units(units: Sequence[tuple[ArrayFile, tuple[int, ...], Any]]) -> tupl
     return total, problems
 
 
+def _stored_chunk(path: str, index: np.ndarray | None, position: int, label: list[int], size: int, nbytes: int,
+                  what: str) -> tuple[int, int, str]:
+    """Where a chunk of ``nbytes`` (``what``: its shape and dtype) lies in its
+    file, checked: ``(offset, length, where)`` from entry ``position`` of a
+    shard's index (``label``: the inner chunk index), or the whole file."""
+    if index is not None:
+        offset, length = (int(v) for v in index[position])
+        where = f"{path} (inner chunk {label})"
+        if offset == _EMPTY and length == _EMPTY:
+            raise ChunkError(f"{where}: the chunk is missing from the shard")
+        if offset + length > size:
+            raise ChunkError(f"{where}: the shard index points past the end of the file (truncated?)")
+    else:
+        offset, length, where = 0, size, path
+    if length != nbytes + 4:
+        raise ChunkError(f"{where}: {length} bytes stored, a chunk of {what} takes {nbytes + 4} with its checksum")
+    return offset, length, where
+
+
 def _shard_index(fd: int, path: str, layout: ArrayFile, size: int) -> np.ndarray:
     assert layout.inner is not None
     count = math.prod(o // i for o, i in zip(layout.outer, layout.inner))
@@ -747,19 +756,10 @@ def _read_file_chunks(layout: ArrayFile, outer: tuple[int, ...],
         run: list[tuple[str, np.ndarray]] = []
         run_start = run_end = 0
         for chunk_index, dests in chunks:
-            if index is not None:
-                local = tuple(i - o * n for i, o, n in zip(chunk_index, outer, per_outer))
-                offset, length = (int(v) for v in index[np.ravel_multi_index(local, per_outer) if local else 0])
-                where = f"{path} (inner chunk {list(local)})"
-                if offset == _EMPTY and length == _EMPTY:
-                    raise ChunkError(f"{where}: the chunk is missing from the shard")
-                if offset + length > size:
-                    raise ChunkError(f"{where}: the shard index points past the end of the file (truncated?)")
-            else:
-                offset, length, where = 0, size, path
-            if length != nbytes + 4:
-                raise ChunkError(f"{where}: {length} bytes stored, a chunk of {list(chunk)} {layout.dtype} "
-                                 f"takes {nbytes + 4} with its checksum")
+            local = tuple(i - o * n for i, o, n in zip(chunk_index, outer, per_outer))
+            position = int(np.ravel_multi_index(local, per_outer)) if local and index is not None else 0
+            offset, length, where = _stored_chunk(path, index, position, list(local), size, nbytes,
+                                                  f"{list(chunk)} {layout.dtype}")
             total += nbytes
             direct = _whole_chunk_view(dests, chunk_index, chunk, dtype, layout.shape)
             if direct is not None and run and offset == run_end and len(run) < _RUN_CHUNKS:
