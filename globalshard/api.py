@@ -272,7 +272,7 @@ def _plan_save(location: Location, comm: Comm, entries: list[tuple[str, ShardedT
         cut = tuple(a for a, (n, g) in enumerate(zip(w.box.shape, tensor.global_shape)) if n < g)
         items.append(ArrayItem(w.path, tensor.dtype, local.view(tensor.data),
                                array_attributes(w.key, w.box.offset, save_id), cut, ready))
-    for path, members in packs.items():  # after the arrays: packs are built as they are written
+    for path, members in packs.items():  # after the arrays, each once all its members are ready
         members.sort(key=lambda m: m[0].byte_offset or 0)
         attributes = pack_attributes(save_id, [(w.key, w.box.offset, w.byte_offset, w.nbytes) for w, _, _ in members])
         end = max((w.byte_offset or 0) + w.nbytes for w, _, _ in members)

@@ -175,6 +175,7 @@ def main(out: str = HERE) -> None:
             gs.save(state, path, trainer_state=trainer, **options)
         finally:
             storage.CHUNK_BYTES, planner.PACK_BYTES = saved
+        os.remove(os.path.join(path, storage.LOCK_FILE))  # the writers' lock: not part of the vector
         with open(os.path.join(path, "expected.json"), "w") as f:
             json.dump(expected_json(g), f, indent=1, sort_keys=True)
             f.write("\n")
