@@ -527,8 +527,7 @@ class Reader:
         chunk_bytes = {layout: max(1, math.prod(layout.chunk) * numpy_dtype(layout.dtype).itemsize)
                        for layout, _ in by_file}
         total_bytes = sum(len(chunks) * chunk_bytes[layout] for (layout, _), chunks in by_file.items())
-        low, high = READ_TASK_BYTES
-        task = min(high, max(low, total_bytes // (2 * WORKERS)))
+        task = _task_bytes(total_bytes)
         tasks: list[list[tuple[ArrayFile, tuple[int, ...], Any]]] = [[]]
         size = 0
         for (layout, outer), chunks in by_file.items():
@@ -541,13 +540,7 @@ class Reader:
                     size = 0
                 tasks[-1].append((layout, outer, part))
                 size += len(part) * nbytes
-        futures = [self._pool.submit(_read_units, task) for task in tasks if task]
-        total, problems = 0, []
-        for f in futures:
-            nbytes, more = f.result()
-            total += nbytes
-            problems += more
-        return total, problems
+        return _gathered([self._pool.submit(_read_units, task) for task in tasks if task])
 
     def verify(self, layout: ArrayFile) -> tuple[int, list[str]]:
         """Read and check every chunk of an array; ``(bytes read, problems)``."""
@@ -567,9 +560,8 @@ def read_packs(pool: concurrent.futures.Executor,
     futures = []
     current: list[tuple[ArrayFile, int, list[tuple[int, Any]]]] = []
     size = 0
-    total_bytes = sum(len(buf) for _, members in packs for _, buf in members)
-    low, high = READ_TASK_BYTES
-    task = min(high, max(low, total_bytes // (2 * WORKERS)))
+    task = _task_bytes(sum(len(buf) for _, members in packs for _, buf in members))
+
     def add(layout: ArrayFile, c: int, pieces: list[tuple[int, Any]]) -> None:
         nonlocal current, size
         if size and size + layout.chunk[0] > task:  # each task starts while the next is put together
@@ -594,6 +586,17 @@ def read_packs(pool: concurrent.futures.Executor,
             add(layout, c, pieces[c])
     if current:
         futures.append(pool.submit(_read_pack_task, current))
+    return _gathered(futures)
+
+
+def _task_bytes(total: int) -> int:
+    """Bytes of one read task: the load's bytes over twice the threads, within :data:`READ_TASK_BYTES`."""
+    low, high = READ_TASK_BYTES
+    return min(high, max(low, total // (2 * WORKERS)))
+
+
+def _gathered(futures: Sequence[concurrent.futures.Future[tuple[int, list[str]]]]) -> tuple[int, list[str]]:
+    """The summed ``(bytes read, problems)`` of read tasks, once all have ended."""
     total, problems = 0, []
     for f in futures:
         nbytes, more = f.result()
