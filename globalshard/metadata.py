@@ -205,11 +205,17 @@ def _no_negative_zero(text: str) -> int:
     return int(text)
 
 
+#: Where an integer -0 could be: the text holds none if this finds nothing.
+_MAYBE_NEGATIVE_ZERO = re.compile(r"-0(?![.\deE])")
+
+
 def _loads(data: bytes | str, what: str, *, strict_integers: bool = False) -> Any:
     try:
         text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data
+        # Each integer goes through Python only when the text may hold a -0.
+        check = strict_integers and _MAYBE_NEGATIVE_ZERO.search(text) is not None
         return json.loads(text, object_pairs_hook=_unique_object, parse_constant=_reject_constant,
-                          parse_int=_no_negative_zero if strict_integers else None)
+                          parse_int=_no_negative_zero if check else None)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise MetadataError(f"{what}: not a valid JSON document: {e}") from None
 
@@ -332,18 +338,21 @@ def _path(parent: str, key: str) -> str:
     return f"{parent}[{json.dumps(key)}]"
 
 
-def parse_metadata(data: bytes | str, *, source: str = METADATA_FILE) -> Metadata:
+def parse_metadata(data: bytes | str, *, source: str = METADATA_FILE, fast: bool = True) -> Metadata:
     """Parse and validate the text of a metadata.json (format version 2, or 1).
+
+    ``fast=False`` takes every tensor through the general checks (the result
+    is the same: tests compare the two).
 
     Raises:
         MetadataError: listing every problem found, each with its JSON path
         (``$.tensors["w"].regions[2].offset[0]``).
     """
     with gc_paused():
-        return _parse_metadata(data, source)
+        return _parse_metadata(data, source, fast)
 
 
-def _parse_metadata(data: bytes | str, source: str) -> Metadata:
+def _parse_metadata(data: bytes | str, source: str, fast: bool) -> Metadata:
     doc = _loads(data, source, strict_integers=True)
     p = _Parser()
     version = doc.get("version") if isinstance(doc, dict) else None
@@ -372,16 +381,18 @@ def _parse_metadata(data: bytes | str, source: str) -> Metadata:
     if not isinstance(raw_tensors, dict):
         p.bad("$.tensors", f"must be an object, got {_json_type(raw_tensors)}")
         raw_tensors = {}
-    all_paths: dict[str, str] = {}
-    packs: dict[str, list[tuple[int, int, str]]] = {}  # pack path -> (byte_offset, end, JSON path) of its members
+    all_paths: dict[str, str | _RegionAt] = {}
+    # pack path -> (byte_offset, end, JSON path) of its members
+    packs: dict[str, list[tuple[int, int, str | _RegionAt]]] = {}
     for key, raw in raw_tensors.items():
-        where = _path("$.tensors", key)
         if not key:
-            p.bad(where, "a checkpoint key may not be empty")
+            p.bad(_path("$.tensors", key), "a checkpoint key may not be empty")
         elif not _is_unicode(key):
-            p.bad(where, "a checkpoint key must be valid Unicode (it holds a lone surrogate)")
+            p.bad(_path("$.tensors", key), "a checkpoint key must be valid Unicode (it holds a lone surrogate)")
             continue
-        t = _parse_tensor(p, raw, where, all_paths, packs, version)
+        t = _whole_tensor(p, key, raw, all_paths, packs, version) if fast else None
+        if t is None:
+            t = _parse_tensor(p, raw, _path("$.tensors", key), all_paths, packs, version)
         if t is not None:
             tensors[key] = t
 
@@ -415,8 +426,77 @@ def _parse_metadata(data: bytes | str, source: str) -> Metadata:
     return Metadata(tensors, ts_ref, version, save_id)
 
 
-def _parse_tensor(p: _Parser, raw: Any, where: str, all_paths: dict[str, str],
-                  packs: dict[str, list[tuple[int, int, str]]], version: int) -> TensorMetadata | None:
+#: Each dtype's item size, and the members of a tensor and of a region.
+_ITEMSIZE = {name: numpy_dtype(name).itemsize for name in SUPPORTED_DTYPES}
+_TENSOR_FIELDS = frozenset(("dtype", "global_shape", "regions"))
+_REGION_FIELDS = frozenset(("offset", "shape", "path", "nbytes"))
+_PACKED_FIELDS = _REGION_FIELDS | {"byte_offset"}
+
+
+class _RegionAt:
+    """``$.tensors[key].regions[0]``, spelled out only for a message."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __str__(self) -> str:
+        return f"{_path('$.tensors', self.key)}.regions[0]"
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+
+def _whole_tensor(p: _Parser, key: str, raw: Any, all_paths: dict[str, str | _RegionAt],
+                  packs: dict[str, list[tuple[int, int, str | _RegionAt]]], version: int) -> TensorMetadata | None:
+    """The commonest tensor, one non-empty region holding all of it, checked in
+    few steps; None for anything else, valid or not, which
+    :func:`_parse_tensor` then checks (and names the problems of)."""
+    if type(raw) is not dict or raw.keys() != _TENSOR_FIELDS:
+        return None
+    dtype, shape, regions = raw["dtype"], raw["global_shape"], raw["regions"]
+    itemsize = _ITEMSIZE.get(dtype) if type(dtype) is str else None
+    if itemsize is None or type(shape) is not list or len(shape) > MAX_RANK or type(regions) is not list \
+            or len(regions) != 1:
+        return None
+    r = regions[0]
+    if type(r) is not dict:
+        return None
+    fields = r.keys()
+    packed = fields == _PACKED_FIELDS and version >= 2
+    if not packed and fields != _REGION_FIELDS:
+        return None
+    offset, path, nbytes = r["offset"], r["path"], r["nbytes"]
+    byte_offset = r["byte_offset"] if packed else None
+    volume = itemsize
+    for v in shape:  # bool is not int here, nor is 1.0
+        if type(v) is not int or not 0 < v <= _MAX_INT:
+            return None
+        volume *= v
+    if volume > _MAX_INT or type(nbytes) is not int or nbytes != volume or r["shape"] != shape \
+            or type(offset) is not list or len(offset) != len(shape) or any(type(v) is not int or v for v in offset) \
+            or any(type(v) is not int for v in r["shape"]) or type(path) is not str or p.path_problem(path) is not None:
+        return None
+    if packed:
+        if type(byte_offset) is not int or not 0 <= byte_offset <= _MAX_INT:
+            return None
+        if path in all_paths and path not in packs:
+            return None
+        at = _RegionAt(key)
+        all_paths.setdefault(path, at)
+        packs.setdefault(path, []).append((byte_offset, byte_offset + nbytes, at))
+    elif path in all_paths:
+        return None
+    else:
+        all_paths[path] = _RegionAt(key)
+    gshape = tuple(shape)
+    return TensorMetadata(dtype, gshape, (StoredRegion(Box._trusted((0,) * len(gshape), gshape), path, nbytes,
+                                                       byte_offset),))
+
+
+def _parse_tensor(p: _Parser, raw: Any, where: str, all_paths: dict[str, str | _RegionAt],
+                  packs: dict[str, list[tuple[int, int, str | _RegionAt]]], version: int) -> TensorMetadata | None:
     o = p.obj(raw, where, ("dtype", "global_shape", "regions"))
     if o is None:
         return None
@@ -502,17 +582,17 @@ def _parse_tensor(p: _Parser, raw: Any, where: str, all_paths: dict[str, str],
     return TensorMetadata(str(dtype), gshape, tuple(regions))
 
 
-def _check_packs(p: _Parser, packs: dict[str, list[tuple[int, int, str]]]) -> None:
+def _check_packs(p: _Parser, packs: dict[str, list[tuple[int, int, str | _RegionAt]]]) -> None:
     # Members of one pack hold disjoint byte ranges (spec section 3).
     for path, members in packs.items():
-        members.sort()
+        members.sort(key=lambda m: (m[0], m[1]))  # equal ranges stay in the document's order
         for (_, end, where), (start, _, other) in itertools.pairwise(members):
             if start < end:
                 p.bad(f"{other}.byte_offset", f"bytes from {start} of pack {path!r} overlap {where}, "
                                               f"which ends at {end}")
 
 
-def _check_nesting(p: _Parser, all_paths: dict[str, str]) -> None:
+def _check_nesting(p: _Parser, all_paths: dict[str, str | _RegionAt]) -> None:
     # Each stored array is a directory; one may not sit inside another.
     for path, where in all_paths.items():
         parts = path.split("/")

@@ -106,6 +106,104 @@ def test_parser_raises_only_metadata_error_on_mutated_documents(data):
     assert parse_metadata(md.dumps()) == md
 
 
+def _whole_tensors_doc() -> dict:
+    # Tensors the parser's fast path takes (one region holding all of the tensor,
+    # packed or not, 0-d too) beside one it does not, with paths to collide.
+    save = "0123456789abcdef0123456789abcdef"
+
+    def whole(dtype, shape, path, nbytes, byte_offset=None):
+        region = {"offset": [0] * len(shape), "shape": list(shape), "path": path, "nbytes": nbytes}
+        if byte_offset is not None:
+            region["byte_offset"] = byte_offset
+        return {"dtype": dtype, "global_shape": list(shape), "regions": [region]}
+
+    return {"format": "globalshard", "version": 2, "save_id": save, "tensors": {
+        "a": whole("float32", [3, 2], "p/0", 24, 0),
+        "b": whole("int8", [5], "p/0", 5, 64),
+        "c": whole("bfloat16", [], "p/1", 2, 0),
+        "d": whole("float64", [2], "arrays/d", 16),
+        "g": whole("uint8", [1, 1], "p/0", 1, 200),
+        "e": {"dtype": "uint8", "global_shape": [4], "regions": [
+            {"offset": [0], "shape": [2], "path": "arrays/e0", "nbytes": 2},
+            {"offset": [2], "shape": [2], "path": "arrays/e1", "nbytes": 2}]},
+    }, "trainer_state": None}
+
+
+def _outcome(text, fast):
+    try:
+        return parse_metadata(text, fast=fast)
+    except MetadataError as e:
+        return str(e)
+
+
+@given(st.data())
+def test_the_parsers_fast_path_agrees_with_the_full_checks(data):
+    # Whole-tensor regions take a shorter path through the parser: on any
+    # document, valid or not, it must give the same model or the same message.
+    doc = _whole_tensors_doc()
+    edits = [lambda v: True, lambda v: 1.0, lambda v: -1, lambda v: 0, lambda v: 1, lambda v: 2**63, lambda v: "p/0",
+             lambda v: "arrays/d", lambda v: "p", lambda v: None, lambda v: [], lambda v: [0], lambda v: {}]
+    for _ in range(data.draw(st.integers(1, 3))):
+        path = data.draw(st.sampled_from([p for p in _paths(doc) if p]))
+        parent = doc
+        for p in path[:-1]:
+            parent = parent[p]
+        action = data.draw(st.sampled_from(["edit", "delete", "any"]))
+        if action == "delete":
+            del parent[path[-1]]
+        elif action == "edit":
+            parent[path[-1]] = data.draw(st.sampled_from(edits))(parent[path[-1]])
+        else:
+            parent[path[-1]] = data.draw(_mutations())
+    if data.draw(st.booleans()):
+        doc["version"] = 1
+        doc.pop("save_id", None)
+    text = json.dumps(doc, allow_nan=True)
+    assert _outcome(text, True) == _outcome(text, False)
+
+
+def _set(doc, path, value):
+    for p in path[:-1]:
+        doc = doc[p]
+    doc[path[-1]] = value
+
+
+_G = ("tensors", "g", "regions", 0)
+
+
+@pytest.mark.parametrize("edits", [
+    [(_G + ("shape", 0), True)], [(_G + ("shape", 1), 1.0)], [(("tensors", "g", "global_shape", 0), True)],
+    [(_G + ("offset", 0), False)], [(_G + ("offset", 1), 1)], [(_G + ("nbytes",), 1.0)],
+    [(_G + ("byte_offset",), True)], [(_G + ("byte_offset",), 2**63)], [(_G + ("path",), "p")],
+    [(_G + ("path",), "arrays/d")], [(_G + ("path",), "arrays/d/x")], [(_G + ("path",), "../x")],
+    [(("tensors", "g", "global_shape"), [2**62, 4]), (_G + ("shape",), [2**62, 4])],
+    # A member the full checks see and one the fast path sees, holding the same bytes.
+    [(("tensors", "e", "regions", 0, "path"), "p/0"), (("tensors", "e", "regions", 0, "byte_offset"), 200)],
+    [(("tensors", "e", "regions", 0, "path"), "p/1"), (("tensors", "e", "regions", 0, "byte_offset"), 0)],
+    [(("tensors", "e", "regions", 1, "path"), "arrays/d")], [(("version",), 1)],
+], ids=lambda edits: ";".join(f"{'.'.join(map(str, p))}={v!r}" for p, v in edits))
+def test_the_fast_path_agrees_on_the_edge_cases(edits):
+    doc = _whole_tensors_doc()
+    for path, value in edits:
+        _set(doc, path, value)
+    text = json.dumps(doc)
+    assert _outcome(text, True) == _outcome(text, False)
+
+
+def test_the_fast_path_names_json_paths_in_later_checks():
+    doc = _whole_tensors_doc()
+    doc["tensors"]["b"]["regions"][0]["byte_offset"] = 8  # overlaps a's 24 bytes
+    doc["tensors"]["f"] = copy.deepcopy(doc["tensors"]["d"])
+    doc["tensors"]["f"]["regions"][0]["path"] = "arrays/d/x"
+    with pytest.raises(MetadataError) as e:
+        parse_metadata(json.dumps(doc))
+    assert '$.tensors["b"].regions[0].byte_offset: bytes from 8 of pack \'p/0\' overlap $.tensors["a"].regions[0]' \
+        in str(e.value)
+    assert '$.tensors["f"].regions[0].path: \'arrays/d/x\' lies inside \'arrays/d\' ($.tensors["d"].regions[0])' \
+        in str(e.value)
+    assert str(e.value) == _outcome(json.dumps(doc), False)
+
+
 @given(st.binary(max_size=200))
 def test_parser_on_arbitrary_bytes(blob):
     with pytest.raises(MetadataError):
@@ -305,3 +403,19 @@ def test_a_malformed_float_tag_is_a_metadata_error(doc):
     import hashlib
     with pytest.raises(MetadataError):
         parse_trainer_state(doc, TrainerStateRef(len(doc), hashlib.sha256(doc).hexdigest()))
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ('"nbytes": -0}', "-0 is not an integer of this format"),
+    ('"nbytes": -0 }', "-0 is not an integer of this format"),
+    ('"nbytes": -0.0}', "must be a non-negative integer, got number"),
+])
+def test_negative_zero_is_refused_wherever_it_is(text, fragment):
+    doc = json.dumps(_whole_tensors_doc())
+    assert '"nbytes": 16}' in doc
+    with pytest.raises(MetadataError, match=fragment):
+        parse_metadata(doc.replace('"nbytes": 16}', text))
+    # a -0 inside a string is text, not an integer
+    keyed = json.loads(doc)
+    keyed["tensors"]["x-0"] = keyed["tensors"].pop("d")
+    assert "x-0" in parse_metadata(json.dumps(keyed)).tensors
