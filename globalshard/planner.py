@@ -628,7 +628,8 @@ class LoadPlanner:
                 for i in (index.query(want) if index is not None else range(len(stored.regions))):
                     s = stored.regions[i]
                     if s.box == want:  # the commonest case, as saved: no arithmetic
-                        inter, rel, local = want, Box._trusted((0,) * len(want.shape), want.shape), region.local_box
+                        inter, local = want, region.local_box
+                        rel = want if not any(want.offset) else Box._trusted((0,) * len(want.shape), want.shape)
                     else:
                         found = s.box.intersect(want)
                         if found is None:
@@ -646,9 +647,13 @@ class LoadPlanner:
                 if got != want.volume:  # cannot happen with parsed metadata; never fill silently
                     label = f"{names[t_idx]!r} (key {info.key!r})" if names else repr(info.key)
                     problems.append(f"{label}: the checkpoint does not cover global box {want}")
-            padding, _ = cover_problems(
-                Box.full(info.local_shape), [r.local_box for r in info.regions], limit=1 << 62
-            )
+            only = info.regions[0].local_box if len(info.regions) == 1 else None
+            if only is not None and only.shape == info.local_shape and not any(only.offset):
+                padding: list[Box] = []  # one region fills the local array: nothing to pad
+            else:
+                padding, _ = cover_problems(
+                    Box.full(info.local_shape), [r.local_box for r in info.regions], limit=1 << 62
+                )
             plans.append(TargetPlan(t_idx, info.key, stored.dtype, tuple(reads), tuple(padding)))
         if problems:
             error = MissingKeyError if missing else MismatchError
