@@ -574,7 +574,8 @@ def read_packs(pool: concurrent.futures.Executor,
         chunk = layout.chunk[0]
         pieces: dict[int, list[tuple[int, Any]]] = {}  # chunks that later members may still reach
         for start, buf in sorted(members, key=lambda m: m[0]):  # members do not overlap
-            view = memoryview(buf.reshape(-1).view(np.uint8))  # type: ignore[arg-type]  # numpy is a buffer
+            flat = buf if buf.ndim == 1 and buf.dtype == np.uint8 else buf.reshape(-1).view(np.uint8)
+            view = memoryview(flat)  # type: ignore[arg-type]  # numpy is a buffer
             end = start + len(view)
             first = start // chunk
             for c in sorted(c for c in pieces if c < first):
@@ -609,7 +610,7 @@ def _read_pack_task(units: Sequence[tuple[ArrayFile, int, list[tuple[int, Any]]]
     """Read chunks of packs, each ``(layout, chunk index, [(byte offset, view)])``,
     consecutive chunks of one file by one ``preadv``."""
     total, problems = 0, []
-    fd, opened, size, index = -1, None, 0, None
+    fd, opened, size, index, path = -1, None, 0, None, ""
     failed: set[tuple[ArrayFile, int]] = set()  # files that would not open: said once
     run: list[tuple[str, list[Any], bytearray]] = []  # (where, buffers, crc) of chunks back to back in the file
     run_start = run_end = 0
@@ -632,11 +633,11 @@ def _read_pack_task(units: Sequence[tuple[ArrayFile, int, list[tuple[int, Any]]]
             chunk = layout.chunk[0]
             per_file = layout.outer[0] // chunk
             outer = c // per_file  # the file (outer chunk) holding chunk c, and c's place in it
-            path = layout.file_of((outer,))
             if (layout, outer) in failed:
                 continue
             try:
                 if opened != (layout, outer):
+                    path = layout.file_of((outer,))
                     flush()
                     if fd >= 0:
                         os.close(fd)

@@ -1071,67 +1071,76 @@ class Location:
                      problems: list[str], touched: dict[str, list[Any]], chunks: dict[str, tuple[int, ...]]) -> int:
         """Fill the targets' parts of packed regions: ``packed[(pack, byte_offset)]``
         lists ``(target, stored_box, target_box)``. Each region's bytes are read
-        once (straight into the target when it takes the whole region as it is
-        stored), at most :data:`READ_WINDOW_BYTES` of staging at a time. Returns
-        the bytes of chunks read through :mod:`localio`."""
+        once: from a local pack straight into the target when it takes the whole
+        region as it is stored (all such regions in one go), otherwise through
+        at most :data:`READ_WINDOW_BYTES` of staging at a time. Returns the bytes
+        of chunks read through :mod:`localio`."""
         plan = opened.plan
-        total = 0
-        members = sorted(packed)
+        direct: list[tuple[str, int, np.ndarray]] = []
+        staged: list[tuple[str, int]] = []
+        for (path, byte_offset), uses in packed.items():
+            into = _whole_region_bytes(uses, plan.packs[path][byte_offset]) if path in opened.files else None
+            if into is None:
+                staged.append((path, byte_offset))
+            else:
+                direct.append((path, byte_offset, into))
+        total = self._read_pack_window(opened, direct, problems, touched, chunks) if direct else 0
+        staged.sort()
         start = 0
-        while start < len(members):
-            window: list[tuple[str, int, np.ndarray, bool]] = []  # pack, byte offset, bytes, staged
+        while start < len(staged) and not problems:
+            window: list[tuple[str, int, np.ndarray]] = []
             staged_bytes = 0
-            while start < len(members) and (not window or staged_bytes < READ_WINDOW_BYTES):
-                path, byte_offset = members[start]
+            while start < len(staged) and (not window or staged_bytes < READ_WINDOW_BYTES):
+                path, byte_offset = staged[start]
                 start += 1
-                region = plan.packs[path][byte_offset]
-                uses = packed[(path, byte_offset)]
                 # TODO(limitation): a target that needs part of a packed region reads all of
                 # it (fewer than pack_below bytes) and the pack chunks holding it.
-                into = _whole_region_bytes(uses, region)
-                staged = into is None
-                if into is None:
-                    into = np.empty(region.nbytes, np.uint8)
-                    staged_bytes += region.nbytes
-                window.append((path, byte_offset, into, staged))
-            requests: dict[str, list[tuple[int, np.ndarray]]] = {}
-            pending = []
-            for path, byte_offset, into, _ in window:
-                if path in opened.files:
-                    requests.setdefault(path, []).append((byte_offset, into))
-                else:
-                    box = Box._trusted((byte_offset,), (into.nbytes,))
-                    touched.setdefault(path, []).append(_chunk_span(box, chunks[path]))
-                    pending.append((path, into, _at(opened.stores[path], box).read()))
-            if requests:
-                nbytes, more = localio.read_packs(localio.pool(), [(opened.files[p], m) for p, m in requests.items()])
-                total += nbytes
-                problems += [self._naming_members(p, opened, window) for p in more]
-            for path, into, future in pending:
-                try:
-                    into[...] = future.result()
-                except Exception as e:
-                    problems.append(self._naming_members(f"{self.describe(path)}: {_error_text(e)}", opened,
-                                                         window))
+                into = np.empty(plan.packs[path][byte_offset].nbytes, np.uint8)
+                staged_bytes += into.nbytes
+                window.append((path, byte_offset, into))
+            total += self._read_pack_window(opened, window, problems, touched, chunks)
             if problems:
-                return total
-            for path, byte_offset, into, staged in window:
-                if not staged:
-                    continue
+                break
+            for path, byte_offset, into in window:
                 region = plan.packs[path][byte_offset]
                 values = _from_le(into, numpy_dtype(region.dtype)).reshape(region.box.shape)
                 for target, stored_box, target_box in packed[(path, byte_offset)]:
                     cast_into(target_box.view(target), stored_box.view(values))
         return total
 
+    def _read_pack_window(self, opened: OpenedPlan, window: Sequence[tuple[str, int, np.ndarray]], problems: list[str],
+                          touched: dict[str, list[Any]], chunks: dict[str, tuple[int, ...]]) -> int:
+        """Read packed regions ``(pack, byte_offset, into)``, each region's bytes
+        into its ``into``; problems name the regions they affect. Returns the
+        bytes of chunks read through :mod:`localio`."""
+        total = 0
+        requests: dict[str, list[tuple[int, np.ndarray]]] = {}
+        pending = []
+        for path, byte_offset, into in window:
+            if path in opened.files:
+                requests.setdefault(path, []).append((byte_offset, into))
+            else:
+                box = Box._trusted((byte_offset,), (into.nbytes,))
+                touched.setdefault(path, []).append(_chunk_span(box, chunks[path]))
+                pending.append((path, into, _at(opened.stores[path], box).read()))
+        if requests:
+            total, more = localio.read_packs(localio.pool(), [(opened.files[p], m) for p, m in requests.items()])
+            problems += [self._naming_members(p, opened, window) for p in more]
+        for path, into, future in pending:
+            try:
+                into[...] = future.result()
+            except Exception as e:
+                problems.append(self._naming_members(f"{self.describe(path)}: {_error_text(e)}", opened, window))
+        return total
+
     def _naming_members(self, problem: str, opened: OpenedPlan,
-                        window: Sequence[tuple[str, int, np.ndarray, bool]]) -> str:
+                        window: Sequence[tuple[str, int, np.ndarray]]) -> str:
         """A problem met reading a pack, with the packed regions it affects:
         those in the damaged inner chunk when the problem names one."""
         packs = opened.plan.packs
-        for path in {p for p, _, _, _ in window}:
+        for path in {p for p, _, _ in window}:
             if self.describe(path) in problem or path in problem:
-                regions = [(b, packs[path][b]) for p, b, _, _ in window if p == path]
+                regions = sorted((b, packs[path][b]) for p, b, _ in window if p == path)
                 found = re.search(r"\(inner chunk \[(\d+)\]\)", problem)
                 layout = opened.files.get(path)
                 if found and layout is not None and layout.outer[0] >= layout.shape[0]:  # one file: its index
@@ -1152,7 +1161,7 @@ def _whole_region_bytes(uses: list[tuple[np.ndarray, Box, Box]], region: PackedR
     target, stored_box, target_box = uses[0]
     if stored_box.shape != region.box.shape or target.dtype != numpy_dtype(region.dtype) or not target.dtype.isnative:
         return None
-    out = target_box.view(target)
+    out = target if target_box.shape == target.shape else target_box.view(target)  # the whole target: itself
     if not out.flags.c_contiguous:
         return None
     return out.reshape(-1).view(np.uint8)
