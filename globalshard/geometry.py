@@ -132,6 +132,8 @@ class Box:
     def view(self, array: Any) -> Any:
         """``array[self.slices]`` as a view, also for a 0-d box (where plain
         indexing with ``()`` would return a scalar)."""
+        if self.shape == array.shape and not any(self.offset):
+            return array[...]
         return array[(*self.slices, Ellipsis)]
 
     def intersect(self, other: Box) -> Box | None:
@@ -209,6 +211,8 @@ class Region:
 
     def global_to_local(self, box: Box) -> Box:
         """The local box holding ``box``, a sub-box of :attr:`global_box`."""
+        if box == self.global_box:
+            return self.local_box
         lo, go = self.local_box.offset, self.global_box.offset
         return Box._trusted(tuple(b - g + l for b, g, l in zip(box.offset, go, lo)), box.shape)
 

@@ -156,7 +156,8 @@ class Metadata:
             tensors[key] = {
                 "dtype": t.dtype,
                 "global_shape": list(t.global_shape),
-                "regions": [_region_json(r) for r in sorted(t.regions, key=lambda r: r.box.offset)],
+                "regions": [_region_json(r) for r in
+                            (t.regions if len(t.regions) == 1 else sorted(t.regions, key=lambda r: r.box.offset))],
             }
         ts: dict[str, Any] | None = None
         if self.trainer_state is not None:

@@ -248,6 +248,10 @@ def group_descriptions(
 
 def group_ranks(shards_per_rank: Sequence[Sequence[ShardInfo]]) -> list[RankGroup]:
     """:class:`RankGroup` s of shard lists held in this process (simulations, tests)."""
+    if len(shards_per_rank) == 1:  # one process: one group, nothing to compare
+        only = tuple(shards_per_rank[0])
+        return [RankGroup(only, np.zeros(1, np.int64), np.array([[i.replica_id for i in only]], np.int64)
+                          .reshape(1, len(only)))]
     members: dict[Any, list[int]] = {}
     for rank, shards in enumerate(shards_per_rank):
         sig = tuple(
@@ -324,8 +328,14 @@ class SavePlanner:
         candidates: dict[tuple[str, Box], list[_Holder]] = {}
         dirs = _array_dirs(sorted(by_key))
         prefix = save_dir(save_id) + "/arrays/"
+        # How many of each group's ranks hold each of its shards as the main replica.
+        mains = [(g.replicas == 0).sum(axis=0).tolist() for g in groups]
         for key in sorted(by_key):
-            entry = self._plan_key(key, groups, by_key[key], prefix + dirs[key], problems, candidates)
+            entries = by_key[key]
+            entry = _whole_from_one(key, groups, entries, mains, prefix + dirs[key], candidates) \
+                if len(entries) == 1 else None
+            if entry is None:
+                entry = self._plan_key(key, groups, entries, prefix + dirs[key], problems, candidates)
             if entry is not None:
                 tensors[key] = entry
         if problems:
@@ -408,6 +418,23 @@ class SavePlanner:
         return TensorMetadata(first.dtype, first.global_shape, tuple(regions))
 
 
+def _whole_from_one(key: str, groups: Sequence[RankGroup], entries: list[tuple[int, int]], mains: list[list[int]],
+                    directory: str, candidates: dict[tuple[str, Box], list[_Holder]]) -> TensorMetadata | None:
+    """A key that one shard holds whole, with one main replica, planned in few
+    steps (what :meth:`SavePlanner._plan_key` would find); None for any other
+    key, valid or not."""
+    (g, s), = entries
+    info = groups[g].shards[s]
+    if len(info.regions) != 1 or mains[g][s] != 1:
+        return None
+    box = info.regions[0].global_box
+    if box.shape != info.global_shape or any(box.offset) or 0 in box.shape:
+        return None
+    candidates[(key, box)] = [(g, s, 0)]
+    return TensorMetadata(info.dtype, info.global_shape,
+                          (StoredRegion(box, f"{directory}/0", box.volume * numpy_dtype(info.dtype).itemsize),))
+
+
 # TODO(limitation): packing is opt-in (pack_below=0 by default): readers of the format
 # written before spec section 5.1 refuse a packed checkpoint, so it is not the default.
 def check_pack_below(pack_below: Any) -> int:
@@ -449,7 +476,7 @@ def _pack(plan: SavePlan, pack_below: int) -> SavePlan:
         fill[w.rank] = (n, start + w.nbytes)
         path = pack_path(save_id, w.rank, n)
         moved[(w.key, w.box.offset)] = (path, start)
-        writes.append(dataclasses.replace(w, path=path, byte_offset=start))
+        writes.append(WriteItem(w.key, w.box, path, w.nbytes, w.rank, w.shard, w.region, start))
     if not moved:
         return plan
     tensors = {}
@@ -474,11 +501,14 @@ def _assign_writers(
         key=lambda kr: (-kr[1].nbytes, kr[0], kr[1].box.offset),
     )
     writes = []
+    firsts = [int(g.ranks[0]) for g in groups]
     for key, region in items:
         # TODO(limitation): replicas are trusted to hold equal values; whichever
         # one balances the bytes is written, and no check compares them.
         holders = candidates[(key, region.box)]
-        if len(holders) == 1:  # one group: its ranks are distinct and ascending
+        if len(holders) == 1 and len(groups[holders[0][0]].ranks) == 1:  # one rank can write it
+            rank, shard, reg = firsts[holders[0][0]], holders[0][1], holders[0][2]
+        elif len(holders) == 1:  # one group: its ranks are distinct and ascending
             g, s, r = holders[0]
             ranks = groups[g].ranks
             i = int(np.argmin(load[ranks]))

@@ -211,9 +211,14 @@ def _member(entry: Any) -> tuple[Any, ...] | None:
     return None
 
 
+_LITTLE = sys.byteorder == "little"
+
+
 def _le_bytes(array: np.ndarray) -> np.ndarray:
     """A packed region's bytes (spec section 5.1): its elements in C order,
     little-endian; a view of ``array`` when it already is that."""
+    if _LITTLE and array.flags.c_contiguous and array.dtype.isnative:  # the usual case, in two steps
+        return array.reshape(-1).view(np.uint8)
     flat = np.ascontiguousarray(array).reshape(-1)
     if not flat.dtype.isnative:
         flat = flat.astype(flat.dtype.newbyteorder("="))

@@ -8,6 +8,7 @@ region, ties to the lower rank.
 
 import dataclasses
 import json
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from strategies import layouts, make_shard, shapes
 
 import globalshard as gs
-from globalshard import Box
+from globalshard import Box, planner
 from globalshard.dtypes import numpy_dtype
 from globalshard.planner import describe_shards, group_descriptions, group_ranks
 
@@ -79,6 +80,46 @@ def test_property_groups_plan_like_ranks_and_survive_the_wire(per_rank):
         holder = per_rank[w.rank][w.shard].regions[w.region].global_box
         assert per_rank[w.rank][w.shard].key == w.key and holder.contains(w.box)
     replay_writer_rule(plan, per_rank)
+
+
+def _plan_or_message(per_rank, pack_below=0):
+    try:
+        return gs.SavePlanner().plan(per_rank, pack_below=pack_below)
+    except gs.LayoutError as e:
+        return str(e)
+
+
+@given(replicated_ranks(), st.data())
+def test_property_the_whole_tensor_fast_path_plans_as_the_general_one(per_rank, data):
+    # A key one shard holds whole takes a shorter path through the planner: with
+    # replica ids redrawn (gaps, copies left at 0) and packing on or off, the
+    # plan, or the message, must be what the general path gives.
+    per_rank = [[dataclasses.replace(i, replica_id=data.draw(st.sampled_from([i.replica_id, 0, 1])))
+                 for i in shards] for shards in per_rank]
+    pack_below = data.draw(st.sampled_from([0, 64, 1 << 20]))
+    fast = _plan_or_message(per_rank, pack_below)
+    with mock.patch("globalshard.planner._whole_from_one", return_value=None):
+        assert _plan_or_message(per_rank, pack_below) == fast
+
+
+def test_the_fast_path_takes_whole_tensors():
+    # The property above compares two paths: it must not compare the general one with itself.
+    whole = gs.ShardInfo("w", "float32", (4, 2), (4, 2), (gs.Region(Box((0, 0), (4, 2)), Box((0, 0), (4, 2))),))
+    half = gs.ShardInfo("h", "float32", (4, 2), (2, 2), (gs.Region(Box((0, 0), (2, 2)), Box((0, 0), (2, 2))),))
+    with mock.patch("globalshard.planner._whole_from_one", wraps=planner._whole_from_one) as spy:
+        plan = gs.SavePlanner().plan([[whole, half], [dataclasses.replace(half, regions=(gs.Region(
+            Box((0, 0), (2, 2)), Box((2, 0), (2, 2))),))]])
+    assert [c.args[0] for c in spy.call_args_list] == ["w"] and [r.path for r in plan.metadata.tensors["w"].regions] \
+        == [f"saves/{'0' * 32}/arrays/w/0"]
+
+
+def test_a_whole_sized_box_off_the_origin_is_not_taken_as_whole():
+    # ShardInfo is plain data (a wire format): the planner may not trust its boxes.
+    off = gs.ShardInfo("w", "float32", (4, 2), (4, 2), (gs.Region(Box((0, 0), (4, 2)), Box((1, 0), (4, 2))),))
+    message = _plan_or_message([[off]])
+    assert isinstance(message, str) and "'w'" in message
+    with mock.patch("globalshard.planner._whole_from_one", return_value=None):
+        assert _plan_or_message([[off]]) == message
 
 
 def tp_dp(tp, dp, rows=16):
