@@ -610,24 +610,30 @@ def _gathered(futures: Sequence[concurrent.futures.Future[tuple[int, list[str]]]
 
 def _read_pack_task(units: Sequence[tuple[ArrayFile, int, list[tuple[int, Any]]]]) -> tuple[int, list[str]]:
     """Read chunks of packs, each ``(layout, chunk index, [(byte offset, view)])``,
-    consecutive chunks of one file by one ``preadv``."""
+    consecutive chunks of one file by one ``preadv``. A chunk of more than
+    :data:`_MAX_PIECES` pieces (IOV_MAX is 1024) is read whole into scratch
+    memory and its members copied out once its crc32c is checked."""
     total, problems = 0, []
     fd, opened, size, index, path = -1, None, 0, None, ""
     failed: set[tuple[ArrayFile, int]] = set()  # files that would not open: said once
-    run: list[tuple[str, list[Any], bytearray]] = []  # (where, buffers, crc) of chunks back to back in the file
+    # (where, buffers, crc, copies after the check) of chunks back to back in the file
+    run: list[tuple[str, list[Any], bytearray, list[tuple[Any, Any]]]] = []
     run_start = run_end = 0
     buffers = 0
 
     def flush() -> None:
         nonlocal run
         if run:
-            _preadv_exact(fd, [b for _, bufs, crc in run for b in (*bufs, crc)], run_start, run[0][0])
-            for where, bufs, crc in run:
+            _preadv_exact(fd, [b for _, bufs, crc, _ in run for b in (*bufs, crc)], run_start, run[0][0])
+            for where, bufs, crc, _ in run:
                 value = 0
                 for b in bufs:
                     value = _crc(b, value)
                 if value != int.from_bytes(crc, "little"):
                     raise ChunkError(f"{where}: the chunk fails its crc32c checksum (damaged file)")
+            for _, _, _, copies in run:
+                for view, part in copies:
+                    view[:] = part
         run = []
 
     try:
@@ -656,25 +662,11 @@ def _read_pack_task(units: Sequence[tuple[ArrayFile, int, list[tuple[int, Any]]]
                     opened = (layout, outer)
                 local = c - outer * per_file
                 offset, length, where = _stored_chunk(path, index, local, [local], size, chunk, f"[{chunk}] uint8")
-                bufs: list[Any] = []
-                cursor, end = c * chunk, (c + 1) * chunk
-                gaps = sum(len(v) for _, v in pieces)
-                scratch = memoryview(bytearray(chunk - gaps)) if gaps < chunk else None
-                used = 0
-                for lo, view in pieces:
-                    if lo > cursor:
-                        assert scratch is not None
-                        bufs.append(scratch[used:used + lo - cursor])
-                        used += lo - cursor
-                    bufs.append(view)
-                    cursor = lo + len(view)
-                if cursor < end:
-                    assert scratch is not None
-                    bufs.append(scratch[used:used + end - cursor])
+                bufs, copies = _pack_chunk_buffers(c * chunk, chunk, pieces)
                 if not run or offset != run_end or buffers + len(bufs) + 1 > 1000:
                     flush()
                     run_start, buffers = offset, 0
-                run.append((where, bufs, bytearray(4)))
+                run.append((where, bufs, bytearray(4), copies))
                 run_end = offset + length
                 buffers += len(bufs) + 1
                 total += chunk
@@ -689,11 +681,37 @@ def _read_pack_task(units: Sequence[tuple[ArrayFile, int, list[tuple[int, Any]]]
         except ChunkError as e:
             problems.append(str(e))
         except OSError as e:
-            problems.append(f"{e.filename}: {e.strerror or e}")
+            problems.append(f"{e.filename or path}: {e.strerror or e}")
     finally:
         if fd >= 0:
             os.close(fd)
     return total, problems
+
+
+def _pack_chunk_buffers(start: int, chunk: int, pieces: list[tuple[int, Any]]) -> tuple[list[Any], list[Any]]:
+    """The buffers one pack chunk of ``chunk`` bytes from byte ``start`` is read
+    into: its members' views (``pieces``, in order, as ``(byte offset, view)``)
+    and scratch memory for the bytes between them; or, past
+    :data:`_MAX_PIECES` buffers, one scratch buffer and ``(view, part of it)``
+    copies to make once the chunk is checked."""
+    if 2 * len(pieces) + 1 > _MAX_PIECES:
+        whole = memoryview(bytearray(chunk))
+        return [whole], [(view, whole[lo - start:lo - start + len(view)]) for lo, view in pieces]
+    taken = sum(len(v) for _, v in pieces)
+    scratch = memoryview(bytearray(chunk - taken)) if taken < chunk else None
+    bufs: list[Any] = []
+    cursor, used = start, 0
+    for lo, view in pieces:
+        if lo > cursor:
+            assert scratch is not None
+            bufs.append(scratch[used:used + lo - cursor])
+            used += lo - cursor
+        bufs.append(view)
+        cursor = lo + len(view)
+    if cursor < start + chunk:
+        assert scratch is not None
+        bufs.append(scratch[used:used + start + chunk - cursor])
+    return bufs, []
 
 
 def _read_units(units: Sequence[tuple[ArrayFile, tuple[int, ...], Any]]) -> tuple[int, list[str]]:

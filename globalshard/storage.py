@@ -1131,11 +1131,13 @@ class Location:
         if requests:
             total, more = localio.read_packs(localio.pool(), [(opened.files[p], m) for p, m in requests.items()])
             problems += [self._naming_members(p, opened, window) for p in more]
+        failed: dict[str, None] = {}  # each damaged chunk fails every member read from it: say it once
         for path, into, future in pending:
             try:
                 into[...] = future.result()
             except Exception as e:
-                problems.append(self._naming_members(f"{self.describe(path)}: {_error_text(e)}", opened, window))
+                failed.setdefault(f"{self.describe(path)}: {_error_text(e)}")
+        problems += [self._naming_members(p, opened, window) for p in failed]
         return total
 
     def _naming_members(self, problem: str, opened: OpenedPlan,

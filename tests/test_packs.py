@@ -176,6 +176,22 @@ def test_thousands_of_scalars_and_strided_members_in_one_chunk(tmp_path, io):
     with engine(io):
         gs.save(state, tmp_path, pack_below=1 << 20)
         assert gs.Checkpoint(tmp_path).verify()[0] == []
+        # Loading them all: thousands of members to a chunk, more than one preadv takes.
+        targets = {k: gs.ShardedTensor.from_offset(k, np.zeros((), np.float32), global_shape=(), global_offset=())
+                   for k in values}
+        gs.load(targets, tmp_path)
+        assert all(targets[k].data == v for k, v in values.items())
+        # ... and their checksum still checked: a flipped byte among them fails the load.
+        region = gs.read_metadata(tmp_path).tensors["s1500"].regions[0]
+        shard = tmp_path / region.path / "c" / "0"
+        raw = bytearray(shard.read_bytes())
+        raw[region.byte_offset] ^= 1  # one chunk (1 MiB inner chunks): the byte offset is the file's
+        shard.write_bytes(bytes(raw))
+        with pytest.raises(gs.StorageError, match="crc32c|Digest mismatch") as e:
+            gs.load(targets, tmp_path)
+        assert str(e.value).count("\n  - ") == 1, str(e.value)[:2000]  # said once, not once per member
+        shard.write_bytes(bytes(raw[:region.byte_offset]) + bytes([raw[region.byte_offset] ^ 1])
+                          + bytes(raw[region.byte_offset + 1:]))
     assert gs.read_array(tmp_path, "s2999") == np.float32(1499.5)
     assert np.array_equal(gs.read_array(tmp_path, "t"), t.T)
     assert np.array_equal(gs.read_array(tmp_path, "be"), np.arange(5, dtype=np.int32))
