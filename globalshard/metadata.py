@@ -66,9 +66,11 @@ _NON_FINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector: parsing and planning build many
-    small objects and no cycles, and in a trainer holding millions of Python
-    objects each collection the allocations trigger walks all of them."""
+    """Pause the cyclic garbage collector: parsing, planning, saving and
+    loading build many small objects and no cycles, and in a trainer holding
+    millions of Python objects each collection the allocations trigger walks
+    all of them. Process-wide while it lasts (other threads' cycles wait for
+    it); not used by the background part of an asynchronous save."""
     paused = gc.isenabled()
     gc.disable()
     try:

@@ -466,3 +466,44 @@ def test_checkpoint_handle_parses_once_and_loads(tmp_path, monkeypatch):
     assert np.array_equal(t["t"].data, full) and calls == []  # no second parse
     state["step"] = 99
     assert ckpt.trainer_state == {"step": 3}
+
+
+@pytest.mark.parametrize("pack_below", [0, 1 << 20])
+def test_saves_and_loads_pause_the_cyclic_gc_and_restore_it(tmp_path, pack_below):
+    # A load or save makes objects per tensor and per chunk (none in a cycle):
+    # in a trainer holding millions of objects each collection they set off walks
+    # all of them. None may run inside (at most the young generations' one or two
+    # as the collector comes back on; unpaused, 3,000 tensors set off 10-90); the
+    # collector is back on after, also when the call fails, and stays off if the
+    # caller had turned it off.
+    import gc
+    state = {f"t{i}": shard(f"t{i}", np.full(3, i, np.float32), (0,), (3,)) for i in range(3000)}
+    targets = {k: shard(k, np.zeros(3, np.float32), (0,), (3,)) for k in state}
+    collections = []
+
+    def count(phase, info):
+        collections.append(info["generation"])
+
+    def inside(call, *args, **kwargs):
+        gc.collect()  # what the test itself allocated is not the call's
+        collections.clear()
+        gc.callbacks.append(count)
+        try:
+            return call(*args, **kwargs)
+        finally:
+            gc.callbacks.remove(count)
+
+    try:
+        inside(gs.save, state, tmp_path / "c", pack_below=pack_below)
+        assert len(collections) <= 2 and 2 not in collections and gc.isenabled(), collections
+        inside(gs.load, targets, tmp_path / "c")
+        assert len(collections) <= 2 and 2 not in collections and gc.isenabled(), collections
+        assert all(t.data[0] == int(k[1:]) for k, t in targets.items())
+        with pytest.raises(gs.MissingKeyError):
+            inside(gs.load, {"x": shard("x", np.zeros(3, np.float32), (0,), (3,))}, tmp_path / "c")
+        assert gc.isenabled()
+        gc.disable()
+        gs.load(targets, tmp_path / "c")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
