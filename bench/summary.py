@@ -11,7 +11,7 @@ its script did not run): ``save_vs_disk``, ``save_vs_dcp``,
 ``async_block_vs_memcpy`` (bench/io_memory.py, the second save), ``peak_rss_over_state``
 (the larger of save and load: peak RSS rise / state), ``plan_4096_s`` (bench/run.py),
 ``shared_reads`` (time and group bytes read with shared reads over without, local warm and
-cold and S3, bench/shared_reads.py), ``small_tensors_over_large`` (2,000 small tensors'
+cold and S3, bench/shared_reads.py), ``small_tensors_over_large`` (10,000 small tensors'
 save and load time over the same bytes in 8, unpacked and with ``pack_below``, and the raw
 packed file's projected load over the same, bench/small_tensors.py). Draws
 build/bench/bench.png: throughput per system and the planning curve (matplotlib, from
