@@ -1168,7 +1168,7 @@ def _whole_region_bytes(uses: list[tuple[np.ndarray, Box, Box]], region: PackedR
     target, stored_box, target_box = uses[0]
     if stored_box.shape != region.box.shape or target.dtype != numpy_dtype(region.dtype) or not target.dtype.isnative:
         return None
-    out = target if target_box.shape == target.shape else target_box.view(target)  # the whole target: itself
+    out = target_box.view(target)
     if not out.flags.c_contiguous:
         return None
     return out.reshape(-1).view(np.uint8)
