@@ -474,16 +474,22 @@ def _vectored(call: Any, fd: int, buffers: list[Any], offset: int, where: str | 
     after short transfers; a read that meets the end of the file (``where``
     names it) is a ChunkError."""
     views = [memoryview(b).cast("B") for b in buffers]
-    while views:
-        n = call(fd, views, offset)
+    n = call(fd, views, offset)
+    if n == sum(map(len, views)):  # the common case: all of it at once
+        return
+    done = 0  # views[:done] are complete
+    while True:
         if n == 0 and where is not None:
             raise ChunkError(f"{where}: the file ends before the chunk does (truncated?)")
         offset += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
+        while done < len(views) and n >= len(views[done]):
+            n -= len(views[done])
+            done += 1
+        if done == len(views):
+            return
+        if n:
+            views[done] = views[done][n:]
+        n = call(fd, views[done:], offset)
 
 
 # ------------------------------------------------------------------ reading
@@ -574,22 +580,40 @@ def read_packs(pool: concurrent.futures.Executor,
 
     for layout, members in packs:
         chunk = layout.chunk[0]
-        pieces: dict[int, list[tuple[int, Any]]] = {}  # chunks that later members may still reach
-        for start, buf in sorted(members, key=lambda m: m[0]):  # members do not overlap
-            flat = buf if buf.ndim == 1 and buf.dtype == np.uint8 else buf.reshape(-1).view(np.uint8)
+        # Chunks that later members may still reach, in ascending order (members
+        # come sorted, so chunks are added in order); the lowest is ``low``.
+        pieces: dict[int, list[tuple[int, Any]]] = {}
+        low = -1
+        for start, buf in sorted(members, key=_first):  # members do not overlap
+            flat = buf if buf.ndim == 1 and buf.dtype == _UINT8 else buf.reshape(-1).view(np.uint8)
             view = memoryview(flat)  # type: ignore[arg-type]  # numpy is a buffer
             end = start + len(view)
             first = start // chunk
-            for c in sorted(c for c in pieces if c < first):
-                add(layout, c, pieces.pop(c))
-            for c in range(first, -(-end // chunk)):
-                lo, hi = max(start, c * chunk), min(end, (c + 1) * chunk)
-                pieces.setdefault(c, []).append((lo, view[lo - start:hi - start]))
-        for c in sorted(pieces):
+            if 0 <= low < first:
+                for c in [c for c in pieces if c < first]:
+                    add(layout, c, pieces.pop(c))
+                low = next(iter(pieces), -1)
+            last = (end - 1) // chunk
+            if first == last:  # the commonest: the member lies in one chunk
+                pieces.setdefault(first, []).append((start, view))
+            else:
+                for c in range(first, last + 1):
+                    lo, hi = max(start, c * chunk), min(end, (c + 1) * chunk)
+                    pieces.setdefault(c, []).append((lo, view[lo - start:hi - start]))
+            if low < 0:
+                low = next(iter(pieces), -1)
+        for c in pieces:
             add(layout, c, pieces[c])
     if current:
         futures.append(pool.submit(_read_pack_task, current))
     return _gathered(futures)
+
+
+_UINT8 = np.dtype(np.uint8)
+
+
+def _first(item: tuple[int, Any]) -> int:
+    return item[0]
 
 
 def _task_bytes(total: int) -> int:
@@ -625,10 +649,11 @@ def _read_pack_task(units: Sequence[tuple[ArrayFile, int, list[tuple[int, Any]]]
         nonlocal run
         if run:
             _preadv_exact(fd, [b for _, bufs, crc, _ in run for b in (*bufs, crc)], run_start, run[0][0])
+            checksum = crc32c.crc32c
             for where, bufs, crc, _ in run:
                 value = 0
                 for b in bufs:
-                    value = _crc(b, value)
+                    value = checksum(b, value)
                 if value != int.from_bytes(crc, "little"):
                     raise ChunkError(f"{where}: the chunk fails its crc32c checksum (damaged file)")
             for _, _, _, copies in run:
@@ -727,13 +752,13 @@ def _read_units(units: Sequence[tuple[ArrayFile, tuple[int, ...], Any]]) -> tupl
     return total, problems
 
 
-def _stored_chunk(path: str, index: np.ndarray | None, position: int, label: list[int], size: int, nbytes: int,
+def _stored_chunk(path: str, index: list[list[int]] | None, position: int, label: list[int], size: int, nbytes: int,
                   what: str) -> tuple[int, int, str]:
     """Where a chunk of ``nbytes`` (``what``: its shape and dtype) lies in its
     file, checked: ``(offset, length, where)`` from entry ``position`` of a
     shard's index (``label``: the inner chunk index), or the whole file."""
     if index is not None:
-        offset, length = (int(v) for v in index[position])
+        offset, length = index[position]
         where = f"{path} (inner chunk {label})"
         if offset == _EMPTY and length == _EMPTY:
             raise ChunkError(f"{where}: the chunk is missing from the shard")
@@ -746,7 +771,8 @@ def _stored_chunk(path: str, index: np.ndarray | None, position: int, label: lis
     return offset, length, where
 
 
-def _shard_index(fd: int, path: str, layout: ArrayFile, size: int) -> np.ndarray:
+def _shard_index(fd: int, path: str, layout: ArrayFile, size: int) -> list[list[int]]:
+    """A shard's index, checked: ``[offset, length]`` of each inner chunk."""
     assert layout.inner is not None
     count = math.prod(o // i for o, i in zip(layout.outer, layout.inner))
     nbytes = count * 16 + 4
@@ -755,7 +781,7 @@ def _shard_index(fd: int, path: str, layout: ArrayFile, size: int) -> np.ndarray
     raw = os.pread(fd, nbytes, size - nbytes)
     if len(raw) != nbytes or _crc(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
         raise ChunkError(f"{path}: the shard index fails its crc32c checksum (damaged file)")
-    return np.frombuffer(raw, dtype="<u8", count=count * 2).reshape(count, 2)
+    return np.frombuffer(raw, dtype="<u8", count=count * 2).reshape(count, 2).tolist()
 
 
 def _read_file_chunks(layout: ArrayFile, outer: tuple[int, ...],

@@ -1026,9 +1026,10 @@ class Location:
         packed: dict[tuple[str, int], list[tuple[np.ndarray, Box, Box]]] = {}
         for tp in plan.targets:
             data = datas[tp.target]
-            direct = data.dtype == numpy_dtype(tp.stored_dtype) and data.dtype.isnative
-            view = ts.array(data, copy=False, write=True) if direct and stores else None
-            itemsize = numpy_dtype(tp.stored_dtype).itemsize
+            stored_dtype = numpy_dtype(tp.stored_dtype)
+            direct = stores and data.dtype == stored_dtype and data.dtype.isnative
+            view = ts.array(data, copy=False, write=True) if direct else None
+            itemsize = stored_dtype.itemsize
             for r in tp.reads:
                 if r.byte_offset is not None:
                     needed += r.stored_box.volume * itemsize
@@ -1081,19 +1082,20 @@ class Location:
         at most :data:`READ_WINDOW_BYTES` of staging at a time. Returns the bytes
         of chunks read through :mod:`localio`."""
         plan = opened.plan
-        direct: list[tuple[str, int, np.ndarray]] = []
+        files = opened.files
+        direct: dict[str, list[tuple[int, np.ndarray]]] = {}  # pack -> (byte_offset, target bytes)
         staged: list[tuple[str, int]] = []
         for (path, byte_offset), uses in packed.items():
-            into = _whole_region_bytes(uses, plan.packs[path][byte_offset]) if path in opened.files else None
+            into = _whole_region_bytes(uses, plan.packs[path][byte_offset]) if _LITTLE and path in files else None
             if into is None:
                 staged.append((path, byte_offset))
             else:
-                direct.append((path, byte_offset, into))
+                direct.setdefault(path, []).append((byte_offset, into))
         total = self._read_pack_window(opened, direct, problems, touched, chunks) if direct else 0
         staged.sort()
         start = 0
         while start < len(staged) and not problems:
-            window: list[tuple[str, int, np.ndarray]] = []
+            window: dict[str, list[tuple[int, np.ndarray]]] = {}
             staged_bytes = 0
             while start < len(staged) and (not window or staged_bytes < READ_WINDOW_BYTES):
                 path, byte_offset = staged[start]
@@ -1102,34 +1104,35 @@ class Location:
                 # it (fewer than pack_below bytes) and the pack chunks holding it.
                 into = np.empty(plan.packs[path][byte_offset].nbytes, np.uint8)
                 staged_bytes += into.nbytes
-                window.append((path, byte_offset, into))
+                window.setdefault(path, []).append((byte_offset, into))
             total += self._read_pack_window(opened, window, problems, touched, chunks)
             if problems:
                 break
-            for path, byte_offset, into in window:
-                region = plan.packs[path][byte_offset]
-                values = _from_le(into, numpy_dtype(region.dtype)).reshape(region.box.shape)
-                for target, stored_box, target_box in packed[(path, byte_offset)]:
-                    cast_into(target_box.view(target), stored_box.view(values))
+            for path, members in window.items():
+                for byte_offset, into in members:
+                    region = plan.packs[path][byte_offset]
+                    values = _from_le(into, numpy_dtype(region.dtype)).reshape(region.box.shape)
+                    for target, stored_box, target_box in packed[(path, byte_offset)]:
+                        cast_into(target_box.view(target), stored_box.view(values))
         return total
 
-    def _read_pack_window(self, opened: OpenedPlan, window: Sequence[tuple[str, int, np.ndarray]], problems: list[str],
-                          touched: dict[str, list[Any]], chunks: dict[str, tuple[int, ...]]) -> int:
-        """Read packed regions ``(pack, byte_offset, into)``, each region's bytes
-        into its ``into``; problems name the regions they affect. Returns the
-        bytes of chunks read through :mod:`localio`."""
+    def _read_pack_window(self, opened: OpenedPlan, window: dict[str, list[tuple[int, np.ndarray]]],
+                          problems: list[str], touched: dict[str, list[Any]],
+                          chunks: dict[str, tuple[int, ...]]) -> int:
+        """Read packed regions: ``window[pack]`` lists ``(byte_offset, into)``,
+        each region's bytes into its ``into``; problems name the regions they
+        affect. Returns the bytes of chunks read through :mod:`localio`."""
         total = 0
-        requests: dict[str, list[tuple[int, np.ndarray]]] = {}
+        local = [(opened.files[path], members) for path, members in window.items() if path in opened.files]
         pending = []
-        for path, byte_offset, into in window:
-            if path in opened.files:
-                requests.setdefault(path, []).append((byte_offset, into))
-            else:
-                box = Box._trusted((byte_offset,), (into.nbytes,))
-                touched.setdefault(path, []).append(_chunk_span(box, chunks[path]))
-                pending.append((path, into, _at(opened.stores[path], box).read()))
-        if requests:
-            total, more = localio.read_packs(localio.pool(), [(opened.files[p], m) for p, m in requests.items()])
+        for path, members in window.items():
+            if path not in opened.files:
+                for byte_offset, into in members:
+                    box = Box._trusted((byte_offset,), (into.nbytes,))
+                    touched.setdefault(path, []).append(_chunk_span(box, chunks[path]))
+                    pending.append((path, into, _at(opened.stores[path], box).read()))
+        if local:
+            total, more = localio.read_packs(localio.pool(), local)
             problems += [self._naming_members(p, opened, window) for p in more]
         failed: dict[str, None] = {}  # each damaged chunk fails every member read from it: say it once
         for path, into, future in pending:
@@ -1141,13 +1144,13 @@ class Location:
         return total
 
     def _naming_members(self, problem: str, opened: OpenedPlan,
-                        window: Sequence[tuple[str, int, np.ndarray]]) -> str:
+                        window: dict[str, list[tuple[int, np.ndarray]]]) -> str:
         """A problem met reading a pack, with the packed regions it affects:
         those in the damaged inner chunk when the problem names one."""
         packs = opened.plan.packs
-        for path in {p for p, _, _ in window}:
+        for path, members in window.items():
             if self.describe(path) in problem or path in problem:
-                regions = sorted((b, packs[path][b]) for p, b, _ in window if p == path)
+                regions = sorted((b, packs[path][b]) for b, _ in members)
                 found = re.search(r"\(inner chunk \[(\d+)\]\)", problem)
                 layout = opened.files.get(path)
                 if found and layout is not None and layout.outer[0] >= layout.shape[0]:  # one file: its index
@@ -1163,10 +1166,11 @@ class Location:
 def _whole_region_bytes(uses: list[tuple[np.ndarray, Box, Box]], region: PackedRegion) -> np.ndarray | None:
     """The target's bytes when one target takes a whole packed region as it is
     stored (same dtype, contiguous, little-endian host), else None."""
-    if len(uses) != 1 or sys.byteorder != "little":
+    if len(uses) != 1:
         return None
     target, stored_box, target_box = uses[0]
-    if stored_box.shape != region.box.shape or target.dtype != numpy_dtype(region.dtype) or not target.dtype.isnative:
+    dtype = target.dtype
+    if stored_box.shape != region.box.shape or dtype != numpy_dtype(region.dtype) or not dtype.isnative:
         return None
     out = target_box.view(target)
     if not out.flags.c_contiguous:

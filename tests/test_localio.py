@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -266,3 +267,40 @@ def test_each_sharded_file_starts_its_writeback_before_its_fsync(tmp_path, monke
         assert ("fsync", fd) in events[at + 1:]
     for i in range(3):
         assert np.array_equal(gs.read_array(tmp_path / "c", f"w{i}"), np.full((40, 64), i, np.float32))
+
+
+@given(sizes=st.lists(st.integers(0, 300), min_size=1, max_size=12), limit=st.integers(1, 700),
+       offset=st.integers(0, 50))
+def test_vectored_resumes_short_transfers(sizes, limit, offset):
+    """A preadv or pwritev that moves fewer bytes than asked (a signal, a
+    pipe-like file) is resumed from where it stopped: every byte lands once,
+    in its buffer; the end of the file mid-read is a ChunkError naming it."""
+    real_read, real_write = os.preadv, os.pwritev
+
+    def limited(call):
+        def short(fd, buffers, at):
+            views, left = [], limit  # the first ``limit`` bytes of what is asked
+            for b in buffers:
+                if left == 0:
+                    break
+                views.append(memoryview(b)[:left])
+                left -= len(views[-1])
+            return call(fd, views, at)
+        return short
+
+    data = np.random.default_rng(len(sizes) * 1000 + limit).integers(0, 256, sum(sizes), np.uint8)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "f")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT)
+        try:
+            with mock.patch.object(os, "pwritev", limited(real_write)):
+                localio._pwritev(fd, [p.copy() for p in np.split(data, np.cumsum(sizes)[:-1])], offset)
+            assert os.pread(fd, len(data) + 1, offset) == data.tobytes()
+            into = [np.full(n, 7, np.uint8) for n in sizes]
+            with mock.patch.object(os, "preadv", limited(real_read)):
+                localio._preadv_exact(fd, into, offset, "f (chunk [0])")
+                assert b"".join(b.tobytes() for b in into) == data.tobytes()
+                with pytest.raises(localio.ChunkError, match=r"f \(chunk \[0\]\): the file ends"):
+                    localio._preadv_exact(fd, [np.empty(len(data) + 1, np.uint8)], offset, "f (chunk [0])")
+        finally:
+            os.close(fd)
