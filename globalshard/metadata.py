@@ -478,9 +478,15 @@ def _whole_tensor(p: _Parser, key: str, raw: Any, all_paths: dict[str, str | _Re
             return None
         volume *= v
     if volume > _MAX_INT or type(nbytes) is not int or nbytes != volume or r["shape"] != shape \
-            or type(offset) is not list or len(offset) != len(shape) or any(type(v) is not int or v for v in offset) \
-            or any(type(v) is not int for v in r["shape"]) or type(path) is not str or p.path_problem(path) is not None:
+            or type(offset) is not list or len(offset) != len(shape) or type(path) is not str \
+            or p.path_problem(path) is not None:
         return None
+    for v in offset:  # each a 0 of type int (not False, nor 0.0)
+        if type(v) is not int or v:
+            return None
+    for v in r["shape"]:  # equal to shape's ints, but maybe True or 1.0
+        if type(v) is not int:
+            return None
     if packed:
         if type(byte_offset) is not int or not 0 <= byte_offset <= _MAX_INT:
             return None

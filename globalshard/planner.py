@@ -627,26 +627,25 @@ class LoadPlanner:
         plans = []
         arrays: dict[str, tuple[str, tuple[int, ...]]] = {}
         packs: dict[str, dict[int, PackedRegion]] = {}
+        tensors = metadata.tensors
         for t_idx, info in enumerate(targets):
-            stored = metadata.tensors.get(info.key)
+            stored = tensors.get(info.key)
             if stored is None or stored.global_shape != info.global_shape or (
                     not allow_lossy_cast and not is_exact_cast(stored.dtype, info.dtype)):
                 label = f"{names[t_idx]!r} (key {info.key!r})" if names else repr(info.key)
-            if stored is None:
-                problems.append(f"{label}: {missing_key(info.key, metadata)}")
-                missing = True
-                continue
-            if stored.global_shape != info.global_shape:
-                problems.append(
-                    f"{label}: global shape {info.global_shape} asked for, "
-                    f"the checkpoint holds {stored.global_shape}"
-                )
-                continue
-            if not allow_lossy_cast and not is_exact_cast(stored.dtype, info.dtype):
-                cast_problems.append(
-                    f"{label}: stored as {stored.dtype}, loading into {info.dtype} would lose "
-                    "information; pass allow_lossy_cast=True to round"
-                )
+                if stored is None:
+                    problems.append(f"{label}: {missing_key(info.key, metadata)}")
+                    missing = True
+                elif stored.global_shape != info.global_shape:
+                    problems.append(
+                        f"{label}: global shape {info.global_shape} asked for, "
+                        f"the checkpoint holds {stored.global_shape}"
+                    )
+                else:
+                    cast_problems.append(
+                        f"{label}: stored as {stored.dtype}, loading into {info.dtype} would lose "
+                        "information; pass allow_lossy_cast=True to round"
+                    )
                 continue
             index = indexes.get(info.key)
             if index is None and len(stored.regions) > 1:
@@ -654,27 +653,27 @@ class LoadPlanner:
             reads = []
             for region in info.regions:
                 want = region.global_box
-                got = 0
+                got, whole = 0, False
                 for i in (index.query(want) if index is not None else range(len(stored.regions))):
                     s = stored.regions[i]
                     if s.box == want:  # the commonest case, as saved: no arithmetic
-                        inter, local = want, region.local_box
+                        local = region.local_box
                         rel = want if not any(want.offset) else Box._trusted((0,) * len(want.shape), want.shape)
+                        whole = True  # all of it: stored regions do not overlap
                     else:
                         found = s.box.intersect(want)
                         if found is None:
                             continue
-                        inter = found
-                        rel = Box._trusted(tuple(a - b for a, b in zip(inter.offset, s.box.offset)), inter.shape)
-                        local = region.global_to_local(inter)
-                    got += inter.volume
+                        rel = Box._trusted(tuple(a - b for a, b in zip(found.offset, s.box.offset)), found.shape)
+                        local = region.global_to_local(found)
+                        got += found.volume
                     reads.append(ReadItem(s.path, rel, local, s.byte_offset))
                     if s.byte_offset is None:
                         arrays[s.path] = (stored.dtype, s.box.shape)
                     else:
                         packs.setdefault(s.path, {})[s.byte_offset] = PackedRegion(
                             info.key, stored.dtype, s.box, s.nbytes)
-                if got != want.volume:  # cannot happen with parsed metadata; never fill silently
+                if not whole and got != want.volume:  # cannot happen with parsed metadata; never fill silently
                     label = f"{names[t_idx]!r} (key {info.key!r})" if names else repr(info.key)
                     problems.append(f"{label}: the checkpoint does not cover global box {want}")
             only = info.regions[0].local_box if len(info.regions) == 1 else None

@@ -1,11 +1,13 @@
 """Property: any layout saved, then loaded into any other layout, gives back the
 global array, with padding zero-filled; every target element is written once."""
 
+import dataclasses
 import shutil
 import tempfile
 
 import numpy as np
-from hypothesis import given
+import pytest
+from hypothesis import assume, given
 from hypothesis import strategies as st
 from strategies import layouts, make_shard, random_values, shapes
 
@@ -120,6 +122,29 @@ def test_property_every_element_saved_once_and_loaded_once(case):
             global_box = r.stored_box.translate(stored.offset)
             assert any(reg.global_to_local(global_box) == r.target_box and reg.global_box.contains(global_box)
                        for reg in info.regions)
+
+
+@given(plan_cases(), st.data())
+def test_property_metadata_missing_a_region_is_refused_never_zero_filled(case, data):
+    """Metadata built by hand (not parsed, so not checked for cover) that
+    lacks a stored region: every target needing part of it is refused, naming
+    the global box left uncovered, whether or not another stored region
+    equals one of its boxes."""
+    _, per_rank, targets = case
+    metadata = gs.SavePlanner().plan(per_rank).metadata
+    stored = metadata.tensors["k"]
+    assume(len(stored.regions) > 0 and all(s.box.volume for s in stored.regions))
+    lost = data.draw(st.sampled_from(stored.regions))
+    kept = dataclasses.replace(stored, regions=tuple(s for s in stored.regions if s is not lost))
+    holed = dataclasses.replace(metadata, tensors={"k": kept})
+    needing = [info for info in targets if any(r.global_box.intersect(lost.box) for r in info.regions)]
+    if not needing:
+        gs.LoadPlanner().plan(holed, targets)
+        return
+    with pytest.raises(gs.MismatchError, match="does not cover global box") as e:
+        gs.LoadPlanner().plan(holed, targets)
+    for info in needing:
+        assert any(str(r.global_box) in str(e.value) for r in info.regions if r.global_box.intersect(lost.box))
 
 
 @given(st.integers(1, 6), st.integers(1, 4), st.integers(0, 3))
