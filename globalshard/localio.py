@@ -557,18 +557,21 @@ class Reader:
 
 
 def read_packs(pool: concurrent.futures.Executor,
-               packs: Sequence[tuple[ArrayFile, Sequence[tuple[int, np.ndarray]]]]) -> tuple[int, list[str]]:
+               packs: Iterable[tuple[ArrayFile, Sequence[tuple[int, np.ndarray]]]],
+               nbytes: int) -> tuple[int, list[str]]:
     """Fill the members of packs (spec section 5.1): for each 1-d uint8 array,
     ``(byte_offset, buffer)`` pairs whose buffers (contiguous uint8) take
     that many bytes from that offset. Each chunk holding any of them is read
     once, scattered by ``preadv`` straight into the buffers (bytes no buffer
     takes land in scratch memory), and its crc32c is checked over the pieces
-    before the call returns. Returns ``(bytes of chunks read, problems)``;
-    each problem names the file and the chunk."""
+    before the call returns. ``packs`` may be a generator: reads start while
+    it makes the next pack's members. ``nbytes``: about how many bytes the
+    members take, to size the tasks. Returns ``(bytes of chunks read,
+    problems)``; each problem names the file and the chunk."""
     futures = []
     current: list[tuple[ArrayFile, int, list[tuple[int, Any]]]] = []
     size = 0
-    task = _task_bytes(sum(len(buf) for _, members in packs for _, buf in members))
+    task = _task_bytes(nbytes)
 
     def add(layout: ArrayFile, c: int, pieces: list[tuple[int, Any]]) -> None:
         nonlocal current, size

@@ -1023,7 +1023,7 @@ class Location:
         # decode buffer and a copy per chunk).
         files = opened.files
         requests = []
-        packed: dict[tuple[str, int], list[tuple[np.ndarray, Box, Box]]] = {}
+        packed: dict[str, dict[int, list[tuple[np.ndarray, Box, Box]]]] = {}  # pack -> byte_offset -> uses
         for tp in plan.targets:
             data = datas[tp.target]
             stored_dtype = numpy_dtype(tp.stored_dtype)
@@ -1033,7 +1033,10 @@ class Location:
             for r in tp.reads:
                 if r.byte_offset is not None:
                     needed += r.stored_box.volume * itemsize
-                    packed.setdefault((r.path, r.byte_offset), []).append((data, r.stored_box, r.target_box))
+                    uses = packed.get(r.path)
+                    if uses is None:
+                        uses = packed[r.path] = {}
+                    uses.setdefault(r.byte_offset, []).append((data, r.stored_box, r.target_box))
                     continue
                 if r.path in files:
                     needed += r.stored_box.volume * itemsize
@@ -1073,25 +1076,40 @@ class Location:
             stats.seconds += time.perf_counter() - start
 
 
-    def _read_packed(self, opened: OpenedPlan, packed: dict[tuple[str, int], list[tuple[np.ndarray, Box, Box]]],
+    def _read_packed(self, opened: OpenedPlan, packed: dict[str, dict[int, list[tuple[np.ndarray, Box, Box]]]],
                      problems: list[str], touched: dict[str, list[Any]], chunks: dict[str, tuple[int, ...]]) -> int:
-        """Fill the targets' parts of packed regions: ``packed[(pack, byte_offset)]``
+        """Fill the targets' parts of packed regions: ``packed[pack][byte_offset]``
         lists ``(target, stored_box, target_box)``. Each region's bytes are read
         once: from a local pack straight into the target when it takes the whole
-        region as it is stored (all such regions in one go), otherwise through
-        at most :data:`READ_WINDOW_BYTES` of staging at a time. Returns the bytes
+        region as it is stored (all such regions in one go, each pack's reads
+        starting while the next pack's are put together), otherwise through at
+        most :data:`READ_WINDOW_BYTES` of staging at a time. Returns the bytes
         of chunks read through :mod:`localio`."""
         plan = opened.plan
         files = opened.files
         direct: dict[str, list[tuple[int, np.ndarray]]] = {}  # pack -> (byte_offset, target bytes)
         staged: list[tuple[str, int]] = []
-        for (path, byte_offset), uses in packed.items():
-            into = _whole_region_bytes(uses, plan.packs[path][byte_offset]) if _LITTLE and path in files else None
-            if into is None:
-                staged.append((path, byte_offset))
-            else:
-                direct.setdefault(path, []).append((byte_offset, into))
-        total = self._read_pack_window(opened, direct, problems, touched, chunks) if direct else 0
+
+        def local_packs() -> Iterator[tuple[localio.ArrayFile, list[tuple[int, np.ndarray]]]]:
+            for path, regions in packed.items():
+                if not _LITTLE or path not in files:
+                    staged.extend((path, byte_offset) for byte_offset in regions)
+                    continue
+                members: list[tuple[int, np.ndarray]] = []
+                stored = plan.packs[path]
+                for byte_offset, uses in regions.items():
+                    into = _whole_region_bytes(uses, stored[byte_offset])
+                    if into is None:
+                        staged.append((path, byte_offset))
+                    else:
+                        members.append((byte_offset, into))
+                if members:
+                    direct[path] = members
+                    yield files[path], members
+
+        total, more = localio.read_packs(localio.pool(), local_packs(), sum(
+            r.nbytes for path in packed if path in files for r in plan.packs[path].values()))
+        problems += [self._naming_members(p, opened, direct) for p in more]
         staged.sort()
         start = 0
         while start < len(staged) and not problems:
@@ -1112,7 +1130,7 @@ class Location:
                 for byte_offset, into in members:
                     region = plan.packs[path][byte_offset]
                     values = _from_le(into, numpy_dtype(region.dtype)).reshape(region.box.shape)
-                    for target, stored_box, target_box in packed[(path, byte_offset)]:
+                    for target, stored_box, target_box in packed[path][byte_offset]:
                         cast_into(target_box.view(target), stored_box.view(values))
         return total
 
@@ -1132,7 +1150,7 @@ class Location:
                     touched.setdefault(path, []).append(_chunk_span(box, chunks[path]))
                     pending.append((path, into, _at(opened.stores[path], box).read()))
         if local:
-            total, more = localio.read_packs(localio.pool(), local)
+            total, more = localio.read_packs(localio.pool(), local, sum(i.nbytes for _, m in local for _, i in m))
             problems += [self._naming_members(p, opened, window) for p in more]
         failed: dict[str, None] = {}  # each damaged chunk fails every member read from it: say it once
         for path, into, future in pending:
