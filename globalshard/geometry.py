@@ -76,10 +76,12 @@ class Box:
 
     @classmethod
     def _trusted(cls, offset: tuple[int, ...], shape: tuple[int, ...]) -> Box:
-        """Build from values already known to be valid tuples of ints (hot paths)."""
-        box = object.__new__(cls)
-        object.__setattr__(box, "offset", offset)
-        object.__setattr__(box, "shape", shape)
+        """Build from values already known to be valid tuples of ints (hot
+        paths): no checks, and the slots set through their own descriptors,
+        half the cost of ``object.__setattr__``."""
+        box = _new(cls)
+        _set_offset(box, offset)
+        _set_shape(box, shape)
         return box
 
     @classmethod
@@ -175,6 +177,12 @@ class Box:
         if not self.shape:
             return "[scalar]"
         return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offset, self.shape)) + "]"
+
+
+# Box._trusted's pieces: the slots' own setters bypass the frozen __setattr__.
+_new = object.__new__
+_set_offset = vars(Box)["offset"].__set__
+_set_shape = vars(Box)["shape"].__set__
 
 
 @dataclass(frozen=True, slots=True)
