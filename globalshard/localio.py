@@ -581,32 +581,36 @@ def read_packs(pool: concurrent.futures.Executor,
         current.append((layout, c, pieces))
         size += layout.chunk[0]
 
-    for layout, members in packs:
-        chunk = layout.chunk[0]
-        # Chunks that later members may still reach, in ascending order (members
-        # come sorted, so chunks are added in order); the lowest is ``low``.
-        pieces: dict[int, list[tuple[int, Any]]] = {}
-        low = -1
-        for start, buf in sorted(members, key=_first):  # members do not overlap
-            flat = buf if buf.ndim == 1 and buf.dtype == _UINT8 else buf.reshape(-1).view(np.uint8)
-            view = memoryview(flat)  # type: ignore[arg-type]  # numpy is a buffer
-            end = start + len(view)
-            first = start // chunk
-            if 0 <= low < first:
-                for c in [c for c in pieces if c < first]:
-                    add(layout, c, pieces.pop(c))
-                low = next(iter(pieces), -1)
-            last = (end - 1) // chunk
-            if first == last:  # the commonest: the member lies in one chunk
-                pieces.setdefault(first, []).append((start, view))
-            else:
-                for c in range(first, last + 1):
-                    lo, hi = max(start, c * chunk), min(end, (c + 1) * chunk)
-                    pieces.setdefault(c, []).append((lo, view[lo - start:hi - start]))
-            if low < 0:
-                low = next(iter(pieces), -1)
-        for c in pieces:
-            add(layout, c, pieces[c])
+    try:
+        for layout, members in packs:
+            chunk = layout.chunk[0]
+            # Chunks that later members may still reach, in ascending order (members
+            # come sorted, so chunks are added in order); the lowest is ``low``.
+            pieces: dict[int, list[tuple[int, Any]]] = {}
+            low = -1
+            for start, buf in sorted(members, key=_first):  # members do not overlap
+                flat = buf if buf.ndim == 1 and buf.dtype == _UINT8 else buf.reshape(-1).view(np.uint8)
+                view = memoryview(flat)  # type: ignore[arg-type]  # numpy is a buffer
+                end = start + len(view)
+                first = start // chunk
+                if 0 <= low < first:
+                    for c in [c for c in pieces if c < first]:
+                        add(layout, c, pieces.pop(c))
+                    low = next(iter(pieces), -1)
+                last = (end - 1) // chunk
+                if first == last:  # the commonest: the member lies in one chunk
+                    pieces.setdefault(first, []).append((start, view))
+                else:
+                    for c in range(first, last + 1):
+                        lo, hi = max(start, c * chunk), min(end, (c + 1) * chunk)
+                        pieces.setdefault(c, []).append((lo, view[lo - start:hi - start]))
+                if low < 0:
+                    low = next(iter(pieces), -1)
+            for c in pieces:
+                add(layout, c, pieces[c])
+    except BaseException:  # packs is the caller's generator: no task may outlive this call
+        concurrent.futures.wait(futures)
+        raise
     if current:
         futures.append(pool.submit(_read_pack_task, current))
     return _gathered(futures)

@@ -10,6 +10,8 @@ import os
 import shutil
 import sys
 import tempfile
+import time
+from unittest import mock
 
 import jsonschema
 import numpy as np
@@ -21,7 +23,7 @@ from test_property_roundtrip import _bits_equal, assert_loaded, checkpoints, sha
 from threadcomm import run_ranks
 
 import globalshard as gs
-from globalshard import planner
+from globalshard import localio, planner, storage
 from globalshard.metadata import parse_metadata
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "spec"))
@@ -162,6 +164,41 @@ def test_a_load_reads_only_the_pack_chunks_it_needs(tmp_path):
     gs.load({"x": target}, tmp_path, stats=stats)
     assert np.all(target.data == 1000)
     assert stats.bytes_needed == 4096 and 4096 < stats.bytes_read <= 2 << 20
+
+
+def test_a_load_failing_while_it_prepares_packs_leaves_no_read_running(tmp_path):
+    """Reads of the first packs start while the next packs' members are put
+    together; if that fails, the load must not return (raise) while those
+    reads still write into the caller's arrays."""
+    state = {f"k{i}": gs.ShardedTensor.from_offset(f"k{i}", np.full(1 << 17, i, np.float32), global_shape=(1 << 17,),
+                                                   global_offset=(0,)) for i in range(40)}  # 20 MiB: 2 packs
+    gs.save(state, tmp_path, pack_below=1 << 20)
+    futures, calls = [], []
+    real_task, real_whole, real_pool = localio._read_pack_task, storage._whole_region_bytes, localio.pool()
+
+    def slow_task(units):
+        time.sleep(0.3)
+        return real_task(units)
+
+    class Recording:
+        def submit(self, fn, *args):
+            futures.append(real_pool.submit(fn, *args))
+            return futures[-1]
+
+    def failing(uses, region):
+        calls.append(region.key)
+        if len(calls) == 35:  # in the second pack, after the first's reads began
+            raise RuntimeError("placing failed")
+        return real_whole(uses, region)
+
+    targets = {k: gs.ShardedTensor.from_offset(k, np.zeros_like(t.data), global_shape=t.global_shape,
+                                               global_offset=(0,)) for k, t in state.items()}
+    with mock.patch.object(localio, "_read_pack_task", slow_task), \
+            mock.patch.object(localio, "pool", lambda: Recording()), \
+            mock.patch.object(storage, "_whole_region_bytes", failing), \
+            pytest.raises(RuntimeError, match="placing failed"):
+        gs.load(targets, tmp_path)
+    assert futures and all(f.done() for f in futures)
 
 
 @pytest.mark.parametrize("io", ENGINES)
