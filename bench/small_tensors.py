@@ -9,10 +9,13 @@ bytes in 8 tensors: on the plain file kvstore, one zarr array (a zarr.json
 and a chunk file) per region, and packed (``save(pack_below=1 MiB)``: the
 small regions in a few uint8 arrays, spec section 5.1); and on OCDBT over
 files (TensorStore packs keys into a few large files). The layouts take
-turns in each of 3 rounds; each ratio is the median of the rounds' ratios,
-each figure the median of its 3 runs. Each checkpoint is deleted once it is
-loaded, so every save starts just after a deletion (this disk writes faster
-then, README) and the run holds one checkpoint at a time on disk. Writes
+turns in each of 3 rounds; in a round each layout is saved once and loaded
+3 times into fresh targets (the round's load figure: their median, as one
+load swings by 1.5x on this machine). Each ratio is the median of the
+rounds' ratios, each figure the median of the 3 rounds. Each checkpoint is
+deleted once it is loaded, so every save starts just after a deletion (this
+disk writes faster then, README) and the run holds one checkpoint at a time
+on disk. Writes
 build/bench/small_tensors.json (with ``--tensors N``: small_tensors_N.json).
 
 Then a bound for any packed layout: the same small arrays back to back in
@@ -41,6 +44,8 @@ QUICK = "--quick" in sys.argv
 #: How many small tensors: 10,000 by default (the performance issue's count,
 #: 1.8 GB), ``--tensors N`` for another.
 N = int(sys.argv[sys.argv.index("--tensors") + 1]) if "--tensors" in sys.argv else 200 if QUICK else 10000
+#: Loads after each save (each into fresh targets); the round's load figure is their median.
+LOADS = 3
 #: The packed layout's save(pack_below=): every region here is under 1 MiB.
 PACK_BELOW = 1 << 20
 
@@ -83,9 +88,13 @@ def main() -> None:
                 root = os.path.join(tmp, f"{store}-{name}-{rep}")
                 where: Any = root if store == "file" else {"driver": "ocdbt", "base": f"file://{root}/"}
                 save_s = _time(lambda w=where, s=state, p=pack: gs.save(s, w, pack_below=p))
-                targets = _targets(state)
-                load_s = _time(lambda w=where, t=targets: gs.load(t, w))
-                rounds[f"{store}_{name}"].append({"save_s": save_s, "load_s": load_s})
+                loads = []
+                for _ in range(LOADS):  # each into fresh targets
+                    targets = _targets(state)
+                    loads.append(_time(lambda w=where, t=targets: gs.load(t, w)))
+                    del targets
+                rounds[f"{store}_{name}"].append({"save_s": save_s, "load_s": statistics.median(loads),
+                                                  "loads_s": loads})
                 gs.wait_for_cleanup()
                 shutil.rmtree(root)
         report["packed_prototype"] = _packed(small, tmp)

@@ -240,7 +240,10 @@ def _plan_save(location: Location, comm: Comm, entries: list[tuple[str, ShardedT
         # Everything checkable is checked before anything on storage changes.
         out: dict[str, Any] = {"digest": digest, "replicas": replicas, "pack_below": pack_below}
         if comm.rank == 0:
-            wait_for_cleanup()  # an earlier save's deletion holds the lock until it ends
+            # TODO(limitation): an earlier save's deletion holds the lock until it ends, so
+            # a save (async too) to the path of the save before it blocks until that
+            # save's replaced checkpoint is deleted (512 MiB: +0.2-0.27 s blocked).
+            wait_for_cleanup()
             save_id = new_save_id()
             if trainer_state is not None:
                 ts_path = f"{save_dir(save_id)}/{TRAINER_STATE_FILE}"
