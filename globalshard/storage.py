@@ -1027,7 +1027,8 @@ class Location:
         for tp in plan.targets:
             data = datas[tp.target]
             stored_dtype = numpy_dtype(tp.stored_dtype)
-            direct = stores and data.dtype == stored_dtype and data.dtype.isnative
+            # Reads through TensorStore write straight into a target of the stored dtype.
+            direct = bool(stores) and data.dtype == stored_dtype and data.dtype.isnative
             view = ts.array(data, copy=False, write=True) if direct else None
             itemsize = stored_dtype.itemsize
             for r in tp.reads:
