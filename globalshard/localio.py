@@ -852,17 +852,46 @@ def _whole_chunk_view(dests: list[_Destination], chunk_index: tuple[int, ...], c
 
 def _read_run(fd: int, run: list[tuple[str, np.ndarray]], offset: int) -> None:
     """Read chunks stored back to back from ``offset`` into their targets, then
-    check each one's crc32c (a failure names that chunk)."""
+    check each one's crc32c (a failure names that chunk).
+
+    Chunks already in the page cache are read one at a time without waiting
+    (``RWF_NOWAIT``) and checked while they are still in the CPU's cache; from
+    the first that is not, the rest of the run is one blocking preadv, which
+    the kernel reads ahead as one request. A checksum over a chunk just read
+    runs at twice the speed of one over a chunk read 64 MiB earlier (19.5
+    against 9 GB/s here): a 2-process TP4->2 warm load of 1 GiB took 71-75
+    instead of 90-94 ms of user CPU per rank (wall time unchanged: the
+    kernel's copy dominates); cold loads read as before."""
     if not run:
         return
     crcs = [bytearray(4) for _ in run]
+    first = 0
+    if _NOWAIT:
+        for (where, data), crc in zip(run, crcs):
+            pair: list[Any] = [data, crc]
+            try:
+                n = os.preadv(fd, pair, offset, _NOWAIT)
+            except OSError:  # EAGAIN: not cached; EOPNOTSUPP: the file system cannot say
+                break
+            if n != len(data) + 4:  # partly cached: the blocking read starts again at this chunk
+                break
+            if _crc(data) != int.from_bytes(crc, "little"):
+                raise ChunkError(f"{where}: the chunk fails its crc32c checksum (damaged file)")
+            offset += n
+            first += 1
+        if first == len(run):
+            return
     buffers: list[Any] = []
-    for (_, data), crc in zip(run, crcs):
+    for (_, data), crc in zip(run[first:], crcs[first:]):
         buffers += [data, crc]
-    _preadv_exact(fd, buffers, offset, run[0][0])
-    for (where, data), crc in zip(run, crcs):
+    _preadv_exact(fd, buffers, offset, run[first][0])
+    for (where, data), crc in zip(run[first:], crcs[first:]):
         if _crc(data) != int.from_bytes(crc, "little"):
             raise ChunkError(f"{where}: the chunk fails its crc32c checksum (damaged file)")
+
+
+#: ``os.RWF_NOWAIT`` where the platform has it, else 0 (every read blocks).
+_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)
 
 
 def _read_one(fd: int, where: str, offset: int, nbytes: int, chunk_index: tuple[int, ...],

@@ -8,6 +8,7 @@ through TensorStore; damage is an error naming the file and the chunk.
 """
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -218,6 +219,109 @@ def test_runs_of_row_chunks_read_at_once_still_name_the_damaged_chunk(tmp_path):
     with pytest.raises(gs.StorageError) as e:
         gs.load({"w": whole(np.zeros_like(value))}, root)
     assert chunk_file in str(e.value) and "inner chunk [100, 0]" in str(e.value)
+
+
+_ROWS = np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)
+
+
+def save_rows(root, value):
+    """``value`` saved cut in two on rows, with chunks of one 4 KiB row each, so
+    that the chunks of each half lie back to back in one file and land whole in
+    a target (read in runs). Returns the file holding a given row."""
+    half = len(value) // 2
+    with engine("direct", 4096):
+        gs.save({f"h{i}": whole(value[i * half:(i + 1) * half], (i * half, 0), value.shape) for i in range(2)}, root)
+    regions = gs.read_metadata(root).tensors["w"].regions
+
+    def chunk_file(row):
+        region = next(r for r in regions if r.box.offset[0] <= row < r.box.offset[0] + r.box.shape[0])
+        return os.path.join(root, region.path, "c", "0", "0")
+    return chunk_file
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rows")
+    return root, save_rows(root, _ROWS)
+
+
+@pytest.mark.skipif(not localio._NOWAIT, reason="no RWF_NOWAIT here")
+@given(answers=st.lists(st.sampled_from(["ok", "not cached", "part cached", "unsupported"]), min_size=1,
+                        max_size=70),
+       damaged=st.none() | st.integers(0, 63))
+def test_chunks_read_without_waiting_or_after_it_land_whole_and_checked(rows, answers, damaged):
+    """Each non-blocking read (RWF_NOWAIT) of a run gets a scripted answer: the
+    chunk, EAGAIN (not cached), half of it (partly cached) or EOPNOTSUPP. From
+    the first that is not the whole chunk, the run is read blocking from that
+    chunk on. Whatever the answers, every value lands, and a damaged chunk is
+    named, whichever read brought it."""
+    root, chunk_file = rows
+    real = os.preadv
+    script = iter(answers)
+    asked = []
+
+    def scripted(fd, buffers, offset, flags=0):
+        if not flags & localio._NOWAIT:
+            return real(fd, buffers, offset, flags)
+        answer = next(script, "ok")
+        asked.append(answer)
+        if answer == "not cached":
+            raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+        if answer == "unsupported":
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+        if answer == "part cached":
+            return real(fd, [memoryview(buffers[0]).cast("B")[:len(memoryview(buffers[0]).cast("B")) // 2]], offset)
+        return real(fd, buffers, offset, flags)
+
+    if damaged is not None:
+        flip_byte(chunk_file(damaged), damaged % 32 * (4096 + 4) + 7)
+    try:
+        out = np.zeros_like(_ROWS)
+        with mock.patch.object(os, "preadv", scripted):
+            if damaged is None:
+                gs.load({"w": whole(out)}, root)
+                assert np.array_equal(out, _ROWS)
+            else:
+                with pytest.raises(gs.StorageError) as e:
+                    gs.load({"w": whole(out)}, root)
+                assert f"(inner chunk [{damaged % 32}, 0]): the chunk fails its crc32c" in str(e.value)
+        assert asked  # the non-blocking path was taken
+    finally:
+        if damaged is not None:
+            flip_byte(chunk_file(damaged), damaged % 32 * (4096 + 4) + 7)
+
+
+@pytest.mark.skipif(not localio._NOWAIT, reason="no RWF_NOWAIT here")
+def test_files_in_and_out_of_the_page_cache_load_whole(tmp_path):
+    # The kernel's own answers: one file dropped from the page cache, the other
+    # kept. Whether a non-blocking read meets the dropped file's pages missing
+    # depends on how far the kernel's read-ahead got before them: the scripted
+    # test above covers each answer.
+    value = np.arange(512 * 1024, dtype=np.float32).reshape(512, 1024)
+    chunk_file = save_rows(tmp_path / "c", value)
+    fd = os.open(chunk_file(256), os.O_RDONLY)
+    try:
+        os.fsync(fd)  # pages under writeback would stay
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    real, answers = os.preadv, []
+
+    def spy(fd, buffers, offset, flags=0):
+        try:
+            n = real(fd, buffers, offset, flags)
+        except BlockingIOError:
+            answers.append("not cached")
+            raise
+        if flags:
+            answers.append("whole" if n == sum(memoryview(b).nbytes for b in buffers) else "part")
+        return n
+
+    out = np.zeros_like(value)
+    with mock.patch.object(os, "preadv", spy):
+        gs.load({"w": whole(out)}, tmp_path / "c")
+    assert np.array_equal(out, value)
+    assert "whole" in answers  # chunks in the page cache were read without waiting
 
 
 def test_a_save_of_many_arrays_is_made_durable_by_one_syncfs(tmp_path, monkeypatch):
