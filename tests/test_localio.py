@@ -245,17 +245,15 @@ def rows(tmp_path_factory):
     return root, save_rows(root, _ROWS)
 
 
-@pytest.mark.skipif(not localio._NOWAIT, reason="no RWF_NOWAIT here")
-@given(answers=st.lists(st.sampled_from(["ok", "not cached", "part cached", "unsupported"]), min_size=1,
-                        max_size=70),
-       damaged=st.none() | st.integers(0, 63))
-def test_chunks_read_without_waiting_or_after_it_land_whole_and_checked(rows, answers, damaged):
-    """Each non-blocking read (RWF_NOWAIT) of a run gets a scripted answer: the
-    chunk, EAGAIN (not cached), half of it (partly cached) or EOPNOTSUPP. From
-    the first that is not the whole chunk, the run is read blocking from that
-    chunk on. Whatever the answers, every value lands, and a damaged chunk is
-    named, whichever read brought it."""
-    root, chunk_file = rows
+#: What a non-blocking read (RWF_NOWAIT) of a chunk may meet.
+NOWAIT_ANSWERS = st.lists(st.sampled_from(["ok", "not cached", "part cached", "unsupported"]), min_size=1, max_size=70)
+
+
+@contextlib.contextmanager
+def nowait_answers(answers):
+    """Answer the non-blocking reads in turn as ``answers`` say (then "ok"):
+    the chunk, EAGAIN (not cached), half of the first buffer (partly cached),
+    EOPNOTSUPP. Yields the list of answers given."""
     real = os.preadv
     script = iter(answers)
     asked = []
@@ -270,14 +268,27 @@ def test_chunks_read_without_waiting_or_after_it_land_whole_and_checked(rows, an
         if answer == "unsupported":
             raise OSError(errno.EOPNOTSUPP, "Operation not supported")
         if answer == "part cached":
-            return real(fd, [memoryview(buffers[0]).cast("B")[:len(memoryview(buffers[0]).cast("B")) // 2]], offset)
+            first = memoryview(buffers[0]).cast("B")
+            return real(fd, [first[:len(first) // 2]], offset)
         return real(fd, buffers, offset, flags)
 
+    with mock.patch.object(os, "preadv", scripted):
+        yield asked
+
+
+@pytest.mark.skipif(not localio._NOWAIT, reason="no RWF_NOWAIT here")
+@given(answers=NOWAIT_ANSWERS, damaged=st.none() | st.integers(0, 63))
+def test_chunks_read_without_waiting_or_after_it_land_whole_and_checked(rows, answers, damaged):
+    """Each non-blocking read (RWF_NOWAIT) of a run gets a scripted answer
+    (:func:`nowait_answers`). From the first that is not the whole chunk, the
+    run is read blocking from that chunk on. Whatever the answers, every value
+    lands, and a damaged chunk is named, whichever read brought it."""
+    root, chunk_file = rows
     if damaged is not None:
         flip_byte(chunk_file(damaged), damaged % 32 * (4096 + 4) + 7)
     try:
         out = np.zeros_like(_ROWS)
-        with mock.patch.object(os, "preadv", scripted):
+        with nowait_answers(answers) as asked:
             if damaged is None:
                 gs.load({"w": whole(out)}, root)
                 assert np.array_equal(out, _ROWS)

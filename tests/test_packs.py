@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_localio import ENGINES, engine
+from test_localio import ENGINES, NOWAIT_ANSWERS, engine, flip_byte, nowait_answers
 from test_property_roundtrip import _bits_equal, assert_loaded, checkpoints, shards_of
 from threadcomm import run_ranks
 
@@ -330,6 +330,42 @@ def test_a_flipped_byte_in_a_pack_names_the_pack_its_chunk_and_keys(tmp_path):
     assert "layers.3.w [0:4, 0:3]" in lost and lost.count("layers.") <= 2, lost
     # Keys outside the pack still load.
     assert np.array_equal(gs.read_array(root, "big"), values["big"])
+
+
+@pytest.fixture(scope="module")
+def packed64(tmp_path_factory):
+    """A packed checkpoint whose pack has inner chunks of 64 bytes (saved once)."""
+    with engine("direct", 64):
+        return _packed(tmp_path_factory.mktemp("packed64"))
+
+
+@pytest.mark.skipif(not localio._NOWAIT, reason="no RWF_NOWAIT here")
+@given(answers=NOWAIT_ANSWERS, damaged=st.none() | st.integers(0, 1 << 20))
+def test_pack_chunks_read_without_waiting_or_after_it_land_whole_and_checked(packed64, answers, damaged):
+    """As for arrays (test_localio): whatever the kernel answers each
+    non-blocking read of a pack chunk, every member lands whole, and a
+    damaged chunk is named, whichever read brought it."""
+    values, root, md, pack = packed64
+    shard = root / pack / "c" / "0"
+    chunk = json.loads((root / pack / "zarr.json").read_text())["codecs"][0]["configuration"]["chunk_shape"][0]
+    at = None
+    if damaged is not None:
+        packed = sorted(r.byte_offset for t in md.tensors.values() for r in t.regions if r.byte_offset is not None)
+        at = packed[damaged % len(packed)] + damaged % 3
+        flip_byte(shard, at // chunk * (chunk + 4) + at % chunk)  # each chunk is followed by its crc32c
+    try:
+        with nowait_answers(answers) as asked:
+            if at is None:
+                for k, got in _load_all(root, values).items():
+                    assert np.array_equal(got, values[k]), k
+            else:
+                with pytest.raises(gs.StorageError, match="crc32c") as e:
+                    _load_all(root, values)
+                assert f"{shard} (inner chunk [{at // chunk}]): the chunk fails" in str(e.value), str(e.value)
+        assert asked
+    finally:
+        if at is not None:
+            flip_byte(shard, at // chunk * (chunk + 4) + at % chunk)
 
 
 def test_a_missing_pack_fails_every_key_it_holds(tmp_path):
