@@ -346,6 +346,7 @@ def test_pack_chunks_read_without_waiting_or_after_it_land_whole_and_checked(pac
     non-blocking read of a pack chunk, every member lands whole, and a
     damaged chunk is named, whichever read brought it."""
     values, root, md, pack = packed64
+    values = {k: v for k, v in values.items() if k != "big"}  # the packed keys (big: 5,625 chunks of 64 bytes)
     shard = root / pack / "c" / "0"
     chunk = json.loads((root / pack / "zarr.json").read_text())["codecs"][0]["configuration"]["chunk_shape"][0]
     at = None
