@@ -883,6 +883,7 @@ def _read_checked(fd: int, run: list[tuple[str, list[Any], bytearray]], offset: 
 
 
 def _check(where: str, bufs: list[Any], crc: bytearray) -> None:
+    """A chunk's bytes (``bufs``, in order) against its stored crc32c."""
     value = 0
     for b in bufs:
         value = crc32c.crc32c(b, value)
@@ -903,8 +904,7 @@ def _read_one(fd: int, where: str, offset: int, nbytes: int, chunk_index: tuple[
     direct = _direct_view(dests[0], lo, chunk, dtype) if len(dests) == 1 and inside == chunk else None
     data = direct if direct is not None else _staging(nbytes)
     _preadv_exact(fd, [data, crc_buf], offset, where)
-    if _crc(data) != int.from_bytes(crc_buf, "little"):
-        raise ChunkError(f"{where}: the chunk fails its crc32c checksum (damaged file)")
+    _check(where, [data], crc_buf)
     if direct is not None:
         return
     values = data.view(dtype).reshape(chunk)
