@@ -200,30 +200,6 @@ def test_contiguous_targets_are_read_in_place_and_others_through_a_buffer(tmp_pa
         assert np.array_equal(out, value[box.slices])
 
 
-def test_runs_of_row_chunks_read_at_once_still_name_the_damaged_chunk(tmp_path):
-    # Rows cut in two: chunks of whole rows (one 4 KiB row each here), read in runs
-    # of up to 64 by one preadv; a flipped byte in chunk 100 is found and named.
-    value = np.arange(1024 * 1024, dtype=np.float32).reshape(1024, 1024)
-    halves = {f"h{i}": whole(value[i * 512:(i + 1) * 512], (i * 512, 0), value.shape) for i in range(2)}
-    root = tmp_path / "c"
-    with engine("direct", 4096):
-        gs.save(halves, root)
-    region = gs.read_metadata(root).tensors["w"].regions[0]
-    doc = json.load(open(root / region.path / "zarr.json"))
-    assert doc["codecs"][0]["configuration"]["chunk_shape"] == [1, 1024]
-    out = np.zeros_like(value)
-    gs.load({"w": whole(out)}, root)
-    assert np.array_equal(out, value)
-    chunk_file = str(root / region.path / "c" / "0" / "0")
-    flip_byte(chunk_file, 100 * (4096 + 4) + 10)
-    with pytest.raises(gs.StorageError) as e:
-        gs.load({"w": whole(np.zeros_like(value))}, root)
-    assert chunk_file in str(e.value) and "inner chunk [100, 0]" in str(e.value)
-
-
-_ROWS = np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)
-
-
 def save_rows(root, value):
     """``value`` saved cut in two on rows, with chunks of one 4 KiB row each, so
     that the chunks of each half lie back to back in one file and land whole in
@@ -237,6 +213,26 @@ def save_rows(root, value):
         region = next(r for r in regions if r.box.offset[0] <= row < r.box.offset[0] + r.box.shape[0])
         return os.path.join(root, region.path, "c", "0", "0")
     return chunk_file
+
+
+def test_runs_of_row_chunks_read_at_once_still_name_the_damaged_chunk(tmp_path):
+    # Rows cut in two: chunks of whole rows (one 4 KiB row each here), read in runs
+    # of up to 64 by one preadv; a flipped byte in chunk 100 is found and named.
+    value = np.arange(1024 * 1024, dtype=np.float32).reshape(1024, 1024)
+    root = tmp_path / "c"
+    chunk_file = save_rows(root, value)(100)
+    doc = json.load(open(os.path.join(chunk_file.rsplit("/c/", 1)[0], "zarr.json")))  # the array's directory
+    assert doc["codecs"][0]["configuration"]["chunk_shape"] == [1, 1024]
+    out = np.zeros_like(value)
+    gs.load({"w": whole(out)}, root)
+    assert np.array_equal(out, value)
+    flip_byte(chunk_file, 100 * (4096 + 4) + 10)
+    with pytest.raises(gs.StorageError) as e:
+        gs.load({"w": whole(np.zeros_like(value))}, root)
+    assert chunk_file in str(e.value) and "inner chunk [100, 0]" in str(e.value)
+
+
+_ROWS = np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)
 
 
 @pytest.fixture(scope="module")
