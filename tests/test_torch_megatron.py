@@ -11,15 +11,18 @@ import globalshard_torch as gt
 
 
 def megatron_linear_qkv(q, k, v, num_heads, groups, tp, r):
-    """Rank r's ``linear_qkv`` rows as Megatron-Core's SelfAttention splits
-    them: ``[ng/tp, (np/ng + 2) * hn]``, each local group's query heads, then
-    its key head, then its value head."""
+    """Rank r's ``linear_qkv`` rows as Megatron-Core's SelfAttention holds
+    them: the interleaved ``q1 q2 k1 v1 | q3 q4 k2 v2 | ...`` (each group's
+    query heads, then its key head, then its value head) split evenly over
+    TP, whole groups when TP divides the groups, a slice of one otherwise."""
     hn = k.shape[0] // groups
     qpg = num_heads // groups
     rows = []
-    for g in range(r * groups // tp, (r + 1) * groups // tp):
+    for g in range(groups):
         rows += [q[g * qpg * hn:(g + 1) * qpg * hn], k[g * hn:(g + 1) * hn], v[g * hn:(g + 1) * hn]]
-    return np.concatenate(rows)
+    interleaved = np.concatenate(rows)
+    n = interleaved.shape[0] // tp
+    return interleaved[r * n:(r + 1) * n]
 
 
 def blocked_qkv(q, k, v, tp, r, groups=None):
@@ -50,7 +53,8 @@ def gqa(draw):
     num_heads = groups * draw(st.sampled_from([1, 2, 3]))
     hn = draw(st.integers(1, 3))
     cols = draw(st.integers(1, 3))
-    tps = [t for t in (1, 2, 4, 8) if groups % t == 0]
+    # Megatron-Core takes query groups that TP divides or that divide TP.
+    tps = [t for t in (1, 2, 4, 8) if (groups % t == 0 or t % groups == 0) and ((num_heads + 2 * groups) * hn) % t == 0]
     # The blocked layout also takes TP above the kv heads (each kv head replicated).
     blocked = [t for t in (1, 2, 4, 8) if num_heads % t == 0 and (groups % t == 0 or t % groups == 0)]
     return num_heads, groups, hn, cols, draw(st.sampled_from(tps)), draw(st.sampled_from(tps)), \
@@ -83,8 +87,8 @@ def test_megatron_qkv_is_stored_as_global_qkv_and_loads_into_any_tp_and_into_blo
 def test_megatron_qkv_refuses_what_megatron_core_refuses():
     import pytest
 
-    with pytest.raises(gs.LayoutError, match="multiple of the TP size"):
-        gt.MegatronQKV(8, 2).place((6, 4), gt.ParallelLayout(tp_rank=0, tp_size=4))
+    with pytest.raises(gs.LayoutError, match="multiple or a divisor of the TP size"):
+        gt.MegatronQKV(6, 3).place((6, 4), gt.ParallelLayout(tp_rank=0, tp_size=2))
     with pytest.raises(gs.LayoutError, match="do not split"):
         gt.MegatronQKV(6, 4).place((6, 4), gt.ParallelLayout())
 

@@ -62,6 +62,84 @@ def test_extra_state_round_trips_and_a_tp_change_is_named_not_dropped(tmp_path):
     assert [m.amax for m in fresh] == [[1.0, float("inf")]] * 3  # kept as it was, by request
 
 
+class NoExtraState(nn.Linear):
+    """Like Megatron-Core's linear layers: get_extra_state is overridden and returns None."""
+
+    def get_extra_state(self):
+        return None
+
+    def set_extra_state(self, state):
+        raise AssertionError("no state was saved, so none may be handed back")
+
+
+@pytest.mark.parametrize("empty", [None, b"", torch.empty(0), {}])
+def test_none_or_empty_extra_state_is_no_state_and_a_tp_change_loads_by_default(tmp_path, empty):
+    class Empty(NoExtraState):
+        def get_extra_state(self):
+            return empty
+
+    model = nn.Sequential(Empty(2, 2), Empty(2, 2))
+    gt.save_checkpoint(tmp_path / "c", model=model, layout=ONE, rules=REPLICATED)
+    assert gs.read_trainer_state(tmp_path / "c")["extra_state"] == {}
+    assert not [k for k in gs.read_metadata(tmp_path / "c").tensors if k.startswith("_extra_state.")]
+    fresh = nn.Sequential(Empty(2, 2), Empty(2, 2))
+    tp2 = gt.ParallelLayout(tp_rank=0, tp_size=2)
+    gt.load_checkpoint(tmp_path / "c", model=fresh, layout=tp2, rules=REPLICATED)  # default arguments
+    assert torch.equal(fresh[1].weight, model[1].weight)
+    # A module that holds state now, with nothing saved for it, is still named.
+    with pytest.raises(gs.MismatchError, match=r"0: WithExtraState's extra state is not in the checkpoint"):
+        gt.load_checkpoint(tmp_path / "c", model=nn.Sequential(WithExtraState("json"), Empty(2, 2)), layout=tp2,
+                           rules=gt.ShardingRules([(r"0\.lin\..*", gt.Replicated()), (".*", gt.Replicated())]))
+
+
+class Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(2, 2, bias=False)
+        self.amax = -1.0
+
+    def get_extra_state(self):
+        return {"amax": self.amax}
+
+    def set_extra_state(self, state):
+        self.amax = state["amax"]
+
+
+def moe_with_extra_state(ep_size, ep_rank):
+    per = 4 // ep_size
+    moe = nn.Module()
+    moe.experts = nn.Module()
+    moe.experts.local_experts = nn.ModuleList(Expert() for _ in range(per))
+    for i, ex in enumerate(moe.experts.local_experts):
+        ex.amax = float(ep_rank * per + i)  # the global expert index, to see where it lands
+    return moe
+
+
+@pytest.mark.parametrize(("ep_save", "ep_load"), [(2, 1), (1, 2), (2, 4)])
+def test_an_experts_extra_state_follows_it_across_an_ep_change(tmp_path, ep_save, ep_load):
+    from threadcomm import run_ranks
+
+    rules = gt.ShardingRules([(r".*experts.*", gt.Experts(4, gt.Replicated()))])
+
+    def save(comm):
+        layout = gt.ParallelLayout(dp_rank=comm.rank, dp_size=ep_save, ep_size=ep_save)
+        gt.save_checkpoint(tmp_path / "c", model=moe_with_extra_state(ep_save, layout.ep_rank), layout=layout,
+                           rules=rules, comm=comm)
+
+    assert run_ranks(ep_save, save) == [None] * ep_save
+
+    def load(comm):
+        layout = gt.ParallelLayout(dp_rank=comm.rank, dp_size=ep_load, ep_size=ep_load)
+        moe = moe_with_extra_state(ep_load, 0)
+        for ex in moe.experts.local_experts:
+            ex.amax = -1.0
+        gt.load_checkpoint(tmp_path / "c", model=moe, layout=layout, rules=rules, comm=comm)
+        return [ex.amax for ex in moe.experts.local_experts]
+
+    per = 4 // ep_load
+    assert run_ranks(ep_load, load) == [[float(r * per + i) for i in range(per)] for r in range(ep_load)]
+
+
 def test_extra_state_that_needs_pickle_is_refused_by_name(tmp_path):
     class Opaque(WithExtraState):
         def get_extra_state(self):

@@ -193,7 +193,7 @@ def save_checkpoint(
                                                         numpy_view(staging.host(_local(tensor), for_save=True))))
         extra = extra_state.collect(_chunks(model), layout, _LAYERS, shards)
         staging.ready()
-        return {"rng": rng_state(), "membership": membership, "extra": extra if layout.dp_rank == 0 else {},
+        return {"rng": rng_state(), "membership": membership, "extra": extra,
                 "rank_state": jsonable(rank_state, "$.rank_state")}
 
     _, gathered = run_collectively(comm, "save_checkpoint: describing", describe)

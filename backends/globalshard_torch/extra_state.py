@@ -11,6 +11,13 @@ the same on every DP replica. Each module's state is saved for each TP rank:
 
 No Python object is serialised here, only JSON and raw arrays (a module's
 own ``set_extra_state`` decides what it does with the bytes it gets back).
+``None`` and empty values (Megatron-Core's linear layers return ``None``) are
+no state: nothing is saved for them, and a module whose extra state is empty
+needs nothing from the checkpoint, whatever the layout.
+
+An expert's module (``...local_experts.<i>...``) is named by its global
+expert index (``ep_rank * experts_per_rank + i``), so its state follows the
+expert across an EP change; its main copy is on expert data-parallel rank 0.
 On load, each module gets back the
 state its TP rank saved; when the TP size changed there is no such thing, and
 the load fails naming the module unless ``extra_state="skip"`` says to leave
@@ -20,6 +27,7 @@ the modules' extra state as it is.
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,13 +50,49 @@ def has_extra_state(module: nn.Module) -> bool:
     return type(module).get_extra_state is not nn.Module.get_extra_state
 
 
-def _modules(chunks: Sequence[nn.Module], layout: ParallelLayout, layer_pattern: str) -> list[tuple[str, nn.Module]]:
-    out = []
+_LOCAL_EXPERT = re.compile(r"(^|\.)local_experts\.(\d+)(?=\.|$)")
+
+
+def is_empty(value: Any) -> bool:
+    """Whether a ``get_extra_state()`` value holds nothing (None, b"", an empty tensor or container)."""
+    if value is None:
+        return True
+    if isinstance(value, io.BytesIO):
+        return not value.getbuffer().nbytes
+    if torch.is_tensor(value):
+        return value.numel() == 0
+    if isinstance(value, (bytes, bytearray, str, list, tuple, dict)):
+        return len(value) == 0
+    return False
+
+
+def _modules(chunks: Sequence[nn.Module], layout: ParallelLayout,
+             layer_pattern: str) -> list[tuple[str, nn.Module, bool]]:
+    """``(global module name, module, is an expert's)`` of every module with extra state."""
+    found = []
     for c, chunk in enumerate(chunks):
         for name, module in chunk.named_modules():
             if has_extra_state(module):
-                out.append((layout.global_name(name, c, layer_pattern) or "<root>", module))
+                found.append((layout.global_name(name, c, layer_pattern) or "<root>", module))
+    # Experts per EP rank, per expert container: the local indices found under it.
+    local: dict[str, set[int]] = {}
+    for gname, _ in found:
+        for m in _LOCAL_EXPERT.finditer(gname):
+            local.setdefault(gname[:m.start()], set()).add(int(m.group(2)))
+    out = []
+    for gname, module in found:
+        matches = list(_LOCAL_EXPERT.finditer(gname))
+        if matches:
+            m = matches[-1]
+            per_rank = len(local[gname[:m.start()]])
+            index = layout.ep_rank * per_rank + int(m.group(2))
+            gname = f"{gname[:m.start()]}{m.group(1)}local_experts.{index}{gname[m.end():]}"
+        out.append((gname, module, bool(matches)))
     return out
+
+
+def _is_main(layout: ParallelLayout, expert: bool) -> bool:
+    return (layout.expert_dp_rank if expert else layout.dp_rank) == 0
 
 
 def _key(gname: str, layout: ParallelLayout) -> str:
@@ -58,11 +102,15 @@ def _key(gname: str, layout: ParallelLayout) -> str:
 def collect(chunks: Sequence[nn.Module], layout: ParallelLayout, layer_pattern: str,
             shards: dict[str, gs.ShardedTensor]) -> dict[str, Any]:
     """This rank's extra state: arrays added to ``shards``; returns the JSON part
-    as ``{global module name: {"tp": T, "rank": r, "kind": ..., "value": ...}}``."""
+    as ``{global module name: {"tp": T, "rank": r, "kind": ..., "value": ...}}``
+    for the modules whose main copy this rank holds."""
     out: dict[str, Any] = {}
     problems = []
-    for gname, module in _modules(chunks, layout, layer_pattern):
+    for gname, module, expert in _modules(chunks, layout, layer_pattern):
         value = module.get_extra_state()
+        if is_empty(value):
+            continue
+        main = _is_main(layout, expert)
         record: dict[str, Any] = {"tp": layout.tp_size, "rank": layout.tp_rank}
         if isinstance(value, io.BytesIO):
             value, record["kind"] = value.getvalue(), "bytesio"
@@ -77,13 +125,15 @@ def collect(chunks: Sequence[nn.Module], layout: ParallelLayout, layer_pattern: 
             except TrainerStateError as e:
                 problems.append(f"{gname}: {type(module).__name__}.get_extra_state() returned a "
                                 f"{type(value).__name__}, which only a code-executing format could hold ({e})")
-            out[gname] = record
+            if main:
+                out[gname] = record
             continue
         key = _key(gname, layout)
         shards[f"extra/{gname}"] = gs.ShardedTensor.from_offset(
             key, data, global_shape=tuple(data.shape), global_offset=(0,) * data.ndim,
-            replica_id=0 if layout.dp_rank == 0 else 1)
-        out[gname] = record
+            replica_id=0 if main else 1)
+        if main:
+            out[gname] = record
     if problems:
         raise LayoutError(format_problems("cannot save the modules' extra state", problems))
     return out
@@ -98,11 +148,15 @@ def restore_targets(chunks: Sequence[nn.Module], layout: ParallelLayout, layer_p
     Raises:
         MismatchError: a module's extra state was not saved for this TP rank
             (or at all), listing every such module; unless ``mode == "skip"``.
+            A module whose own extra state is empty and that the checkpoint
+            holds nothing for needs nothing.
     """
     plans, problems = [], []
-    for gname, module in _modules(chunks, layout, layer_pattern):
+    for gname, module, _expert in _modules(chunks, layout, layer_pattern):
         records = saved.get(gname, [])
         record = next((r for r in records if r["tp"] == layout.tp_size and r["rank"] == layout.tp_rank), None)
+        if record is None and not records and is_empty(module.get_extra_state()):
+            continue  # saved as no state (or by a model without it), and holding none
         if record is None:
             # TODO(limitation): per-TP-rank extra state is not split or merged across a TP change.
             if mode != "skip":

@@ -13,7 +13,7 @@ rule                        local tensor on TP rank r of T
 ``VocabParallel(vocab)``    rows of a vocabulary padded to a multiple of T; only the true vocabulary is stored
 ``Replicated()``            the whole tensor (norms, row-parallel biases, LoRA A of column-parallel layers)
 ``PackedQKV(heads, kv)``    ``[q_r; k_r; v_r]`` of a global ``[Q; K; V]``, grouped-query attention allowed
-``MegatronQKV(heads, ng)``  Megatron-Core's ``linear_qkv``: per query group, its q heads, then k, then v
+``MegatronQKV(heads, ng)``  Megatron-Core's ``linear_qkv``: per query group, its q heads, then k, then v (any ng/TP)
 ``PackedSwiGLU()``          ``[gate_r; up_r]`` of a global ``[gate; up]``
 ``Tied("embedding.weight")`` a copy of another parameter (tied input/output embeddings), stored once under its key
 ``Experts(E, inner)``       one module per expert (``local_experts.<i>.`` or ``weight<i>``), global ``[E, ...]``
@@ -181,15 +181,17 @@ class PackedQKV(Rule):
 @dataclass(frozen=True)
 class MegatronQKV(Rule):
     """Megatron-Core's fused ``linear_qkv`` (weight, bias, or the LoRA B of
-    it): rows interleaved per query group. TP rank r holds query groups
-    ``[r*ng/T, (r+1)*ng/T)`` and, for each of them in order, that group's
+    it): rows interleaved per query group, each group's
     ``num_heads/num_query_groups`` query heads, then its key head, then its
-    value head: ``[ng/T, (np/ng + 2) * hn]`` on the output axis, as
-    ``SelfAttention.get_query_key_value_tensors`` splits it.
+    value head (``q1 q2 k1 v1 | q3 q4 k2 v2 | ...``), split evenly across TP
+    ranks as a ``ColumnParallelLinear``. With ``num_query_groups`` a multiple
+    of TP each rank holds whole groups; with TP a multiple of
+    ``num_query_groups`` (fewer kv heads than ranks, which Megatron-Core also
+    accepts) a rank holds a slice of one group, as
+    ``SelfAttention.get_query_key_value_tensors`` gathers it.
 
     Stored as the same global ``[Q; K; V]`` as :class:`PackedQKV`, so a
-    checkpoint saved with one loads into the other. Megatron-Core requires
-    ``num_query_groups`` to be a multiple of TP; so does this rule.
+    checkpoint saved with one loads into the other.
     """
 
     num_heads: int
@@ -200,26 +202,27 @@ class MegatronQKV(Rule):
         np_, ng = self.num_heads, self.num_query_groups
         if ng <= 0 or np_ % ng:
             raise LayoutError(f"{np_} query heads do not split into {ng} query groups")
-        if ng % tp:
-            # TODO(limitation): TP larger than the query groups (kv heads replicated
-            # across TP ranks, as vLLM does) is not mapped; Megatron-Core refuses it too.
+        if ng % tp and tp % ng:
             raise LayoutError(f"{ng} query groups at TP={tp}: Megatron-Core needs num_query_groups to be a "
-                              "multiple of the TP size")
-        per_group = np_ // ng + 2
-        local_groups = ng // tp
-        if local_shape[0] % (local_groups * per_group):
-            raise LayoutError(f"fused QKV of {local_shape[0]} local rows is not {local_groups} groups of "
+                              "multiple or a divisor of the TP size")
+        rows = local_shape[0] * tp
+        if rows % (np_ + 2 * ng):
+            raise LayoutError(f"fused QKV of {local_shape[0]} local rows at TP={tp} is not {ng} groups of "
                               f"{np_ // ng} query + 1 key + 1 value heads")
-        hn = local_shape[0] // (local_groups * per_group)
+        hn = rows // (np_ + 2 * ng)
         q = (np_ // ng) * hn
+        group_rows = q + 2 * hn
+        # Each group's pieces in the interleaved order: (offset in the group, global row, length).
+        pieces = [(0, 0, q), (q, np_ * hn, hn), (q + hn, (np_ + ng) * hn, hn)]
+        lo, hi = r * local_shape[0], (r + 1) * local_shape[0]
         segments = []
-        for g in range(local_groups):
-            group = r * local_groups + g
-            base = g * per_group * hn
-            segments += [Segment(base, group * q, q),
-                         Segment(base + q, np_ * hn + group * hn, hn),
-                         Segment(base + q + hn, (np_ + ng) * hn + group * hn, hn)]
-        rows = (np_ + 2 * ng) * hn
+        for g in range(lo // group_rows, -(-hi // group_rows)):
+            for within, global_base, length in pieces:
+                start = g * group_rows + within
+                a, b = max(start, lo), min(start + length, hi)
+                if a < b:
+                    step = q if within == 0 else hn
+                    segments.append(Segment(a - lo, global_base + g * step + (a - start), b - a))
         return Placement((rows, *local_shape[1:]), (0,) * len(local_shape), tuple(segments))
 
 
