@@ -48,6 +48,7 @@ __all__ = [
     "TargetPlan",
     "WriteItem",
     "array_dir",
+    "asked_mask",
     "check_pack_below",
     "pack_path",
     "describe_shards",
@@ -55,6 +56,7 @@ __all__ = [
     "group_ranks",
     "replica_runs",
     "save_dir",
+    "unread_keys",
 ]
 
 
@@ -583,6 +585,23 @@ class LoadPlan:
         return sum(
             r.stored_box.volume * numpy_dtype(t.stored_dtype).itemsize for t in self.targets for r in t.reads
         )
+
+
+def asked_mask(metadata: Metadata, asked: Sequence[str] | set[str]) -> str:
+    """Which of the checkpoint's keys ``asked`` names, as a hexadecimal bit
+    mask over its sorted keys: small enough for every rank to all-gather."""
+    wanted = set(asked)
+    bits = np.fromiter((k in wanted for k in sorted(metadata.tensors)), bool, len(metadata.tensors))
+    return np.packbits(bits).tobytes().hex()
+
+
+def unread_keys(metadata: Metadata, masks: Sequence[str]) -> list[str]:
+    """The checkpoint's keys that no rank's :func:`asked_mask` names, sorted."""
+    n = len(metadata.tensors)
+    read = np.zeros(n, bool)
+    for m in masks:
+        read |= np.unpackbits(np.frombuffer(bytes.fromhex(m), np.uint8), count=n).astype(bool)
+    return [key for key, r in zip(sorted(metadata.tensors), read) if not r]
 
 
 def missing_key(key: str, metadata: Metadata) -> str:

@@ -56,13 +56,13 @@ def test_property_any_spec_to_any_spec(tmp_path_factory, save_mesh, load_mesh, d
     path = tmp_path_factory.mktemp("ckpt")
     gj.save(path, {"w": x, "step": 3}, trainer_state={"step": 3})
     abstract = {"w": jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(b, spec_b)),
-                "step": jax.ShapeDtypeStruct((), np.int64)}
+                "step": 0}  # a Python number comes back as one
     stats = gs.IOStats()
     got, ts = gj.load(path, abstract, stats=stats)
     assert ts == {"step": 3}
     assert got["w"].sharding == NamedSharding(b, spec_b)
     assert np.array_equal(np.asarray(got["w"]).view(np.uint8), value.view(np.uint8))
-    assert int(got["step"]) == 3
+    assert got["step"] == 3 and type(got["step"]) is int
     # Each distinct box once per process: bytes needed is the distinct boxes' bytes.
     distinct = {tuple((s.start, s.stop) for s in idx) for idx in
                 NamedSharding(b, spec_b).addressable_devices_indices_map(shape).values()}
@@ -87,9 +87,10 @@ def test_pytree_keys_and_leaves_of_every_kind(tmp_path):
     gj.save(tmp_path, tree)
     keys = sorted(gs.read_metadata(tmp_path).tensors)
     assert keys == ["opt.0.mu", "opt.1", "params.dense.kernel", "scale"]
-    abstract = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype), tree)
+    abstract = jax.tree.map(lambda v: v if isinstance(v, (int, float)) else jax.ShapeDtypeStruct(v.shape, v.dtype),
+                            tree)
     got, _ = gj.load(tmp_path, abstract)
-    assert float(got["scale"]) == 0.5 and int(got["opt"][1]) == 7
+    assert got["scale"] == 0.5 and got["opt"][1] == 7 and type(got["opt"][1]) is int
     assert np.array_equal(np.asarray(got["params"]["dense"]["kernel"]), np.ones((8, 2)))
 
 
@@ -100,6 +101,50 @@ def test_an_array_leaf_gives_its_sharding(tmp_path):
     like = jax.device_put(np.zeros_like(value), NamedSharding(m, P(None, "y")))
     got, _ = gj.load(tmp_path, {"w": like})
     assert got["w"].sharding == like.sharding and np.array_equal(np.asarray(got["w"]), value)
+
+
+def test_64_bit_leaves_are_never_narrowed(tmp_path):
+    big = np.array([2**40 + 3, -(2**40)], np.int64)
+    gj.save(tmp_path, {"i": big, "f": np.array([1 / 3], np.float64)})
+    assert not jax.config.jax_enable_x64
+    with pytest.raises(gs.CastError, match=r"(?s)'f': a float64 leaf would be narrowed to float32.*'i': a int64"):
+        gj.load(tmp_path, {"i": jax.ShapeDtypeStruct((2,), np.int64), "f": np.zeros(1, np.float64)})
+    # Python numbers as targets come back exact, as Python numbers.
+    gj.save(tmp_path / "s", {"n": 2**40 + 3, "x": 1 / 3})
+    got, _ = gj.load(tmp_path / "s", {"n": 0, "x": 0.0})
+    assert got == {"n": 2**40 + 3, "x": 1 / 3}
+
+
+def test_64_bit_leaves_load_exactly_with_x64_on(tmp_path):
+    big = np.array([2**40 + 3, -(2**40)], np.int64)
+    gj.save(tmp_path, {"i": big})
+    with jax.enable_x64(True):
+        got, _ = gj.load(tmp_path, {"i": jax.ShapeDtypeStruct((2,), np.int64)})
+        assert got["i"].dtype == np.int64 and np.array_equal(np.asarray(got["i"]), big)
+
+
+@pytest.mark.parametrize("leaf", ["a string", object(), None])
+def test_a_leaf_that_is_not_an_array_is_named(tmp_path, leaf):
+    gj.save(tmp_path, {"w": np.ones(3, np.float32)})
+    if leaf is None:  # None is an empty subtree in jax: nothing to load, so the checkpoint's "w" is unexpected
+        with pytest.raises(gs.MismatchError, match=r"no process's pytree asks for(?s:.*)'w'"):
+            gj.load(tmp_path, {"v": leaf})
+        return
+    with pytest.raises(gs.LayoutError, match=r"'v': a load target leaf of type"):
+        gj.load(tmp_path, {"w": jax.ShapeDtypeStruct((3,), np.float32), "v": leaf})
+
+
+def test_strict_by_default_and_a_report_either_way(tmp_path):
+    gj.save(tmp_path, {"w": np.ones(3, np.float32), "norm": np.full(2, 5.0, np.float32)})
+    with pytest.raises(gs.MismatchError, match=r"(?s)no process's pytree asks for.*'norm'"):
+        gj.load(tmp_path, {"w": jax.ShapeDtypeStruct((3,), np.float32)})
+    given = np.zeros(4, np.float32)
+    result = gj.load(tmp_path, {"w": jax.ShapeDtypeStruct((3,), np.float32), "extra": given}, strict=False)
+    got, _ = result
+    assert np.array_equal(np.asarray(got["w"]), np.ones(3)) and got["extra"] is given
+    assert result.missing_keys == ["extra"] and result.unexpected_keys == ["norm"]
+    full = gj.load(tmp_path, {"w": jax.ShapeDtypeStruct((3,), np.float32), "norm": np.zeros(2, np.float32)})
+    assert full.missing_keys == [] and full.unexpected_keys == []
 
 
 def test_missing_key_is_named(tmp_path):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
 from torch_harness import run, values_of
 
 import globalshard as gs
@@ -97,6 +98,79 @@ def test_what_cannot_be_saved_or_found_is_named(tmp_path):
         gt.load({"w": target}, tmp_path / "c")
 
 
+
+
+class NamedOptimizer(torch.optim.Optimizer, Stateful):
+    """As torchtitan's OptimizersContainer: an Optimizer that declares itself
+    Stateful, its state dict keyed by parameter name."""
+
+    def __init__(self, model):
+        self.model, self.inner = model, torch.optim.AdamW(model.parameters(), lr=0.01)
+        torch.optim.Optimizer.__init__(self, list(model.parameters()), {})
+
+    def step(self, closure=None):
+        return self.inner.step(closure)
+
+    def state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, self.inner)
+
+    def load_state_dict(self, state_dict):
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.inner, state_dict)
+
+
+@pytest.mark.parametrize("flattened", [False, True])
+def test_an_optimizer_that_is_stateful_saves_and_loads_as_dcp_does(tmp_path, flattened):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    opt = NamedOptimizer(model)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+
+    def state(m, o):  # flattened: model keys at the top, as torchtitan's CheckpointManager passes them
+        return {**m.state_dict(), "optimizer": o} if flattened else {"model": m.state_dict(), "optimizer": o}
+
+    gt.save(state(model, opt), tmp_path / "c")
+    model2 = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    opt2 = NamedOptimizer(model2)
+    model2(torch.randn(2, 4)).sum().backward()
+    opt2.step()  # state of its own, to be replaced
+    sd = state(model2, opt2)
+    assert gt.load(sd, tmp_path / "c") == gt.LoadedKeys([], [])
+    model2.load_state_dict({k: v for k, v in (sd if flattened else sd["model"]).items() if k != "optimizer"})
+    for (n, a), b in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(a, b), n
+        assert torch.equal(opt.inner.state[a]["exp_avg_sq"], opt2.inner.state[b]["exp_avg_sq"]), n
+
+
+def test_a_plain_optimizer_module_or_non_dict_is_refused_with_what_to_pass(tmp_path):
+    model = nn.Linear(2, 2)
+    with pytest.raises(gs.LayoutError, match=r"optim: a torch optimizer's own state dict .*get_optimizer_state_dict"):
+        gt.save({"model": model.state_dict(), "optim": torch.optim.SGD(model.parameters(), lr=1.0)},
+                tmp_path / "a")
+    with pytest.raises(gs.LayoutError, match=r"net: a module: pass its state_dict"):
+        gt.save({"net": model}, tmp_path / "b")
+    with pytest.raises(gs.LayoutError, match=r"a state dict is a dict .* got a str"):
+        gt.save("a string", tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(gs.LayoutError, match=r"got a list"):
+        gt.load([torch.zeros(1)], tmp_path / "c")
+
+
+def test_strict_by_default_and_the_keys_reported_either_way(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    gt.save({"model": model.state_dict(), "step": 4}, tmp_path / "c")
+    lacking = nn.Sequential(nn.Linear(4, 3))  # no norm: the checkpoint's 1.weight and 1.bias are read by nothing
+    with pytest.raises(gs.MismatchError, match=r"(?s)no rank's state dict asks for.*'model.1.bias'.*'model.1.weight'"):
+        gt.load({"model": lacking.state_dict(), "step": 0}, tmp_path / "c")
+    sd = {"model": lacking.state_dict(), "extra": torch.full((2,), 7.0)}
+    got = gt.load(sd, tmp_path / "c", strict=False)
+    assert got == gt.LoadedKeys(["extra"], ["model.1.bias", "model.1.weight", "step"])
+    assert torch.equal(sd["model"]["0.weight"], model[0].weight.detach())
+    assert torch.equal(sd["extra"], torch.full((2,), 7.0))
 
 
 def test_dtensor_state_dicts_reshard_between_placements(tmp_path):

@@ -314,3 +314,41 @@ def test_async_save_through_the_adapter_keeps_the_snapshot(tmp_path):
     target = nn.Sequential(nn.Linear(3, 2), nn.LayerNorm(2))
     gt.load_checkpoint(tmp_path / "c", model=target, layout=ONE, rules=REPLICATED)
     assert all(torch.equal(p, before[n]) for n, p in target.named_parameters())
+
+
+class Net(nn.Module):
+    def __init__(self, norm=True):
+        super().__init__()
+        self.proj = nn.Linear(3, 3)
+        if norm:
+            self.norm = nn.LayerNorm(3)
+
+
+def test_load_checkpoint_is_strict_by_default_and_reports_keys(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model.norm(model.proj(torch.randn(2, 3))).sum().backward()
+    opt.step()
+    gt.save_checkpoint(tmp_path / "c", model=model, layout=ONE, rules=REPLICATED, optimizer=opt)
+    lacking = Net(norm=False)
+    with pytest.raises(gs.MismatchError, match=r"(?s)no rank's model reads.*'norm.bias'.*'norm.weight'"):
+        gt.load_checkpoint(tmp_path / "c", model=lacking, layout=ONE, rules=REPLICATED)
+    result = gt.load_checkpoint(tmp_path / "c", model=lacking, layout=ONE, rules=REPLICATED, strict=False)
+    assert result.unexpected_keys == ["norm.bias", "norm.weight"] and result.missing_keys == []
+    assert torch.equal(lacking.proj.weight, model.proj.weight)
+    # With an optimizer, the norm's optimizer state is unexpected too.
+    opt2 = torch.optim.AdamW(lacking.parameters(), lr=0.1)
+    result = gt.load_checkpoint(tmp_path / "c", model=lacking, layout=ONE, rules=REPLICATED, optimizer=opt2,
+                                strict=False)
+    assert "optimizer.exp_avg.norm.weight" in result.unexpected_keys and "norm.weight" in result.unexpected_keys
+    # A model with more than the checkpoint: strict names the key; strict=False leaves it and lists it.
+    gt.save_checkpoint(tmp_path / "small", model=Net(norm=False), layout=ONE, rules=REPLICATED)
+    full = Net()
+    before = full.norm.weight.detach().clone()
+    with pytest.raises(gs.MissingKeyError, match="norm.weight"):
+        gt.load_checkpoint(tmp_path / "small", model=full, layout=ONE, rules=REPLICATED)
+    result = gt.load_checkpoint(tmp_path / "small", model=full, layout=ONE, rules=REPLICATED, strict=False)
+    assert result.missing_keys == ["norm.bias", "norm.weight"] and result.unexpected_keys == []
+    assert torch.equal(full.norm.weight, before)
+    assert gt.load_checkpoint(tmp_path / "c", model=Net(), layout=ONE, rules=REPLICATED).unexpected_keys == []

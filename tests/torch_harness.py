@@ -706,7 +706,7 @@ def partial_job(rank: int, *, path: str) -> str:
     mesh = init_device_mesh("cpu", (2,))
     w = DTensor.from_local(torch.ones(2, 2), mesh, [Partial()])
     try:
-        gt.save({"w": w}, path)
+        gt.save({"layer": {"w": w}}, path)
         return "saved"
     except gs.LayoutError as e:
         return str(e)

@@ -35,10 +35,12 @@ import jax
 import numpy as np
 
 import globalshard as gs
+import globalshard.errors
+import globalshard.planner
 from globalshard.comm import Comm, SingleProcessComm
 from globalshard.errors import LayoutError
 
-__all__ = ["JaxComm", "save", "load", "pytree_keys", "default_comm"]
+__all__ = ["JaxComm", "Restored", "save", "load", "pytree_keys", "default_comm"]
 
 KeyMap = Mapping[str, Any] | Callable[[str], Any] | None
 
@@ -163,25 +165,88 @@ def save(path: Any, pytree: Any, *, trainer_state: dict[str, Any] | None = None,
             pack_below=pack_below)
 
 
+class Restored(tuple):
+    """What :func:`load` returns: unpacks as ``(pytree, trainer_state)``, and
+    lists the keys it could not match."""
+
+    missing_keys: list[str]  #: checkpoint keys of leaves the checkpoint lacks (left as given; strict=False only)
+    unexpected_keys: list[str]  #: checkpoint keys that no process's pytree asked for
+
+    def __new__(cls, pytree: Any, trainer_state: dict[str, Any], missing: list[str],
+                unexpected: list[str]) -> Restored:
+        self = super().__new__(cls, (pytree, trainer_state))
+        self.missing_keys, self.unexpected_keys = missing, unexpected
+        return self
+
+
+_SCALARS = (bool, int, float, complex)
+
+
+def _leaf_spec(key: str, leaf: Any) -> tuple[tuple[int, ...], np.dtype[Any], Any]:
+    """``(shape, dtype, sharding)`` of a load target leaf, checked: a value
+    jax would narrow (int64 or float64 with x64 off) is refused, never cut."""
+    if isinstance(leaf, _SCALARS):
+        return (), np.asarray(leaf).dtype, None  # comes back as the same Python type, exactly
+    if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+        raise LayoutError(f"{key!r}: a load target leaf of type {type(leaf).__name__} is not an array, a "
+                          "jax.ShapeDtypeStruct or a Python number")
+    try:
+        dtype = np.dtype(leaf.dtype)
+    except TypeError as e:
+        raise LayoutError(f"{key!r}: leaf dtype {leaf.dtype!r} is not an array dtype") from e
+    if dtype.kind in "USOMm":
+        raise LayoutError(f"{key!r}: a load target leaf of dtype {dtype} is not numeric")
+    canonical = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+    if canonical != dtype:
+        raise gs.CastError(f"{key!r}: a {dtype} leaf would be narrowed to {canonical} by jax (64-bit types are "
+                           "off); enable them with jax.config.update('jax_enable_x64', True), or ask for "
+                           f"{canonical} (allow_lossy_cast=True if the stored values need it)")
+    return tuple(int(n) for n in leaf.shape), dtype, getattr(leaf, "sharding", None)
+
+
 def load(path: Any, abstract_pytree: Any, *, comm: Comm | None = None, keys: KeyMap = None,
          allow_lossy_cast: bool = False, kvstore: Any = None,
-         stats: gs.IOStats | None = None) -> tuple[Any, dict[str, Any]]:
+         stats: gs.IOStats | None = None, strict: bool = True) -> Restored:
     """Arrays for every leaf of ``abstract_pytree``, and the trainer state.
 
     A leaf is a ``jax.ShapeDtypeStruct`` (with a ``sharding``: a
     ``NamedSharding`` or any other; without one, the array goes to the
-    default device), or an array whose shape, dtype and sharding are reused.
-    Each process reads only the boxes its devices hold, each once.
+    default device), an array whose shape, dtype and sharding are reused,
+    or a Python number (it comes back as one). Each process reads only the
+    boxes its devices hold, each once. A 64-bit leaf loads exactly when
+    jax's x64 mode is on, and is an error naming it otherwise.
+
+    ``strict`` (the default): every leaf's key must be in the checkpoint and
+    every checkpoint key must be asked for by some process; ``strict=False``
+    loads what matches and leaves missing leaves as given.
+
+    Returns:
+        :class:`Restored`, which unpacks as ``(pytree, trainer_state)``, with
+        ``missing_keys`` and ``unexpected_keys``.
     """
     comm = comm if comm is not None else default_comm()
     treedef = jax.tree_util.tree_structure(abstract_pytree)
     named = pytree_keys(abstract_pytree)
     targets: dict[str, gs.ShardedTensor] = {}
-    plans = []  # per leaf: (sharding, shape, dtype, {box: (host array, [devices])})
+    plans: list[Any] = []  # per leaf: (sharding, shape, dtype, {box: (host array, [devices])}), or None when missing
+    specs, problems, kinds = [], [], set()
     for key, leaf in named:
+        try:
+            specs.append(_leaf_spec(key, leaf))
+        except gs.GlobalShardError as e:
+            problems.append(str(e))
+            kinds.add(type(e))
+    if problems:
+        kind = gs.CastError if kinds == {gs.CastError} else LayoutError
+        raise kind(gs.errors.format_problems("cannot load into this pytree", problems))
+    checkpoint = gs.Checkpoint(path, kvstore=kvstore)
+    missing: list[str] = []
+    for (key, _leaf), (shape, dtype, sharding) in zip(named, specs):
         ckpt_key, axes = _resolve(keys, key)
-        shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
-        sharding = getattr(leaf, "sharding", None)
+        if ckpt_key not in checkpoint.metadata.tensors:
+            missing.append(ckpt_key)
+            plans.append(None)
+            continue
         boxes: dict[tuple[tuple[int, int], ...], tuple[np.ndarray, list[Any]]] = {}
         if sharding is None:
             index_map = {None: tuple(slice(0, s) for s in shape)}
@@ -197,14 +262,31 @@ def load(path: Any, abstract_pytree: Any, *, comm: Comm | None = None, keys: Key
                 boxes[span] = (host, [])
             boxes[span][1].append(device)
         plans.append((sharding, shape, dtype, boxes))
-    trainer_state = gs.load(targets, path, comm=comm, allow_lossy_cast=allow_lossy_cast, kvstore=kvstore,
-                            stats=stats)
-    out = []
-    for sharding, shape, _, boxes in plans:
+    if strict and missing:
+        raise gs.MissingKeyError(gs.errors.format_problems(
+            f"{path}: the pytree asks for keys the checkpoint does not hold (strict=False leaves them as given)",
+            [f"{k!r}: {gs.planner.missing_key(k, checkpoint.metadata)}" for k in missing]))
+    masks = comm.all_gather(gs.planner.asked_mask(checkpoint.metadata, {t.key for t in targets.values()}))
+    unexpected = gs.planner.unread_keys(checkpoint.metadata, masks)
+    if strict and unexpected:
+        raise gs.MismatchError(gs.errors.format_problems(
+            f"{path}: checkpoint keys that no process's pytree asks for (pass strict=False to load a part)",
+            [repr(k) for k in unexpected]))
+    trainer_state = checkpoint.load(targets, comm=comm, allow_lossy_cast=allow_lossy_cast, stats=stats)
+    out: list[Any] = []
+    for (_, leaf), plan in zip(named, plans):
+        if plan is None:
+            out.append(leaf)
+            continue
+        sharding, shape, _, boxes = plan
+        if isinstance(leaf, _SCALARS):
+            (host, _), = boxes.values()
+            out.append(type(leaf)(host.item()))
+            continue
         if sharding is None:
             (host, _), = boxes.values()
             out.append(jax.numpy.asarray(host))
             continue
         arrays = [jax.device_put(host, d) for host, devices in boxes.values() for d in devices]
         out.append(jax.make_array_from_single_device_arrays(shape, sharding, arrays))
-    return jax.tree_util.tree_unflatten(treedef, out), trainer_state
+    return Restored(jax.tree_util.tree_unflatten(treedef, out), trainer_state, missing, unexpected)

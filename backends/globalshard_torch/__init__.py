@@ -41,7 +41,7 @@ from globalshard_torch.rules import (
     VocabParallel,
 )
 from globalshard_torch.state import jsonable, rng_state, set_rng_state
-from globalshard_torch.state_dict import load, save
+from globalshard_torch.state_dict import LoadedKeys, load, save
 from globalshard_torch.tensors import HostStaging, numpy_view, torch_dtype
 from globalshard_torch.zero import FlatShard, megatron_param_ranges, zero_redundancy_shards
 
@@ -54,6 +54,7 @@ __all__ = [
     "Entry",
     "HostStaging",
     "LoadResult",
+    "LoadedKeys",
     "MegatronQKV",
     "PackedQKV",
     "PackedSwiGLU",

@@ -40,6 +40,7 @@ from torch import nn
 
 import globalshard as gs
 from globalshard import api as gs_api
+from globalshard import planner as gs_planner
 from globalshard.comm import Comm, SingleProcessComm, run_collectively
 from globalshard.errors import LayoutError, MetadataError, MismatchError, format_problems
 from globalshard.storage import Location
@@ -75,6 +76,13 @@ class LoadResult:
     #: This rank's ``rank_state`` as saved, when the layout and world size are
     #: the ones that saved it (per-rank state has no counterpart on another); else None.
     rank_state: Any = None
+    #: Keys this rank asked for that the checkpoint does not hold, left as they
+    #: were (only with ``strict=False``; a strict load refuses them).
+    missing_keys: list[str] = field(default_factory=list)
+    #: Checkpoint keys that no rank read, of the kinds the call loads (model
+    #: tensors; optimizer state when an optimizer is given; shadows when
+    #: shadows are given); the same on every rank.
+    unexpected_keys: list[str] = field(default_factory=list)
 
 
 def _optimizer_params(
@@ -245,6 +253,7 @@ def load_checkpoint(
     extra_state: str = "load",
     optimizer_shards: Sequence[FlatShard] | None = None,
     shared_reads: bool = False,
+    strict: bool = True,
 ) -> LoadResult:
     """Load a checkpoint saved under any layout into this rank's model, optimizer
     and scheduler (in place). Call on every rank.
@@ -263,6 +272,12 @@ def load_checkpoint(
     between them and send it to each other over the gloo group (see
     :func:`globalshard.load`).
 
+    ``strict`` (the default), as torch's ``load_state_dict``: a model or
+    shadow tensor the checkpoint lacks is an error, and so is a checkpoint
+    tensor that no rank's model reads (optimizer state too when an optimizer
+    is given). ``strict=False`` leaves missing tensors as they are; either
+    way :class:`LoadResult` lists the missing and unexpected keys.
+
     Raises:
         the core's errors (MismatchError, CastError, MetadataError, ...) and
         LayoutError when the model or optimizer does not fit the checkpoint.
@@ -273,12 +288,17 @@ def load_checkpoint(
     new_state: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
     opened: list[gs.Checkpoint] = []
     extras: list[Any] = []
+    missing: list[str] = []
     zero = _is_zero_redundancy(optimizer)
     zero_pieces: list[FlatShard] = []
     if extra_state not in ("load", "skip"):
         raise ValueError(f"extra_state must be 'load' or 'skip', got {extra_state!r}")
 
-    def prepare() -> None:
+    def prepare() -> str:
+        _prepare()
+        return gs_planner.asked_mask(opened[0].metadata, {t.key for t in targets.values()})
+
+    def _prepare() -> None:
         checkpoint = gs.Checkpoint(path, kvstore=kvstore)  # parsed once, used for planning and loading
         opened.append(checkpoint)
         metadata, ts = checkpoint.metadata, checkpoint.trainer_state
@@ -291,6 +311,11 @@ def load_checkpoint(
         for kind, e, tensor in _shadow_items(shadows, entries):
             targets.update(e.shards(f"shadow/{kind}/{e.name}", f"{kind}.{e.key}",
                                                          numpy_view(staging.host(_local(tensor), for_save=False))))
+        if not strict:  # left as they are, and reported
+            for name, target in list(targets.items()):
+                if target.key not in metadata.tensors:
+                    missing.append(target.key)
+                    del targets[name]
         extras.extend(extra_state_restore(_chunks(model), layout, _LAYERS, ts.get("extra_state") or {},
                                           metadata, targets, extra_state))
         if optimizer is None and optimizer_shards is None:
@@ -352,7 +377,13 @@ def load_checkpoint(
         if problems:
             raise MismatchError(format_problems("the optimizer does not match the checkpoint", problems))
 
-    run_collectively(comm, "load_checkpoint: planning", prepare)
+    _, masks = run_collectively(comm, "load_checkpoint: planning", prepare)
+    unexpected = _unexpected(opened[0].metadata, masks, optimizer is not None or optimizer_shards is not None,
+                             set(shadows or {}))
+    if strict and unexpected:
+        raise MismatchError(format_problems(
+            f"{path}: checkpoint tensors that no rank's model reads (a model that lacks them, or other names; "
+            "pass strict=False to load the rest and leave them out)", [repr(k) for k in unexpected]))
     stats = gs.IOStats()
     trainer = opened[0].load(targets, comm=comm, allow_lossy_cast=allow_lossy_cast, stats=stats,
                              shared_reads=shared_reads)
@@ -382,7 +413,27 @@ def load_checkpoint(
     # TODO(limitation): per-rank state (a dataloader's position) comes back only on the
     # layout that saved it, like RNG states.
     own = trainer["rank_state"][comm.rank] if same_layout and trainer.get("rank_state") else None
-    return LoadResult(trainer, restored, stats, own)
+    return LoadResult(trainer, restored, stats, own, sorted(set(missing)), unexpected)
+
+
+def _unexpected(metadata: gs.Metadata, masks: list[str], with_optimizer: bool, shadow_kinds: set[str]) -> list[str]:
+    """The unread checkpoint keys of the kinds a load asked for: model tensors
+    always, optimizer state with an optimizer, shadows of the kinds given."""
+    out = []
+    for key in gs_planner.unread_keys(metadata, masks):
+        if key.startswith(extra_state.PREFIX):
+            continue  # per-rank state, matched (or skipped) module by module
+        if key.startswith(_OPT):
+            if with_optimizer:
+                out.append(key)
+            continue
+        kind, _, rest = key.partition(".")
+        if rest in metadata.tensors:  # a shadow copy of a stored tensor (ema.<key>)
+            if kind in shadow_kinds:
+                out.append(key)
+            continue
+        out.append(key)
+    return out
 
 
 def _shadow_items(shadows: Mapping[str, Mapping[str, torch.Tensor]] | None,

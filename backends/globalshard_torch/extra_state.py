@@ -41,9 +41,9 @@ from globalshard_torch.parallel import ParallelLayout
 from globalshard_torch.state import from_jsonable, jsonable
 from globalshard_torch.tensors import numpy_view, torch_dtype
 
-__all__ = ["collect", "has_extra_state", "restore_targets"]
+__all__ = ["PREFIX", "collect", "has_extra_state", "is_empty", "restore_targets"]
 
-_PREFIX = "_extra_state."
+PREFIX = "_extra_state."
 
 
 def has_extra_state(module: nn.Module) -> bool:
@@ -96,7 +96,7 @@ def _is_main(layout: ParallelLayout, expert: bool) -> bool:
 
 
 def _key(gname: str, layout: ParallelLayout) -> str:
-    return f"{_PREFIX}{gname}.tp{layout.tp_rank}of{layout.tp_size}"
+    return f"{PREFIX}{gname}.tp{layout.tp_rank}of{layout.tp_size}"
 
 
 def collect(chunks: Sequence[nn.Module], layout: ParallelLayout, layer_pattern: str,

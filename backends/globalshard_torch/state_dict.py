@@ -26,7 +26,7 @@ its key: nothing is dropped, and nothing is pickled.
 from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -34,13 +34,22 @@ import torch
 import globalshard as gs
 from globalshard.comm import Comm, SingleProcessComm, run_collectively
 from globalshard.errors import LayoutError, MismatchError, format_problems
-from globalshard.planner import missing_key
+from globalshard.planner import asked_mask, missing_key, unread_keys
 from globalshard_torch.comm import default_comm
 from globalshard_torch.model import _dtensor_placement, _is_dtensor, outside_mesh, unwrapped_name
 from globalshard_torch.state import from_jsonable, jsonable
 from globalshard_torch.tensors import HostStaging, numpy_view
 
-__all__ = ["load", "save"]
+__all__ = ["LoadedKeys", "load", "save"]
+
+
+class LoadedKeys(NamedTuple):
+    """What :func:`load` could not match, as torch's ``load_state_dict`` reports it."""
+
+    #: Keys of the state dict that the checkpoint does not hold (left as they were).
+    missing_keys: list[str]
+    #: Keys of the checkpoint (tensors, JSON values, bytes) that no rank's state dict asked for.
+    unexpected_keys: list[str]
 
 _VALUES = "state_dict_values"  # trainer-state member holding the JSON leaves, by key
 _BYTES = "state_dict_bytes"  # the keys stored as uint8 arrays from bytes
@@ -57,8 +66,30 @@ def _holds_tensors(value: Any) -> bool:
 
 
 def _is_stateful(value: Any) -> bool:
-    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)) \
-        and not isinstance(value, torch.nn.Module | torch.optim.Optimizer)
+    """Anything with ``state_dict()`` and ``load_state_dict()``, but modules and
+    plain optimizers: an optimizer that declares itself ``Stateful``
+    (torchtitan's ``OptimizersContainer``, whose state dict is keyed by
+    parameter name) is one; a plain optimizer's is keyed by position."""
+    if not (callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))):
+        return False
+    if isinstance(value, torch.nn.Module):
+        return False
+    if isinstance(value, torch.optim.Optimizer):
+        from torch.distributed.checkpoint.stateful import Stateful
+
+        return Stateful in type(value).__mro__
+    return True
+
+
+def _refusal(value: Any) -> str | None:
+    """Why a leaf that looks like state cannot be saved as it is, if it cannot."""
+    if isinstance(value, torch.optim.Optimizer):
+        return ("a torch optimizer's own state dict is keyed by parameter position; pass "
+                "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, optimizer) (keyed by "
+                "parameter name) instead")
+    if isinstance(value, torch.nn.Module):
+        return "a module: pass its state_dict() (or get_model_state_dict(model))"
+    return None
 
 
 Visit = Callable[[str, Any, MutableMapping[Any, Any] | list[Any], Any], None]
@@ -89,6 +120,12 @@ def _walk(state: Any, visit: Visit, prefix: str = "", seen: dict[str, str] | Non
         visit(key, value, state, k)
 
 
+def _check_root(state_dict: Any) -> None:
+    if not isinstance(state_dict, dict):
+        raise LayoutError(f"a state dict is a dict of tensors, Stateful objects and JSON values, got a "
+                          f"{type(state_dict).__name__}")
+
+
 def _replica_shard(key: str, data: np.ndarray, main: bool) -> gs.ShardedTensor:
     return gs.ShardedTensor.from_offset(key, data, global_shape=tuple(data.shape), global_offset=(0,) * data.ndim,
                                         replica_id=0 if main else 1)
@@ -99,7 +136,10 @@ def _tensor_shard(key: str, t: torch.Tensor, staging: HostStaging, rank: int, *,
     if _is_dtensor(t):
         if outside_mesh(t):
             return None  # this rank holds nothing of it
-        local, placement, main, _ = _dtensor_placement(t)
+        try:
+            local, placement, main, _ = _dtensor_placement(t)
+        except LayoutError as e:
+            raise LayoutError(f"{key}: {e}") from e
         assert placement.regions is not None
         return gs.ShardedTensor(key, numpy_view(staging.host(local, for_save=for_save)), placement.global_shape,
                                 placement.regions, 0 if main else 1)
@@ -115,6 +155,7 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
         LayoutError: a leaf that cannot be saved (named by its key), or
             shards that do not fit together; the core's errors otherwise.
     """
+    _check_root(state_dict)
     comm = comm if comm is not None else (default_comm() or SingleProcessComm())
     staging = HostStaging()
     shards: dict[str, gs.ShardedTensor] = {}
@@ -134,6 +175,8 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
             elif isinstance(value, (bytes, bytearray)):
                 shards[key] = _replica_shard(key, np.frombuffer(bytes(value), np.uint8).copy(), comm.rank == 0)
                 byte_keys.append(key)
+            elif _refusal(value) is not None:
+                problems.append(f"{key}: {_refusal(value)}")
             else:
                 try:
                     values[key] = jsonable(value, key)
@@ -172,29 +215,39 @@ def _plain(state: Any) -> Any:
 
 
 def load(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, allow_lossy_cast: bool = False,
-         kvstore: Any = None, stats: gs.IOStats | None = None, shared_reads: bool = False) -> dict[str, Any]:
+         kvstore: Any = None, stats: gs.IOStats | None = None, shared_reads: bool = False,
+         strict: bool = True) -> LoadedKeys:
     """Load into a nested state dict in place: tensors and DTensors are filled
     where they are (any layout saved, any layout loaded), JSON values and bytes
     are replaced in their containers, Stateful objects get ``load_state_dict``.
-    Call on every rank. Every key asked for must be in the checkpoint.
-    ``shared_reads=True``: bytes several ranks need are read once (see
-    :func:`globalshard.load`).
+    Call on every rank. ``shared_reads=True``: bytes several ranks need are
+    read once (see :func:`globalshard.load`).
+
+    ``strict`` (the default), as torch's ``load_state_dict``: every key asked
+    for must be in the checkpoint, and every key of the checkpoint must be
+    asked for by some rank. ``strict=False`` loads what matches (to load a
+    part, such as the model alone) and leaves the rest as it was.
 
     Returns:
-        ``state_dict`` itself.
+        :class:`LoadedKeys`: the missing and unexpected keys (empty after a
+        strict load), the same unexpected keys on every rank.
 
     Raises:
-        MismatchError / MissingKeyError: a key is missing or does not match
-        (every problem listed; nothing is written anywhere); the core's errors.
+        MismatchError / MissingKeyError: a key is missing, unexpected or does
+        not match (every problem listed; nothing is written anywhere); the
+        core's errors.
     """
+    _check_root(state_dict)
     comm = comm if comm is not None else (default_comm() or SingleProcessComm())
     staging = HostStaging()
     targets: dict[str, gs.ShardedTensor] = {}
     fills: list[tuple[str, MutableMapping[Any, Any] | list[Any], Any]] = []  # JSON and bytes leaves to replace
     statefuls: list[tuple[Any, dict[str, Any]]] = []
     opened: list[gs.Checkpoint] = []
+    missing: list[str] = []
+    asked_values: set[str] = set()
 
-    def prepare() -> None:
+    def prepare() -> dict[str, Any]:
         checkpoint = gs.Checkpoint(path, kvstore=kvstore)
         opened.append(checkpoint)
         saved = checkpoint.trainer_state
@@ -216,18 +269,36 @@ def load(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, all
                 fills.append((key, container, index))
             elif key in saved_values:
                 fills.append((key, container, index))
+                asked_values.add(key)
+            elif key in checkpoint.metadata.tensors:
+                problems.append(f"{key}: stored as a tensor, the state dict holds a {type(value).__name__}")
+            elif _refusal(value) is not None:
+                problems.append(f"{key}: {_refusal(value)}")
+            elif strict:
+                problems.append(f"{key}: {missing_key(key, checkpoint.metadata)}")
             else:
-                problems.append(f"{key}: {missing_key(key, checkpoint.metadata)}"
-                                if key not in checkpoint.metadata.tensors else
-                                f"{key}: stored as a tensor, the state dict holds a {type(value).__name__}")
+                missing.append(key)
 
         _walk(state_dict, visit)
+        if not strict:
+            for key in [k for k, t in targets.items() if t.key not in checkpoint.metadata.tensors]:
+                missing.append(key)
+                del targets[key]
         if problems:
             raise MismatchError(format_problems("cannot load: the state dict does not match the checkpoint",
                                                 problems))
+        return {"tensors": asked_mask(checkpoint.metadata, {t.key for t in targets.values()}),
+                "values": sorted(asked_values)}
 
-    run_collectively(comm, "load: matching the state dict", prepare)
+    _, asked = run_collectively(comm, "load: matching the state dict", prepare)
     checkpoint = opened[0]
+    values_read = {k for a in asked for k in a["values"]}
+    unexpected = sorted(unread_keys(checkpoint.metadata, [a["tensors"] for a in asked])
+                        + [k for k in checkpoint.trainer_state.get(_VALUES, {}) if k not in values_read])
+    if strict and unexpected:
+        raise MismatchError(format_problems(
+            f"cannot load: checkpoint keys that no rank's state dict asks for (pass strict=False to load a part "
+            f"of {path})", [repr(k) for k in unexpected]))
     checkpoint.load(targets, comm=comm, allow_lossy_cast=allow_lossy_cast, stats=stats, shared_reads=shared_reads)
     staging.finish_load()
     saved = checkpoint.trainer_state
@@ -238,4 +309,4 @@ def load(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, all
             container[index] = _like(container[index], from_jsonable(saved[_VALUES][key]))
     for obj, inner in statefuls:
         obj.load_state_dict(inner)
-    return state_dict
+    return LoadedKeys(sorted(missing), unexpected)
