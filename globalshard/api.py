@@ -249,6 +249,10 @@ def _plan_save(location: Location, comm: Comm, entries: list[tuple[str, ShardedT
                 ts_path = f"{save_dir(save_id)}/{TRAINER_STATE_FILE}"
                 coordinator.trainer_blob = dump_trainer_state(trainer_state, ts_path)
             held.enter_context(location.lock())
+            link = location.linked_component(SAVES_DIR)
+            if link is not None:  # every rank writes below it: checked before any does
+                raise StorageError(f"{location.describe(link)} is a symbolic link; a save creates, writes and "
+                                   "deletes nothing through links (remove it)")
             coordinator.previous, coordinator.stamp = _what_is_there(location, overwrite)
             out["save_id"] = save_id
         return out

@@ -231,6 +231,9 @@ def _is_unicode(text: str) -> bool:
     return True
 
 
+#: A drive letter (``C:``), which would make a path absolute on Windows.
+_DRIVE = re.compile(r"[A-Za-z]:")
+
 #: A backslash or a control character: never in a stored path.
 _FORBIDDEN = re.compile(r"[\x00-\x1f\x7f\\]")
 
@@ -248,7 +251,7 @@ def check_relative_path(path: Any) -> str | None:
         return "must be a non-empty string of at most 4096 characters"
     if not _is_unicode(path):
         return f"{path!r} is not valid Unicode (a lone surrogate)"
-    if path.startswith("/") or (len(path) > 1 and path[1] == ":"):
+    if path.startswith("/") or _DRIVE.match(path):
         return f"{path!r} is absolute; paths are relative to the checkpoint"
     if _FORBIDDEN.search(path):
         return f"{path!r} holds a backslash or a control character"
@@ -621,7 +624,11 @@ def _encode_json_value(value: Any, where: str, depth: int, problems: list[str]) 
     if depth > MAX_DEPTH:
         problems.append(f"{where}: nested more than {MAX_DEPTH} deep")
         return None
-    if value is None or isinstance(value, (bool, str, int)):
+    if isinstance(value, str):
+        if not _is_unicode(value):
+            problems.append(f"{where}: {_short(value)} is not valid Unicode (a lone surrogate)")
+        return value
+    if value is None or isinstance(value, (bool, int)):
         return value
     if isinstance(value, float):
         if math.isfinite(value):
@@ -651,6 +658,10 @@ def _encode_json_value(value: Any, where: str, depth: int, problems: list[str]) 
 def _decode_json_value(value: Any, depth: int = 0) -> Any:
     if depth > MAX_DEPTH:
         raise MetadataError(f"{TRAINER_STATE_FILE}: nested more than {MAX_DEPTH} deep")
+    if isinstance(value, str):
+        if not _is_unicode(value):
+            raise MetadataError(f"{TRAINER_STATE_FILE}: {_short(value)} is not valid Unicode (a lone surrogate)")
+        return value
     if isinstance(value, list):
         return [_decode_json_value(v, depth + 1) for v in value]
     if isinstance(value, dict):
@@ -660,6 +671,9 @@ def _decode_json_value(value: Any, depth: int = 0) -> Any:
                 raise MetadataError(f"{TRAINER_STATE_FILE}: {_FLOAT_TAG!r} must be one of "
                                     f"{sorted(_NON_FINITE)}, got {_short(tag)}")
             return _NON_FINITE[tag]
+        bad = [k for k in value if not _is_unicode(k)]
+        if bad:
+            raise MetadataError(f"{TRAINER_STATE_FILE}: key {_short(bad[0])} is not valid Unicode (a lone surrogate)")
         return {k: _decode_json_value(v, depth + 1) for k, v in value.items()}
     return value
 

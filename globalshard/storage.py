@@ -517,11 +517,15 @@ class Location:
         # TODO(limitation): flock, which network filesystems may not honour across hosts.
         try:
             os.makedirs(self.local, exist_ok=True)
-            fd = os.open(os.path.join(self.local, LOCK_FILE), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0),
-                         0o644)
+            # Never through a link: a planted one would make the save create a file elsewhere.
+            fd = os.open(os.path.join(self.local, LOCK_FILE),
+                         os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
         except OSError as e:
-            raise StorageError(f"cannot create {self.describe(LOCK_FILE)}: {_error_text(e)}") from None
+            why = "it is a symbolic link" if os.path.islink(os.path.join(self.local, LOCK_FILE)) else _error_text(e)
+            raise StorageError(f"cannot create {self.describe(LOCK_FILE)}: {why}") from None
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise StorageError(f"{self.describe(LOCK_FILE)} is not a regular file")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -541,6 +545,9 @@ class Location:
                 start = name + "/" if tree else name
                 self._kvs().delete_range(ts.KvStore.KeyRange(start, end)).result()
                 return
+            link = self.linked_component(name)
+            if link is not None:
+                raise StorageError(f"{self.describe(link)} is a symbolic link; nothing is deleted through it")
             target = os.path.join(self.local, name)
             if tree and os.path.isdir(target) and not os.path.islink(target):
                 shutil.rmtree(target)
@@ -560,6 +567,8 @@ class Location:
             return
         for path in paths:
             parent = os.path.dirname(path)
+            if parent and self.linked_component(parent) is not None:
+                continue  # never through a link
             while parent:
                 try:
                     os.rmdir(os.path.join(self.local, parent))
@@ -571,6 +580,9 @@ class Location:
         """Names directly below the root (or below ``prefix/``): files and directories."""
         try:
             if self.local is not None:
+                link = self.linked_component(prefix) if prefix else None
+                if link is not None:
+                    raise StorageError(f"{self.describe(link)} is a symbolic link; nothing is listed through it")
                 directory = os.path.join(self.local, prefix)
                 return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
             start = prefix + "/" if prefix else ""
@@ -579,6 +591,22 @@ class Location:
             return sorted({k.decode("utf-8", "replace").split("/")[0] for k in keys})
         except (OSError, ValueError) as e:
             raise StorageError(f"cannot list {self.describe(prefix)}: {_error_text(e)}") from None
+
+    def linked_component(self, name: str) -> str | None:
+        """The first component of ``name`` below a local root that is a
+        symbolic link (a save creates, writes and deletes nothing through
+        one), or None; always None on a kvstore."""
+        if self.local is None:
+            return None
+        parts = [p for p in name.split("/") if p]
+        for k in range(1, len(parts) + 1):
+            prefix = "/".join(parts[:k])
+            try:
+                if stat.S_ISLNK(os.lstat(os.path.join(self.local, prefix)).st_mode):
+                    return prefix
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+        return None
 
     def check_contained(self, paths: Sequence[str]) -> list[str]:
         """Stored paths that escape the root through a symlink, or hold anything

@@ -516,3 +516,72 @@ def test_a_load_failing_on_one_rank_writes_no_byte_on_any_rank(tmp_path):
 
     results = run_ranks(2, load)
     assert results == [("CommError", True), ("MissingKeyError", True)], results
+
+
+# --------------------------------------------------------------------------- links planted in the root
+
+
+def _one(value=1.0):
+    return {"w": ShardedTensor.from_offset("w", np.full((4,), value, np.float32), global_shape=(4,),
+                                           global_offset=(0,))}
+
+
+def _tree(path):
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+def test_a_symlink_planted_as_saves_makes_the_save_fail_and_touches_nothing_outside(tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    gs.save(_one(1.0), root)
+    from globalshard.api import new_save_id
+    from globalshard.metadata import is_save_id
+
+    old_id = new_save_id()
+    assert is_save_id(old_id)
+    (outside / old_id).mkdir(parents=True)  # looks like a save id: the sweep would delete it
+    (outside / old_id / "precious").write_bytes(b"keep")
+    before = _tree(outside)
+    shutil.rmtree(root / "saves")
+    os.symlink(outside, root / "saves")
+    with pytest.raises(gs.StorageError, match=r"saves is a symbolic link"):
+        gs.save(_one(2.0), root, overwrite=True)
+    assert _tree(outside) == before and (outside / old_id / "precious").read_bytes() == b"keep"
+    # The sweep and removals never follow it either.
+    loc = Location(root)
+    with pytest.raises(gs.StorageError, match="symbolic link"):
+        loc.remove(f"saves/{old_id}", tree=True)
+    with pytest.raises(gs.StorageError, match="symbolic link"):
+        loc.listing("saves")
+    assert _tree(outside) == before
+
+
+def test_a_dangling_symlink_planted_as_the_lock_creates_nothing_outside(tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    os.symlink(outside / "created", root / ".globalshard.lock")
+    with pytest.raises(gs.StorageError, match=r"\.globalshard\.lock: it is a symbolic link"):
+        gs.save(_one(), root)
+    assert _tree(outside) == [] and not (root / "metadata.json").exists()
+
+
+def test_a_digit_before_a_colon_is_no_drive_letter():
+    from globalshard.metadata import check_relative_path
+
+    assert check_relative_path("1:x/0") is None
+    assert check_relative_path("C:x/0") is not None and check_relative_path("z:/0") is not None
+
+
+def test_lone_surrogates_in_trainer_state_values_are_refused_both_ways(tmp_path):
+    with pytest.raises(gs.TrainerStateError, match=r"\$\[\"name\"\].*not valid Unicode"):
+        gs.save(_one(), tmp_path / "a", trainer_state={"name": "bad \ud800 value"})
+    assert not (tmp_path / "a" / "metadata.json").exists()
+    with pytest.raises(gs.TrainerStateError, match="not valid Unicode"):
+        gs.save(_one(), tmp_path / "b", trainer_state={"list": ["ok", "\udfff"]})
+    # A file written by another writer with an escaped lone surrogate is refused on read.
+    from globalshard.metadata import TrainerStateRef, parse_trainer_state
+
+    data = b'{"name": "\\ud800"}'
+    ref = TrainerStateRef(len(data), __import__("hashlib").sha256(data).hexdigest(), "trainer_state.json")
+    with pytest.raises(gs.MetadataError, match="not valid Unicode"):
+        parse_trainer_state(data, ref)
