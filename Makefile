@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo examples bench deep-test reliability clean
+.PHONY: test test-frameworks demo examples bench deep-test reliability clean
 
 $(STAMP): pyproject.toml requirements/ci.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,7 +14,17 @@ $(STAMP): pyproject.toml requirements/ci.txt
 test: $(STAMP)
 	$(VENV)/bin/ruff check globalshard backends tests examples bench spec
 	$(VENV)/bin/mypy globalshard backends/globalshard_torch backends/globalshard_jax
-	$(PY) -m pytest
+	$(PY) -m pytest --ignore=tests/frameworks
+
+# The real frameworks as oracles (Megatron-Core, transformers), on CPU over gloo.
+FRAMEWORKS := $(VENV)/.frameworks-installed
+$(FRAMEWORKS): $(STAMP) requirements/frameworks.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/ci.txt -c requirements/frameworks.txt \
+		megatron-core psutil einops transformers
+	touch $@
+
+test-frameworks: $(FRAMEWORKS)
+	$(PY) -m pytest -p no:cacheprovider -W ignore::UserWarning tests/frameworks
 
 # The hypothesis properties with many more examples (minutes to hours).
 deep-test: $(STAMP)

@@ -1,0 +1,160 @@
+"""Megatron-Core's real GPTModel on CPU ranks over gloo (run by test_megatron.py).
+
+Scoped patches, in these processes only (never in the library): Megatron-Core
+0.16 allocates buffers on ``torch.cuda.current_device()``, moves tied
+embeddings with ``.cuda()`` and synchronizes CUDA in ``dist_checkpointing``;
+on CPU those become the CPU and no-ops. Its ``model_parallel_cuda_manual_seed``
+takes ``inference_rng_tracker=True`` (a CPU-capable tracker).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import globalshard_torch as gt
+
+torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[assignment,method-assign]
+
+from megatron.core import dist_checkpointing  # noqa: E402
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.tensor_parallel import random as mrandom  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+SEQ, BATCH = 8, 2
+
+
+def setup(tp: int, pp: int, ep: int = 1) -> gt.ParallelLayout:
+    """Megatron-Core's parallel state for a layout, and the same layout for globalshard."""
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep)
+    torch.manual_seed(1)
+    mrandom.model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
+    return gt.ParallelLayout(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
+                             pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp,
+                             dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+                             ep_size=ep, num_layers=NUM_LAYERS)
+
+
+NUM_LAYERS = 4
+
+
+def build(m: dict[str, Any]) -> GPTModel:
+    cfg = TransformerConfig(num_layers=NUM_LAYERS, hidden_size=m["hidden"], num_attention_heads=m["heads"],
+                            num_query_groups=m["groups"], ffn_hidden_size=m["ffn"],
+                            gated_linear_unit=m["glu"], add_bias_linear=m["bias"], use_cpu_initialization=True,
+                            hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32,
+                            pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+                            tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size())
+    return GPTModel(cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=m["vocab"],
+                    max_sequence_length=SEQ, position_embedding_type="rope",
+                    share_embeddings_and_output_weights=m["tied"],
+                    pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
+
+
+def rules(m: dict[str, Any]) -> gt.ShardingRules:
+    """The rules a Megatron-Core GPTModel (local layer spec) needs."""
+    layer = r"decoder\.layers\.\d+\."
+    fc1 = gt.PackedSwiGLU() if m["glu"] else gt.ColumnParallel()
+    return gt.ShardingRules([
+        (r"embedding\.word_embeddings\.weight", gt.VocabParallel(m["vocab"])),
+        (r"output_layer\.weight", gt.Tied("embedding.word_embeddings.weight") if m["tied"]
+         else gt.VocabParallel(m["vocab"])),
+        (layer + r"self_attention\.linear_qkv\.(weight|bias)", gt.MegatronQKV(m["heads"], m["groups"])),
+        (layer + r"self_attention\.linear_proj\.weight", gt.RowParallel()),
+        (layer + r"mlp\.linear_fc1\.(weight|bias)", fc1),
+        (layer + r"mlp\.linear_fc2\.weight", gt.RowParallel()),
+        (r".*(layernorm\.(weight|bias)|linear_proj\.bias|linear_fc2\.bias)", gt.Replicated()),
+    ])
+
+
+def global_name(layout: gt.ParallelLayout, name: str, m: dict[str, Any]) -> str:
+    name = layout.global_name(name, 0)
+    return "embedding.word_embeddings.weight" if m["tied"] and name == "output_layer.weight" else name
+
+
+def scramble(model: GPTModel, layout: gt.ParallelLayout, m: dict[str, Any], salt: str) -> None:
+    """Values unlike any initialisation, equal on every replica (DP, and TP for
+    replicated tensors, and both ends of tied embeddings), so the model is
+    one consistent global model whatever its layout."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            sharded = getattr(p, "tensor_model_parallel", False)
+            key = f"{salt}/{global_name(layout, name, m)}/{layout.tp_rank if sharded else 0}"
+            seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little")
+            g = torch.Generator().manual_seed(seed)
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+def logits(model: GPTModel, layout: gt.ParallelLayout) -> list[float] | None:
+    """The full logits of a fixed batch, run by hand through the pipeline
+    (send/recv between stages) and gathered over TP; returned by the rank
+    that holds them whole (last stage, TP rank 0, DP rank 0)."""
+    ids = (torch.arange(BATCH * SEQ).reshape(BATCH, SEQ) * 7) % 50
+    pos = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1).view(1, 1, SEQ, SEQ)
+    model.eval()
+    hidden_shape = (SEQ, BATCH, model.config.hidden_size)
+    with torch.no_grad():
+        if not ps.is_pipeline_first_stage():
+            recv = torch.empty(hidden_shape)
+            dist.recv(recv, src=ps.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(recv)
+        out = model(ids, pos, mask)
+        if not ps.is_pipeline_last_stage():
+            dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+            return None
+    group = ps.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(out) for _ in range(layout.tp_size)]
+    dist.all_gather(parts, out.contiguous(), group=group)
+    full = torch.cat(parts, dim=-1)
+    return full.flatten().tolist() if layout.tp_rank == 0 and layout.dp_rank == 0 else None
+
+
+def _named(model: GPTModel, layout: gt.ParallelLayout) -> dict[str, torch.Tensor]:
+    return {layout.global_name(n, 0): p.detach().clone() for n, p in model.named_parameters()}
+
+
+def scenario(rank: int, *, path: str, save: dict[str, int], load: dict[str, int], model: dict[str, Any],
+             name: str) -> dict[str, Any]:
+    """Save at ``save`` with globalshard and with Megatron's dist_checkpointing;
+    load at ``load`` with each (globalshard with its default arguments);
+    every tensor and the logits compared."""
+    ours, theirs = os.path.join(path, name, "globalshard"), os.path.join(path, name, "megatron")
+    layout = setup(**save)
+    a = build(model)
+    scramble(a, layout, model, "saved")
+    before = logits(a, layout)
+    gt.save_checkpoint(ours, model=a, layout=layout, rules=rules(model))
+    if rank == 0:
+        os.makedirs(theirs, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(a.sharded_state_dict(), theirs)
+    del a
+
+    layout = setup(**load)
+    b = build(model)
+    scramble(b, layout, model, "fresh")
+    result = gt.load_checkpoint(ours, model=b, layout=layout, rules=rules(model))
+    c = build(model)
+    scramble(c, layout, model, "fresh")
+    c.load_state_dict(dist_checkpointing.load(c.sharded_state_dict(), theirs))
+    ours_t, theirs_t = _named(b, layout), _named(c, layout)
+    differ = sorted(k for k in ours_t if not torch.equal(ours_t[k], theirs_t[k]))
+    after = logits(b, layout)
+    return {"differ": differ, "tensors": len(ours_t), "unexpected": result.unexpected_keys,
+            "before": before, "after": after}
+
+
+def scenarios(rank: int, *, path: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [scenario(rank, path=path, **case) for case in cases]

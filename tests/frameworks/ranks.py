@@ -1,0 +1,76 @@
+"""Run a job on a gloo process group of a few ranks: one spawn of the group runs
+every scenario of a module (framework imports take seconds per process)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import socket
+import sys
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def _entry(rank: int, world: int, port: int, target: str, args: dict[str, Any], out_dir: str,
+           paths: list[str]) -> None:
+    sys.path[:0] = paths
+    os.environ["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+    module, _, fn = target.partition(":")
+    try:
+        out = getattr(importlib.import_module(module), fn)(rank, **args)
+        result = {"ok": True, "value": out}
+    except BaseException as e:  # reported to the parent, which asserts on it
+        result = {"ok": False, "type": type(e).__name__, "message": str(e), "trace": traceback.format_exc()}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    try:
+        if result["ok"]:
+            dist.barrier()
+        dist.destroy_process_group()
+    finally:
+        for child in mp.active_children():  # e.g. dist_checkpointing's writer Manager, else the join hangs
+            child.kill()
+        os._exit(0)  # gloo's threads can abort in static destructors at exit
+
+
+def run(world: int, target: str, out_dir: str, **args: Any) -> list[Any]:
+    """``module:function(rank, **args)`` on ``world`` processes; every rank's return value.
+
+    Raises:
+        AssertionError: a rank failed, with its traceback.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    here = os.path.dirname(os.path.abspath(__file__))
+    paths = [here, os.path.dirname(here)]
+    mp.start_processes(_entry, args=(world, _free_port(), target, args, out_dir, paths), nprocs=world,
+                       join=True, start_method="spawn")
+    values, failures = [], []
+    for r in range(world):
+        try:
+            with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+                outcome = json.load(f)
+        except FileNotFoundError:
+            outcome = {"ok": False, "type": "exited", "message": "ended without an outcome", "trace": ""}
+        if outcome["ok"]:
+            values.append(outcome["value"])
+        else:
+            failures.append(f"rank {r}: {outcome['type']}: {outcome['message']}\n{outcome['trace']}")
+    assert not failures, "\n".join(failures)
+    return values

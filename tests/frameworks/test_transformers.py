@@ -1,0 +1,96 @@
+"""transformers as the oracle for Hugging Face checkpoints: a tiny random
+LlamaForCausalLM (built from a LlamaConfig, nothing downloaded) written by
+``save_pretrained`` in several shards, then ``load_hf`` into TP=1, TP=2 and
+PP=2 layouts: the TP=1 model gives transformers' own logits on every
+position, and every TP and PP piece equals the slice of the tensor
+``from_pretrained`` loads."""
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import globalshard_torch as gt  # noqa: E402
+
+CONFIG = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=64)
+RULES = gt.ShardingRules([
+    (r"model\.embed_tokens\.weight|lm_head\.weight", gt.VocabParallel(CONFIG["vocab_size"])),
+    (r".*\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight", gt.ColumnParallel()),
+    (r".*\.(o_proj|down_proj)\.weight", gt.RowParallel()),
+    (r".*norm\.weight", gt.Replicated()),
+])
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # norms away from ones, so every tensor counts
+    path = tmp_path_factory.mktemp("hf")
+    model.save_pretrained(path, max_shard_size="40KB", safe_serialization=True)
+    assert len(list(path.glob("model-*.safetensors"))) > 2 and (path / "model.safetensors.index.json").exists()
+    return path, transformers.LlamaForCausalLM.from_pretrained(path).eval()
+
+
+def test_tp1_load_gives_transformers_logits_on_every_position(saved):
+    path, reference = saved
+    torch.manual_seed(1)
+    ours = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
+    gt.load_hf(str(path), ours, gt.ParallelLayout(num_layers=4), RULES)
+    ids = torch.randint(0, CONFIG["vocab_size"], (2, 16))
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, reference(ids).logits)
+
+
+class Sharded(nn.Module):
+    """This rank's tensors under the Hugging Face names, at local shapes."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        for name, shape in shapes.items():
+            module = self
+            *parents, leaf = name.split(".")
+            for part in parents:
+                if not hasattr(module, part):
+                    module.add_module(part, nn.Module())
+                module = getattr(module, part)
+            module.register_parameter(leaf, nn.Parameter(torch.full(shape, float("nan"))))
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)])
+def test_every_tp_and_pp_piece_equals_the_slice_transformers_loads(saved, tp, pp):
+    path, reference = saved
+    full = dict(reference.named_parameters())
+    per_stage = CONFIG["num_hidden_layers"] // pp
+    for s in range(pp):
+        for r in range(tp):
+            layout = gt.ParallelLayout(tp_rank=r, tp_size=tp, pp_rank=s, pp_size=pp, num_layers=4)
+            shapes = {}
+            for name, p in full.items():
+                if ".layers." in name:
+                    index = int(name.split(".layers.")[1].split(".")[0])
+                    if index // per_stage != s:
+                        continue
+                    name = name.replace(f".layers.{index}.", f".layers.{index - s * per_stage}.")
+                shape = list(p.shape)
+                if any(f"{c}." in name for c in COLUMN):
+                    shape[0] //= tp
+                elif "o_proj" in name or "down_proj" in name:
+                    shape[1] //= tp
+                shapes[name] = shape
+            local = Sharded(shapes)
+            gt.load_hf(str(path), local, layout, RULES)
+            for name, p in local.named_parameters():
+                gname = layout.global_name(name, 0)
+                g = full[gname].detach()
+                if p.shape[0] != g.shape[0]:
+                    g = g[r * p.shape[0]:(r + 1) * p.shape[0]]
+                elif p.ndim == 2 and p.shape[1] != g.shape[1]:
+                    g = g[:, r * p.shape[1]:(r + 1) * p.shape[1]]
+                assert torch.equal(p.detach(), g), (tp, pp, s, r, gname)
