@@ -352,3 +352,53 @@ def test_load_checkpoint_is_strict_by_default_and_reports_keys(tmp_path):
     assert result.missing_keys == ["norm.bias", "norm.weight"] and result.unexpected_keys == []
     assert torch.equal(full.norm.weight, before)
     assert gt.load_checkpoint(tmp_path / "c", model=Net(), layout=ONE, rules=REPLICATED).unexpected_keys == []
+
+
+class GroupedExperts(nn.Module):
+    """As Transformer Engine's GroupedLinear: all of an EP rank's experts in one
+    module (weight0, weight1, ...), one extra state for all of them."""
+
+    def __init__(self, per, ep_rank):
+        super().__init__()
+        for i in range(per):
+            self.register_parameter(f"weight{i}", nn.Parameter(torch.zeros(2, 2)))
+        self.amax = float(ep_rank)
+
+    def get_extra_state(self):
+        return {"amax": self.amax}
+
+    def set_extra_state(self, state):
+        self.amax = state["amax"]
+
+
+def test_a_grouped_experts_modules_state_stays_per_ep_rank_and_an_ep_change_is_named():
+    import tempfile
+
+    from threadcomm import run_ranks
+
+    rules = gt.ShardingRules([(r".*experts.*", gt.Experts(4, gt.Replicated()))])
+    path = tempfile.mkdtemp()
+
+    def model(ep, ep_rank):
+        m = nn.Module()
+        m.experts = nn.Module()
+        m.experts.linear_fc1 = GroupedExperts(4 // ep, ep_rank)
+        return m
+
+    def save(comm):
+        layout = gt.ParallelLayout(dp_rank=comm.rank, dp_size=2, ep_size=2)
+        gt.save_checkpoint(path, model=model(2, layout.ep_rank), layout=layout, rules=rules, comm=comm)
+
+    assert run_ranks(2, save) == [None, None]
+
+    def load(comm, ep):
+        layout = gt.ParallelLayout(dp_rank=comm.rank, dp_size=2, ep_size=ep)
+        m = model(ep, -1)
+        m.experts.linear_fc1.amax = -1.0
+        gt.load_checkpoint(path, model=m, layout=layout, rules=rules, comm=comm)
+        return m.experts.linear_fc1.amax
+
+    assert run_ranks(2, lambda comm: load(comm, 2)) == [0.0, 1.0]  # each EP rank its own, not the other's
+    errors = run_ranks(2, lambda comm: load(comm, 1))
+    assert all(isinstance(e, gs.MismatchError) and "saved per EP rank at EP=[2], loading at EP=1" in str(e)
+               for e in errors), errors

@@ -51,6 +51,7 @@ def has_extra_state(module: nn.Module) -> bool:
 
 
 _LOCAL_EXPERT = re.compile(r"(^|\.)local_experts\.(\d+)(?=\.|$)")
+_EXPERTS = re.compile(r"(^|\.)experts(\.|$)")
 
 
 def is_empty(value: Any) -> bool:
@@ -68,7 +69,12 @@ def is_empty(value: Any) -> bool:
 
 def _modules(chunks: Sequence[nn.Module], layout: ParallelLayout,
              layer_pattern: str) -> list[tuple[str, nn.Module, bool]]:
-    """``(global module name, module, is an expert's)`` of every module with extra state."""
+    """``(global module name, module, is an expert's)`` of every module with extra state.
+
+    A module holding all of an EP rank's experts (Transformer Engine's
+    ``GroupedLinear`` under ``experts.``) has no expert index to make global:
+    its state is kept per EP rank (see :func:`_key`) and does not follow an
+    EP change."""
     found = []
     for c, chunk in enumerate(chunks):
         for name, module in chunk.named_modules():
@@ -87,8 +93,13 @@ def _modules(chunks: Sequence[nn.Module], layout: ParallelLayout,
             per_rank = len(local[gname[:m.start()]])
             index = layout.ep_rank * per_rank + int(m.group(2))
             gname = f"{gname[:m.start()]}{m.group(1)}local_experts.{index}{gname[m.end():]}"
-        out.append((gname, module, bool(matches)))
+        out.append((gname, module, bool(matches) or _EXPERTS.search(gname) is not None))
     return out
+
+
+def _grouped(gname: str) -> bool:
+    """An expert module without an expert index (all of an EP rank's experts)."""
+    return _EXPERTS.search(gname) is not None and _LOCAL_EXPERT.search(gname) is None
 
 
 def _is_main(layout: ParallelLayout, expert: bool) -> bool:
@@ -96,7 +107,18 @@ def _is_main(layout: ParallelLayout, expert: bool) -> bool:
 
 
 def _key(gname: str, layout: ParallelLayout) -> str:
-    return f"{PREFIX}{gname}.tp{layout.tp_rank}of{layout.tp_size}"
+    key = f"{PREFIX}{gname}.tp{layout.tp_rank}of{layout.tp_size}"
+    # TODO(limitation): a grouped experts module's state (all of an EP rank's
+    # experts in one module) is kept per EP rank and does not follow an EP change.
+    return f"{key}.ep{layout.ep_rank}of{layout.ep_size}" if _grouped(gname) and layout.ep_size > 1 else key
+
+
+def _where(gname: str, layout: ParallelLayout) -> dict[str, Any]:
+    """The ranks a module's record belongs to."""
+    out: dict[str, Any] = {"tp": layout.tp_size, "rank": layout.tp_rank}
+    if _grouped(gname) and layout.ep_size > 1:
+        out["ep"] = [layout.ep_rank, layout.ep_size]
+    return out
 
 
 def collect(chunks: Sequence[nn.Module], layout: ParallelLayout, layer_pattern: str,
@@ -111,7 +133,7 @@ def collect(chunks: Sequence[nn.Module], layout: ParallelLayout, layer_pattern: 
         if is_empty(value):
             continue
         main = _is_main(layout, expert)
-        record: dict[str, Any] = {"tp": layout.tp_size, "rank": layout.tp_rank}
+        record: dict[str, Any] = _where(gname, layout)
         if isinstance(value, io.BytesIO):
             value, record["kind"] = value.getvalue(), "bytesio"
         if isinstance(value, (bytes, bytearray)):
@@ -154,14 +176,19 @@ def restore_targets(chunks: Sequence[nn.Module], layout: ParallelLayout, layer_p
     plans, problems = [], []
     for gname, module, _expert in _modules(chunks, layout, layer_pattern):
         records = saved.get(gname, [])
-        record = next((r for r in records if r["tp"] == layout.tp_size and r["rank"] == layout.tp_rank), None)
+        where = _where(gname, layout)
+        record = next((r for r in records if all(r.get(k) == v for k, v in where.items())
+                       and ("ep" in r) == ("ep" in where)), None)
         if record is None and not records and is_empty(module.get_extra_state()):
             continue  # saved as no state (or by a model without it), and holding none
         if record is None:
             # TODO(limitation): per-TP-rank extra state is not split or merged across a TP change.
             if mode != "skip":
                 tps = sorted({r["tp"] for r in records})
-                why = f"saved at TP={tps}, loading at TP={layout.tp_size}" if tps else "not in the checkpoint"
+                eps = sorted({r["ep"][1] for r in records if "ep" in r})
+                why = (f"saved at TP={tps}, loading at TP={layout.tp_size}" if tps and not eps else
+                       f"saved per EP rank at EP={eps}, loading at EP={layout.ep_size}" if eps else
+                       "not in the checkpoint")
                 problems.append(f"{gname}: {type(module).__name__}'s extra state is {why}; per-rank extra state "
                                 "cannot be split or merged (pass extra_state='skip' to keep the module's own)")
             continue
