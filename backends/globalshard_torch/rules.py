@@ -127,6 +127,9 @@ class VocabParallel(Rule):
             raise LayoutError(
                 f"vocabulary shard of {n} rows x TP {layout.tp_size} cannot hold a vocabulary of {self.vocab_size}"
             )
+        # TODO(limitation): the padding rows are not stored, so where they are trained
+        # (Megatron-Core's cross-entropy runs over the padded vocabulary) they and their
+        # optimizer state come back as zeros, even on the same layout.
         gshape = tuple(self.vocab_size if d == axis else s for d, s in enumerate(local_shape))
         offset = tuple(layout.tp_rank * n if d == axis else 0 for d in range(len(local_shape)))
         return Placement(gshape, offset, allow_padding=True)
