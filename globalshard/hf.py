@@ -47,7 +47,7 @@ import numpy as np
 
 from globalshard.api import Checkpoint
 from globalshard.dtypes import canonical_name, numpy_dtype
-from globalshard.errors import GlobalShardError, MismatchError
+from globalshard.errors import GlobalShardError, MismatchError, StorageError
 from globalshard.geometry import Box
 
 __all__ = ["NameMapping", "export", "SafetensorsSource", "parse_size", "SAFETENSORS_DTYPES"]
@@ -70,6 +70,11 @@ MAPPINGS_DIR = os.path.join(os.path.dirname(__file__), "mappings")
 
 class ExportError(GlobalShardError, ValueError):
     """A mapping, a dtype or a safetensors file that cannot be used as asked."""
+
+
+class DamagedFileError(ExportError, StorageError):
+    """A safetensors file whose header or data is damaged or inconsistent
+    (a :class:`~globalshard.errors.StorageError`, as any damaged data)."""
 
 
 def parse_size(text: str) -> int:
@@ -352,20 +357,28 @@ class _Entry:
 
 
 def read_header(path: str) -> dict[str, _Entry]:
-    """The tensors of one safetensors file, checked: offsets inside the
-    file, sizes matching dtype and shape."""
+    """The tensors of one safetensors file, checked as strictly as the
+    safetensors package checks them: a UTF-8 JSON object header, known
+    dtypes, sizes matching dtype and shape, and byte ranges that, in order,
+    are disjoint and cover the data area exactly.
+
+    Raises:
+        DamagedFileError: naming the file and the tensor.
+    """
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             n = int.from_bytes(f.read(8), "little")
-            if n > min(size - 8, 100 << 20):
-                raise ExportError(f"{path}: header length {n} does not fit the file of {size} bytes")
-            header = json.loads(f.read(n))
+            if size < 8 or n > min(size - 8, 100 << 20):
+                raise DamagedFileError(f"{path}: header length {n} does not fit the file of {size} bytes")
+            header = json.loads(f.read(n).decode("utf-8"))
+    except DamagedFileError:
+        raise
     except (OSError, ValueError) as e:
-        raise ExportError(f"{path}: not a safetensors file ({e})") from None
+        raise DamagedFileError(f"{path}: not a safetensors file ({e})") from None
     if not isinstance(header, dict):
-        raise ExportError(f"{path}: the header is not a JSON object")
-    out = {}
+        raise DamagedFileError(f"{path}: the header is not a JSON object")
+    out, spans = {}, []
     for name, t in header.items():
         if name == "__metadata__":
             continue
@@ -374,11 +387,21 @@ def read_header(path: str) -> dict[str, _Entry]:
             shape = tuple(int(s) for s in t["shape"])
             begin, end = (int(v) for v in t["data_offsets"])
         except (KeyError, TypeError, ValueError):
-            raise ExportError(f"{path}: tensor {name!r} has an unusable entry {t!r}") from None
-        if end - begin != math.prod(shape) * numpy_dtype(dtype).itemsize or 8 + n + end > size or begin < 0:
-            raise ExportError(f"{path}: tensor {name!r}: offsets {begin}..{end} do not hold {dtype} {list(shape)} "
-                              f"inside the file")
+            raise DamagedFileError(f"{path}: tensor {name!r} has an unusable entry {t!r}") from None
+        if min(shape, default=0) < 0 or begin < 0 or end - begin != math.prod(shape) * numpy_dtype(dtype).itemsize:
+            raise DamagedFileError(f"{path}: tensor {name!r}: offsets {begin}..{end} do not hold {dtype} "
+                                   f"{list(shape)}")
+        spans.append((begin, end, name))
         out[name] = _Entry(path, dtype, shape, 8 + n + begin)
+    at = 0
+    for begin, end, name in sorted(spans):
+        if begin != at:
+            raise DamagedFileError(f"{path}: tensor {name!r} starts at byte {begin} of the data, where the tensors "
+                                   f"before it end at {at} ({'overlapping' if begin < at else 'a gap'})")
+        at = end
+    if 8 + n + at != size:
+        raise DamagedFileError(f"{path}: the tensors end at byte {8 + n + at}, the file at {size} "
+                               "(truncated, or bytes no tensor holds)")
     return out
 
 
@@ -476,6 +499,6 @@ def _read_rows(e: _Entry, box: Box) -> np.ndarray:
     with open(e.file, "rb") as f:
         raw = os.pread(f.fileno(), row * count, e.start + row * first)
     if len(raw) != row * count:
-        raise ExportError(f"{e.file}: ends inside a tensor (truncated?)")
+        raise DamagedFileError(f"{e.file}: ends inside a tensor (truncated?)")
     rows = np.frombuffer(raw, dtype).reshape((count, *e.shape[1:]))
     return rows[(slice(None), *(slice(o, o + s) for o, s in zip(box.offset[1:], box.shape[1:])))]

@@ -7,6 +7,7 @@ tensors against a slicing written here from the Hugging Face names alone.
 
 import json
 import os
+import re
 import sys
 
 import ml_dtypes
@@ -189,6 +190,7 @@ def test_load_llama_safetensors_straight_into_a_tp_pp_layout(tmp_path, tp, pp, v
     save_file({n: hf[n] for n in names[half:]}, str(tmp_path / "model-00002-of-00002.safetensors"))
     weight_map = {n: f"model-0000{1 + (i >= half)}-of-00002.safetensors" for i, n in enumerate(names)}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    unread = []  # per simulated rank (each loads alone here): what the files hold that it did not read
     for pp_rank in range(pp):
         for tp_rank in range(tp):
             layout = gt.ParallelLayout(tp_rank=tp_rank, tp_size=tp, pp_rank=pp_rank, pp_size=pp, vpp_size=vpp,
@@ -198,11 +200,13 @@ def test_load_llama_safetensors_straight_into_a_tp_pp_layout(tmp_path, tp, pp, v
             for c in chunks:
                 for layer in c.layers:
                     del layer.attn.qkv_lora_A, layer.attn.qkv_lora_B
-            figures = gt.load_hf(str(tmp_path), chunks, layout, demo.rules(CFG), mapping="llama")
+            figures = gt.load_hf(str(tmp_path), chunks, layout, demo.rules(CFG), mapping="llama", strict=pp == 1)
             assert figures["bytes_read"] > 0
+            unread.append(set(figures["unread"]))
             for e in gt.model_entries(chunks, layout, demo.rules(CFG)):
                 got = e.tensor.detach().numpy()
                 assert np.array_equal(got, expected_for(e.key, hf, tp, tp_rank)), (e.key, tp_rank, pp_rank)
+    assert set.intersection(*unread) == set()  # every tensor of the files read by some rank
 
 
 def test_load_hf_names_every_missing_key_before_writing(tmp_path):
@@ -231,3 +235,33 @@ def test_export_then_load_hf_is_the_identity(tmp_path):
     gt.load_hf(str(tmp_path / "hf"), chunk, layout, demo.rules(CFG), mapping="llama")
     for e in gt.model_entries(chunk, layout, demo.rules(CFG)):
         assert np.array_equal(e.tensor.detach().numpy(), expected_for(e.key, hf, 4, 1)), e.key
+
+
+def _raw_safetensors(path, header, data):
+    blob = json.dumps(header).encode()
+    path.write_bytes(len(blob).to_bytes(8, "little") + blob + data)
+
+
+@pytest.mark.parametrize("case", ["overlap", "gap", "trailing", "truncated", "not_json"])
+def test_safetensors_headers_are_checked_as_strictly_as_the_safetensors_package(tmp_path, case):
+    from safetensors.numpy import load_file
+
+    k = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
+    data = np.arange(8, dtype=np.float32).tobytes()
+    header = {"k": k, "v": {"dtype": "F32", "shape": [2, 2], "data_offsets": [16, 32]}}
+    if case == "overlap":  # v would read k's bytes
+        header["v"]["data_offsets"], data = [0, 16], data[:16]
+    elif case == "gap":
+        header["v"]["data_offsets"], data = [20, 36], data + b"\0" * 4
+    elif case == "trailing":
+        data += b"\0" * 8
+    elif case == "truncated":
+        data = data[:30]
+    path = tmp_path / "model.safetensors"
+    _raw_safetensors(path, header, data)
+    if case == "not_json":
+        path.write_bytes((4).to_bytes(8, "little") + b"\xff{}x" + data)
+    with pytest.raises(Exception):  # noqa: B017 - the package's own refusal, whatever its type
+        load_file(str(path))
+    with pytest.raises(gs.StorageError, match=re.escape(str(path))):
+        SafetensorsSource(str(tmp_path))

@@ -16,9 +16,11 @@ import numpy as np
 from torch import nn
 
 import globalshard as gs
+from globalshard.comm import Comm, SingleProcessComm
 from globalshard.dtypes import canonical_name, is_exact_cast
 from globalshard.errors import CastError, MismatchError, format_problems
 from globalshard.hf import NameMapping, SafetensorsSource
+from globalshard_torch.comm import default_comm
 from globalshard_torch.model import model_entries
 from globalshard_torch.parallel import ParallelLayout
 from globalshard_torch.rules import ShardingRules
@@ -29,7 +31,8 @@ __all__ = ["load_hf"]
 
 def load_hf(directory: str, model: nn.Module | Sequence[nn.Module], layout: ParallelLayout,
             rules: ShardingRules | None, *, mapping: NameMapping | str | None = None,
-            params: dict[str, int] | None = None, allow_lossy_cast: bool = False) -> dict[str, Any]:
+            params: dict[str, int] | None = None, allow_lossy_cast: bool = False,
+            strict: bool = True, comm: Comm | None = None) -> dict[str, Any]:
     """Load this rank's part of every parameter and persistent buffer from safetensors.
 
     Args:
@@ -38,9 +41,16 @@ def load_hf(directory: str, model: nn.Module | Sequence[nn.Module], layout: Para
             mapping's name (``"llama"``); None: the names are the checkpoint keys.
         params: values for the mapping's ``params`` (``{"heads": 32, "kv_heads": 8}``).
         allow_lossy_cast: allow e.g. a bfloat16 model from float32 files.
+        strict: a tensor of the files that no rank's model reads (an untied
+            ``lm_head``, q/k/v biases a model lacks) is an error; ``False``
+            loads the rest and reports them.
+        comm: the ranks loading together (all of them read the files'
+            headers; the union of what they read decides what is unread);
+            by default torch.distributed's, or this process alone.
 
     Returns:
-        Figures: ``{"bytes_read": ..., "tensors": ...}`` for this rank.
+        Figures: ``{"bytes_read": ..., "tensors": ...}`` for this rank, and
+        ``"unread"``: the files' tensor names no rank read.
 
     Raises:
         MismatchError: a key absent from the files, or a global shape that differs,
@@ -68,6 +78,14 @@ def load_hf(directory: str, model: nn.Module | Sequence[nn.Module], layout: Para
                             f"{canonical_name(t.data.dtype)} (pass allow_lossy_cast=True)")
     if problems:
         raise MismatchError(format_problems("the safetensors do not fit the model", problems))
+    comm = comm if comm is not None else (default_comm() or SingleProcessComm())
+    asked = sorted({p.name for t in targets.values() for p in source.keys[t.key][2]})
+    read = {name for names in comm.all_gather(asked) for name in names}
+    unread = sorted(set(source.entries) - read)
+    if strict and unread:
+        raise MismatchError(format_problems(
+            f"{directory}: tensors that no rank's model reads (pass strict=False to load the rest without them)",
+            [repr(n) for n in unread]))
     nbytes = 0
     for t in targets.values():
         covered = np.zeros(t.data.shape, bool) if t.allow_padding else None
@@ -78,4 +96,4 @@ def load_hf(directory: str, model: nn.Module | Sequence[nn.Module], layout: Para
         if covered is not None:
             t.data[~covered] = 0
     staging.finish_load()
-    return {"bytes_read": nbytes, "tensors": len(targets)}
+    return {"bytes_read": nbytes, "tensors": len(targets), "unread": unread}

@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+import globalshard as gs  # noqa: E402
 import globalshard_torch as gt  # noqa: E402
 
 CONFIG = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -68,6 +69,7 @@ def test_every_tp_and_pp_piece_equals_the_slice_transformers_loads(saved, tp, pp
     path, reference = saved
     full = dict(reference.named_parameters())
     per_stage = CONFIG["num_hidden_layers"] // pp
+    unread = []  # each simulated rank loads alone here: what it left of the files
     for s in range(pp):
         for r in range(tp):
             layout = gt.ParallelLayout(tp_rank=r, tp_size=tp, pp_rank=s, pp_size=pp, num_layers=4)
@@ -85,7 +87,7 @@ def test_every_tp_and_pp_piece_equals_the_slice_transformers_loads(saved, tp, pp
                     shape[1] //= tp
                 shapes[name] = shape
             local = Sharded(shapes)
-            gt.load_hf(str(path), local, layout, RULES)
+            unread.append(set(gt.load_hf(str(path), local, layout, RULES, strict=pp == 1)["unread"]))
             for name, p in local.named_parameters():
                 gname = layout.global_name(name, 0)
                 g = full[gname].detach()
@@ -94,3 +96,16 @@ def test_every_tp_and_pp_piece_equals_the_slice_transformers_loads(saved, tp, pp
                 elif p.ndim == 2 and p.shape[1] != g.shape[1]:
                     g = g[:, r * p.shape[1]:(r + 1) * p.shape[1]]
                 assert torch.equal(p.detach(), g), (tp, pp, s, r, gname)
+    assert set.intersection(*unread) == set()
+
+
+def test_a_tensor_of_the_files_that_no_rank_reads_is_an_error_unless_allowed(saved):
+    path, reference = saved
+    # A model without lm_head (as if its embeddings were tied): the files' untied lm_head is read by nothing.
+    headless = nn.Module()
+    headless.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).model
+    layout, rules = gt.ParallelLayout(num_layers=4), gt.ShardingRules([(".*", gt.Replicated())])
+    with pytest.raises(gs.MismatchError, match=r"(?s)no rank's model reads.*'lm_head.weight'"):
+        gt.load_hf(str(path), headless, layout, rules)
+    assert gt.load_hf(str(path), headless, layout, rules, strict=False)["unread"] == ["lm_head.weight"]
+    assert torch.equal(headless.model.norm.weight, reference.model.norm.weight)
