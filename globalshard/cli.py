@@ -203,9 +203,14 @@ def _export(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     files = sorted(set(index["weight_map"].values()))
     doc = {"out": args.out, "tensors": len(index["weight_map"]), "files": files,
-           "bytes": index["metadata"]["total_size"], "seconds": round(time.perf_counter() - start, 3)}
-    _emit(args, doc, [f"wrote {len(index['weight_map'])} tensors, {doc['bytes'] / 2**20:.2f} MiB in "
-                      f"{len(files)} file(s) + model.safetensors.index.json to {args.out}"])
+           "bytes": index["metadata"]["total_size"], "seconds": round(time.perf_counter() - start, 3),
+           "skipped": index["skipped"]}
+    lines = [f"wrote {len(index['weight_map'])} tensors, {doc['bytes'] / 2**20:.2f} MiB in "
+             f"{len(files)} file(s) + model.safetensors.index.json to {args.out}"]
+    if index["skipped"]:
+        lines.append(f"skipped {len(index['skipped'])} keys the mapping leaves out: "
+                     f"{', '.join(index['skipped'][:8])}{' ...' if len(index['skipped']) > 8 else ''}")
+    _emit(args, doc, lines)
     return EXIT_OK
 
 

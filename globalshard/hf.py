@@ -258,12 +258,19 @@ def export(checkpoint: str | Checkpoint, out: str, *, mapping: NameMapping | Non
     ``dtype`` converts floating-point tensors (integers and bools keep
     theirs); a narrowing conversion is what was asked for, so it is allowed.
     Files hold at most ``max_shard_size`` bytes of tensors (a larger tensor
-    gets a file of its own). Returns the index written to
-    ``model.safetensors.index.json``. ``progress(nbytes)`` follows the reads.
+    gets a file of its own). ``progress(nbytes)`` follows the reads. What an
+    earlier export left in ``out`` (``model*.safetensors`` files this export
+    does not write, and their index) is removed once the new files are in
+    place, so that no reader picks a stale ``model.safetensors`` over the new
+    index; nothing else in ``out`` is touched.
+
+    Returns:
+        The index written to ``model.safetensors.index.json``, plus
+        ``"skipped"``: the checkpoint keys the mapping's ``skip`` left out.
     """
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint, kvstore=kvstore)
     tensors = ckpt.metadata.tensors
-    pieces, _ = (mapping or NameMapping.identity()).pieces({k: t.global_shape for k, t in tensors.items()})
+    pieces, skipped = (mapping or NameMapping.identity()).pieces({k: t.global_shape for k, t in tensors.items()})
     out_dtype = {}
     for p in pieces:
         stored = tensors[p.key].dtype
@@ -294,7 +301,14 @@ def export(checkpoint: str | Checkpoint, out: str, *, mapping: NameMapping | Non
              "weight_map": dict(sorted(weight_map.items()))}
     _write_atomically(os.path.join(out, "model.safetensors.index.json"),
                       json.dumps(index, indent=2).encode("utf-8"))
-    return index
+    for stale in sorted(os.listdir(out)):
+        if _EXPORTED.fullmatch(stale) and stale not in names:
+            os.unlink(os.path.join(out, stale))
+    return {**index, "skipped": skipped}
+
+
+#: The files an export writes (and so may replace): one file, or numbered shards.
+_EXPORTED = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
 
 
 def _is_float(dtype: str) -> bool:

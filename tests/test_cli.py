@@ -114,7 +114,7 @@ def test_export_safetensors_from_the_command_line(tmp_path):
               "100B", "--json")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
-    assert doc["tensors"] == 2 and len(doc["files"]) == 2
+    assert doc["tensors"] == 2 and len(doc["files"]) == 2 and doc["skipped"] == []
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     got = load_file(str(tmp_path / "hf" / index["weight_map"]["w"]))
     assert np.array_equal(got["w"], w)

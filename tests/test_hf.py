@@ -99,6 +99,28 @@ def test_export_under_llama_names_splits_fused_layouts(tmp_path):
     for name, value in hf.items():
         assert np.array_equal(got[name].numpy(), value), name
     assert index["metadata"]["total_size"] == sum(v.nbytes for v in hf.values())
+    # Reported, not dropped without a word: the optimizer state and the LoRA factors.
+    assert "optimizer.exp_avg.final_norm" in index["skipped"]
+    assert all("_lora_" in k or k.startswith("optimizer.") for k in index["skipped"])
+    assert any("_lora_" in k for k in index["skipped"])
+
+
+def test_a_re_export_replaces_what_the_earlier_export_left(tmp_path):
+    save_global({"w": np.arange(6, dtype=np.float32), "b": np.ones(3, np.float32)}, tmp_path / "ckpt")
+    out = tmp_path / "hf"
+    export(str(tmp_path / "ckpt"), str(out), max_shard_size=10)  # two shards
+    (out / "model.safetensors").write_bytes(b"stale")  # as an even earlier single-file export would leave
+    (out / "README.md").write_text("mine")
+    index = export(str(tmp_path / "ckpt"), str(out))  # one file now
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "model.safetensors",
+                                                     "model.safetensors.index.json"]
+    assert set(index["weight_map"].values()) == {"model.safetensors"}
+    _, got = read_all(out)
+    assert np.array_equal(got["w"].numpy(), np.arange(6, dtype=np.float32))
+    export(str(tmp_path / "ckpt"), str(out), max_shard_size=10)
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "model-00001-of-00002.safetensors",
+                                                     "model-00002-of-00002.safetensors",
+                                                     "model.safetensors.index.json"]
 
 
 def test_export_converts_floats_to_bf16_and_keeps_integers(tmp_path):
