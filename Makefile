@@ -16,11 +16,12 @@ test: $(STAMP)
 	$(VENV)/bin/mypy globalshard backends/globalshard_torch backends/globalshard_jax
 	$(PY) -m pytest --ignore=tests/frameworks
 
-# The real frameworks as oracles (Megatron-Core, transformers), on CPU over gloo.
+# The real frameworks as oracles (Megatron-Core, torchtitan, transformers), on CPU over gloo.
 FRAMEWORKS := $(VENV)/.frameworks-installed
 $(FRAMEWORKS): $(STAMP) requirements/frameworks.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/ci.txt -c requirements/frameworks.txt \
-		megatron-core psutil einops transformers
+		megatron-core psutil einops transformers triton spmd_types tyro
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -c requirements/frameworks.txt torchtitan
 	touch $@
 
 test-frameworks: $(FRAMEWORKS)

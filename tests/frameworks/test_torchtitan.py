@@ -1,0 +1,70 @@
+"""torchtitan 0.3 as the oracle for DCP-style state: its own llama3
+``debugmodel``, ``ModelWrapper``, ``OptimizersContainer`` and
+``LRSchedulersContainer``, passed directly and flattened as its
+CheckpointManager passes them, saved and loaded with globalshard and with
+torch DCP; every model and optimizer tensor equal to DCP's load."""
+
+import pytest
+
+pytest.importorskip("torchtitan.models.llama3")  # needs triton installed to import
+
+import torch  # noqa: E402
+from torch.distributed import checkpoint as dcp  # noqa: E402
+from torchtitan.components.checkpointer import ModelWrapper  # noqa: E402
+from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer  # noqa: E402
+from torchtitan.components.optimizer.optimizer import default_adamw  # noqa: E402
+from torchtitan.models.llama3 import model_registry  # noqa: E402
+
+import globalshard_torch as gt  # noqa: E402
+
+
+def trainer(seed, steps):
+    """A debugmodel with its optimizers and schedulers, after ``steps`` steps of random gradients."""
+    torch.manual_seed(seed)
+    model = model_registry("debugmodel", attn_backend="flex").model.build()
+    config = default_adamw(lr=1e-3)
+    config.implementation = "for-loop"  # "fused" is CUDA's
+    optimizers = config.build(model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=10)
+    for _ in range(steps):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        optimizers.step()
+        schedulers.step()
+    return model, optimizers, schedulers
+
+
+def states(model, optimizers, schedulers, flattened):
+    if flattened:  # as torchtitan's CheckpointManager hands them to DCP: model keys at the top
+        return {**ModelWrapper(model).state_dict(), "optimizer": optimizers, "lr_scheduler": schedulers}
+    return {"model": ModelWrapper(model), "optimizer": optimizers, "lr_scheduler": schedulers}
+
+
+@pytest.mark.parametrize("flattened", [False, True])
+def test_torchtitans_own_containers_round_trip_as_dcp_loads_them(tmp_path, flattened):
+    saved = trainer(0, steps=2)
+    gt.save(states(*saved, flattened), tmp_path / "ours")
+    dcp.save(states(*saved, flattened), checkpoint_id=str(tmp_path / "dcp"))
+
+    ours, theirs = trainer(5, steps=1), trainer(7, steps=1)  # state of their own, to be replaced
+    ours_state = states(*ours, flattened)
+    assert gt.load(ours_state, tmp_path / "ours") == gt.LoadedKeys([], [])
+    if flattened:  # the model's tensors were filled in the flat dict: hand them to the model
+        ours[0].load_state_dict({k: v for k, v in ours_state.items() if torch.is_tensor(v)})
+    theirs_state = states(*theirs, flattened)
+    dcp.load(theirs_state, checkpoint_id=str(tmp_path / "dcp"))
+    if flattened:
+        theirs[0].load_state_dict({k: v for k, v in theirs_state.items() if torch.is_tensor(v)})
+
+    params = list(saved[0].named_parameters())
+    assert len(params) > 40
+    for (name, a), b, c in zip(params, ours[0].parameters(), theirs[0].parameters()):
+        assert torch.equal(b, c) and torch.equal(b, a), name
+    ours_opt, theirs_opt, saved_opt = (t[1].state_dict() for t in (ours, theirs, saved))
+    assert set(ours_opt) == set(theirs_opt) and len(ours_opt) > 3 * len(params)
+    for key, value in theirs_opt.items():
+        if torch.is_tensor(value):
+            assert torch.equal(ours_opt[key], value) and torch.equal(value, saved_opt[key]), key
+        else:
+            assert ours_opt[key] == value, key
+    assert ours[2].state_dict() == theirs[2].state_dict() == saved[2].state_dict()
