@@ -8,14 +8,14 @@ import pytest
 
 pytest.importorskip("torchtitan.models.llama3")  # needs triton installed to import
 
-import torch  # noqa: E402
-from torch.distributed import checkpoint as dcp  # noqa: E402
-from torchtitan.components.checkpointer import ModelWrapper  # noqa: E402
-from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer  # noqa: E402
-from torchtitan.components.optimizer.optimizer import default_adamw  # noqa: E402
-from torchtitan.models.llama3 import model_registry  # noqa: E402
+import torch
+from torch.distributed import checkpoint as dcp
+from torchtitan.components.checkpointer import ModelWrapper
+from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+from torchtitan.components.optimizer.optimizer import default_adamw
+from torchtitan.models.llama3 import model_registry
 
-import globalshard_torch as gt  # noqa: E402
+import globalshard_torch as gt
 
 
 def trainer(seed, steps):
