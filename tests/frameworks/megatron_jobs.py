@@ -3,7 +3,10 @@
 Scoped patches, in these processes only (never in the library): Megatron-Core
 0.16 allocates buffers on ``torch.cuda.current_device()``, moves tied
 embeddings with ``.cuda()`` and synchronizes CUDA in ``dist_checkpointing``;
-on CPU those become the CPU and no-ops. Its ``model_parallel_cuda_manual_seed``
+on CPU those become the CPU and no-ops. Its MoE router references
+``te_general_gemm``, undefined without Transformer Engine: set to None, its
+value when Transformer Engine is absent. MoE layers use the ``allgather``
+token dispatcher (``alltoall`` creates a CUDA stream). Its ``model_parallel_cuda_manual_seed``
 takes ``inference_rng_tracker=True`` (a CPU-capable tracker).
 """
 
@@ -27,7 +30,10 @@ from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.tensor_parallel import random as mrandom  # noqa: E402
+from megatron.core.transformer.moe import moe_utils  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+moe_utils.te_general_gemm = None  # 0.16's router references it undefined without Transformer Engine
 
 SEQ, BATCH = 8, 2
 
@@ -50,13 +56,16 @@ NUM_LAYERS = 4
 
 
 def build(m: dict[str, Any]) -> GPTModel:
-    cfg = TransformerConfig(num_layers=NUM_LAYERS, hidden_size=m["hidden"], num_attention_heads=m["heads"],
+    moe = dict(num_moe_experts=m["experts"], moe_router_topk=2, moe_token_dispatcher_type="allgather",
+               moe_aux_loss_coeff=0.0) if m.get("experts") else {}
+    cfg = TransformerConfig(**moe,num_layers=NUM_LAYERS, hidden_size=m["hidden"], num_attention_heads=m["heads"],
                             num_query_groups=m["groups"], ffn_hidden_size=m["ffn"],
                             gated_linear_unit=m["glu"], add_bias_linear=m["bias"], use_cpu_initialization=True,
                             hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32,
                             pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
                             tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size())
-    return GPTModel(cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=m["vocab"],
+    return GPTModel(cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=m.get("experts")),
+                    vocab_size=m["vocab"],
                     max_sequence_length=SEQ, position_embedding_type="rope",
                     share_embeddings_and_output_weights=m["tied"],
                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
@@ -74,6 +83,10 @@ def rules(m: dict[str, Any]) -> gt.ShardingRules:
         (layer + r"self_attention\.linear_proj\.weight", gt.RowParallel()),
         (layer + r"mlp\.linear_fc1\.(weight|bias)", fc1),
         (layer + r"mlp\.linear_fc2\.weight", gt.RowParallel()),
+        (layer + r"mlp\.router\.weight", gt.Replicated()),
+        (layer + r"mlp\.experts\.local_experts\.\d+\.linear_fc1\.weight", gt.Experts(m.get("experts") or 1, fc1)),
+        (layer + r"mlp\.experts\.local_experts\.\d+\.linear_fc2\.weight",
+         gt.Experts(m.get("experts") or 1, gt.RowParallel())),
         (r".*(layernorm\.(weight|bias)|linear_proj\.bias|linear_fc2\.bias)", gt.Replicated()),
     ])
 

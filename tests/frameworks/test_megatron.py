@@ -24,6 +24,13 @@ CASES = [
          model={**DENSE, "groups": 1, "bias": True, "glu": False}),
     dict(name="gqa_1_group_tp1_to_tp2", save=dict(tp=1, pp=1), load=dict(tp=2, pp=1),
          model={**DENSE, "groups": 1, "bias": True, "glu": False}),
+    # Mixture of experts (SequentialMLP, 4 experts): EP carved out of DP, and EP traded for TP.
+    dict(name="moe_ep2_to_ep1", save=dict(tp=1, pp=1, ep=2), load=dict(tp=1, pp=1, ep=1),
+         model={**DENSE, "experts": 4}),
+    dict(name="moe_ep2_to_tp2", save=dict(tp=1, pp=1, ep=2), load=dict(tp=2, pp=1, ep=1),
+         model={**DENSE, "experts": 4}),
+    dict(name="moe_tp2_to_ep2", save=dict(tp=2, pp=1, ep=1), load=dict(tp=1, pp=1, ep=2),
+         model={**DENSE, "experts": 4}),
 ]
 
 
