@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import socket
 import sys
 import traceback
 from datetime import timedelta
@@ -14,14 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+from torch_harness import free_port
 
 
 def _entry(rank: int, world: int, port: int, target: str, args: dict[str, Any], out_dir: str,
@@ -59,7 +51,7 @@ def run(world: int, target: str, out_dir: str, **args: Any) -> list[Any]:
     os.makedirs(out_dir, exist_ok=True)
     here = os.path.dirname(os.path.abspath(__file__))
     paths = [here, os.path.dirname(here)]
-    mp.start_processes(_entry, args=(world, _free_port(), target, args, out_dir, paths), nprocs=world,
+    mp.start_processes(_entry, args=(world, free_port(), target, args, out_dir, paths), nprocs=world,
                        join=True, start_method="spawn")
     values, failures = [], []
     for r in range(world):
