@@ -36,7 +36,7 @@ from globalshard.errors import (
     TrainerStateError,
 )
 from globalshard.geometry import Box, Region, Segment
-from globalshard.layout import ShardedStateDict, ShardedTensor, shards_from_flat_range
+from globalshard.layout import PADDING_SUFFIX, ShardedStateDict, ShardedTensor, is_padding_key, shards_from_flat_range
 from globalshard.metadata import FORMAT_VERSION, Metadata, StoredRegion, TensorMetadata
 from globalshard.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, ShardInfo
 from globalshard.storage import IOStats
@@ -71,6 +71,8 @@ __all__ = [
     "ShardInfo",
     "ShardedStateDict",
     "ShardedTensor",
+    "PADDING_SUFFIX",
+    "is_padding_key",
     "SingleProcessComm",
     "StorageError",
     "TrainerStateError",

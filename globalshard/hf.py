@@ -49,6 +49,7 @@ from globalshard.api import Checkpoint
 from globalshard.dtypes import canonical_name, numpy_dtype
 from globalshard.errors import GlobalShardError, MismatchError, StorageError
 from globalshard.geometry import Box
+from globalshard.layout import is_padding_key
 
 __all__ = ["NameMapping", "export", "SafetensorsSource", "parse_size", "SAFETENSORS_DTYPES"]
 
@@ -191,6 +192,9 @@ class NameMapping:
         skipped, unmapped, problems = [], [], []
         for key in sorted(shapes):
             shape = shapes[key]
+            if is_padding_key(key):  # rows a training layout padded: not part of the model (spec section 1)
+                skipped.append(key)
+                continue
             for rule in self.rules:
                 m = rule.pattern.fullmatch(key)
                 if m is None:

@@ -37,7 +37,7 @@ from globalshard.dtypes import canonical_name
 from globalshard.errors import LayoutError, format_problems
 from globalshard.geometry import Box, Region, Segment, _int_tuple, cover_problems, flat_range_boxes
 
-__all__ = ["ShardedStateDict", "ShardedTensor", "shards_from_flat_range"]
+__all__ = ["PADDING_SUFFIX", "ShardedStateDict", "ShardedTensor", "is_padding_key", "shards_from_flat_range"]
 
 
 def _as_array(key: str, data: Any) -> np.ndarray:
@@ -46,6 +46,15 @@ def _as_array(key: str, data: Any) -> np.ndarray:
             f"{key!r}: data must be a numpy array (filled in place on load), got {type(data).__name__}"
         )
     return data
+
+
+#: The suffix of a key's companion tensor of padding rows (spec section 1).
+PADDING_SUFFIX = "#padding"
+
+
+def is_padding_key(key: str) -> bool:
+    """Whether ``key`` names a companion tensor of padding rows (spec section 1)."""
+    return key.endswith(PADDING_SUFFIX)
 
 
 @dataclass(frozen=True, slots=True)

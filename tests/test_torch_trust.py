@@ -402,3 +402,63 @@ def test_a_grouped_experts_modules_state_stays_per_ep_rank_and_an_ep_change_is_n
     errors = run_ranks(2, lambda comm: load(comm, 1))
     assert all(isinstance(e, gs.MismatchError) and "saved per EP rank at EP=[2], loading at EP=1" in str(e)
                for e in errors), errors
+
+
+V, H = 5, 3  # a vocabulary of 5 padded to a multiple of TP: 6 rows at TP=2 and TP=3, 8 at TP=4
+VOCAB_RULES = gt.ShardingRules([(r"emb\.weight", gt.VocabParallel(V))])
+
+
+def _vocab_model(tp):
+    rows = -(-V // tp)
+    m = nn.Module()
+    m.emb = nn.Embedding(rows, H)
+    return m
+
+
+def _padded_global(tp):
+    return -(-V // tp) * tp
+
+
+@pytest.mark.parametrize("tp_load", [2, 4, 3, 1])
+def test_trained_vocabulary_padding_rows_and_their_moments_are_kept(tmp_path, tp_load):
+    from threadcomm import run_ranks
+
+    saved = torch.arange(6 * H, dtype=torch.float32).reshape(6, H) + 1  # row 5 is padding, trained
+    moments = {}
+
+    def save(comm):
+        layout = gt.ParallelLayout(tp_rank=comm.rank, tp_size=2)
+        m = _vocab_model(2)
+        opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+        with torch.no_grad():
+            m.emb.weight.copy_(saved[3 * comm.rank:3 * comm.rank + 3])
+        m.emb.weight.grad = torch.ones_like(m.emb.weight) * (comm.rank + 1)
+        opt.step()
+        moments[comm.rank] = (m.emb.weight.detach().clone(), opt.state[m.emb.weight]["exp_avg"].clone())
+        gt.save_checkpoint(tmp_path / "c", model=m, layout=layout, rules=VOCAB_RULES, optimizer=opt, comm=comm)
+
+    assert run_ranks(2, save) == [None, None]
+    weight = torch.cat([moments[0][0], moments[1][0]])  # the saving layout's 6 rows
+    exp_avg = torch.cat([moments[0][1], moments[1][1]])
+    assert gs.read_array(tmp_path / "c", "emb.weight").shape == (V, H)  # the key is exactly the true vocabulary
+    assert np.array_equal(gs.read_array(tmp_path / "c", "emb.weight"), weight[:V].numpy())
+
+    def load(comm):
+        layout = gt.ParallelLayout(tp_rank=comm.rank, tp_size=tp_load)
+        m = _vocab_model(tp_load)
+        with torch.no_grad():
+            m.emb.weight.fill_(-7.0)
+        opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+        result = gt.load_checkpoint(tmp_path / "c", model=m, layout=layout, rules=VOCAB_RULES, optimizer=opt,
+                                    comm=comm)  # strict: rows a smaller padding leaves are not unexpected
+        assert result.unexpected_keys == [] and result.missing_keys == []
+        return m.emb.weight.detach().clone(), opt.state[m.emb.weight]["exp_avg"].clone()
+
+    got = run_ranks(tp_load, load)
+    assert not [g for g in got if isinstance(g, BaseException)], got
+    rows = _padded_global(tp_load)
+    both = min(rows, 6)  # rows inside both padded sizes carry over, the rest are zero
+    expect_w, expect_m = torch.zeros(rows, H), torch.zeros(rows, H)
+    expect_w[:both], expect_m[:both] = weight[:both], exp_avg[:both]
+    assert torch.equal(torch.cat([w for w, _ in got]), expect_w)
+    assert torch.equal(torch.cat([m for _, m in got]), expect_m)

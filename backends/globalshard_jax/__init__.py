@@ -267,7 +267,7 @@ def load(path: Any, abstract_pytree: Any, *, comm: Comm | None = None, keys: Key
             f"{path}: the pytree asks for keys the checkpoint does not hold (strict=False leaves them as given)",
             [f"{k!r}: {gs.planner.missing_key(k, checkpoint.metadata)}" for k in missing]))
     masks = comm.all_gather(gs.planner.asked_mask(checkpoint.metadata, {t.key for t in targets.values()}))
-    unexpected = gs.planner.unread_keys(checkpoint.metadata, masks)
+    unexpected = [k for k in gs.planner.unread_keys(checkpoint.metadata, masks) if not gs.is_padding_key(k)]
     if strict and unexpected:
         raise gs.MismatchError(gs.errors.format_problems(
             f"{path}: checkpoint keys that no process's pytree asks for (pass strict=False to load a part)",

@@ -296,6 +296,7 @@ def load_checkpoint(
 
     def prepare() -> str:
         _prepare()
+        _fit_padding(targets, opened[0].metadata)
         return gs_planner.asked_mask(opened[0].metadata, {t.key for t in targets.values()})
 
     def _prepare() -> None:
@@ -313,7 +314,7 @@ def load_checkpoint(
                                                          numpy_view(staging.host(_local(tensor), for_save=False))))
         if not strict:  # left as they are, and reported
             for name, target in list(targets.items()):
-                if target.key not in metadata.tensors:
+                if target.key not in metadata.tensors and not gs.is_padding_key(target.key):
                     missing.append(target.key)
                     del targets[name]
         extras.extend(extra_state_restore(_chunks(model), layout, _LAYERS, ts.get("extra_state") or {},
@@ -416,13 +417,31 @@ def load_checkpoint(
     return LoadResult(trainer, restored, stats, own, sorted(set(missing)), unexpected)
 
 
+def _fit_padding(targets: dict[str, gs.ShardedTensor], metadata: gs.Metadata) -> None:
+    """Padding rows (spec section 1) are zero unless the checkpoint holds them:
+    each padding target takes the rows its layout shares with the saving
+    layout's padding (as Megatron-Core's own checkpoints do) and keeps the
+    rest zero; absent from the checkpoint, it is all zeros."""
+    for name, t in list(targets.items()):
+        if not gs.is_padding_key(t.key):
+            continue
+        t.data[...] = 0
+        stored = metadata.tensors.get(t.key)
+        if stored is None:
+            del targets[name]
+            continue
+        (region,) = t.regions
+        targets[name] = gs.ShardedTensor.from_offset(t.key, t.data, global_shape=stored.global_shape,
+                                                     global_offset=region.global_box.offset, allow_padding=True)
+
+
 def _unexpected(metadata: gs.Metadata, masks: list[str], with_optimizer: bool, shadow_kinds: set[str]) -> list[str]:
     """The unread checkpoint keys of the kinds a load asked for: model tensors
     always, optimizer state with an optimizer, shadows of the kinds given."""
     out = []
     for key in gs_planner.unread_keys(metadata, masks):
-        if key.startswith(extra_state.PREFIX):
-            continue  # per-rank state, matched (or skipped) module by module
+        if key.startswith(extra_state.PREFIX) or gs.is_padding_key(key):
+            continue  # per-rank state, matched module by module; padding rows a smaller padding leaves
         if key.startswith(_OPT):
             if with_optimizer:
                 out.append(key)
@@ -504,6 +523,8 @@ def _add_flat(into: dict[str, gs.ShardedTensor], fs: FlatShard, e: Entry, item: 
     if data.ndim == 0:
         into[f"flat/{item}/{e.name}/{fs.start}"] = _scalar_shard(key, data, scalar_main and fs.start == 0)
         return
+    # TODO(limitation): a flat piece's elements in vocabulary padding rows are not kept
+    # (regions() holds the true rows only); they load as zeros.
     local_shape, regions = e.regions()
     for replica in (False, True):  # regions this rank holds as main, then those another TP rank also holds
         part = [r for r, shared in regions if shared == replica]

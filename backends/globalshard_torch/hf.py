@@ -63,7 +63,11 @@ def load_hf(directory: str, model: nn.Module | Sequence[nn.Module], layout: Para
     staging = HostStaging()
     targets: dict[str, gs.ShardedTensor] = {}
     for e in model_entries(model, layout, rules):
-        targets.update(e.shards(e.name, e.key, numpy_view(staging.host(e.tensor, for_save=False))))
+        for name, t in e.shards(e.name, e.key, numpy_view(staging.host(e.tensor, for_save=False))).items():
+            if gs.is_padding_key(t.key):
+                t.data[...] = 0  # Hugging Face files hold the true vocabulary only: padding rows are zero
+            else:
+                targets[name] = t
     problems = []
     for name, t in targets.items():
         found = source.keys.get(t.key)

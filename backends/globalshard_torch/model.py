@@ -60,6 +60,8 @@ class Entry:
         """:meth:`shard` under ``name``; several (``name#i``) when parts of the
         local tensor are replicas of another TP rank's and the rest are not."""
         p = self.placement
+        if p.padded_rows is not None:
+            return self._padded(name, key, data)
         if p.segment_replicas is None:
             return {name: self.shard(key, data)}
         assert p.segments is not None
@@ -72,6 +74,25 @@ class Entry:
             out[f"{name}#{i}"] = gs.ShardedTensor.from_offset(
                 key, rows, global_shape=p.global_shape, global_offset=(seg.global_offset, *p.global_offset[1:]),
                 replica_id=0 if self.main and rep == 0 else 1)
+        return out
+
+    def _padded(self, name: str, key: str, data: np.ndarray) -> dict[str, gs.ShardedTensor]:
+        """The true rows under ``key`` and the padding rows under its
+        ``#padding`` companion (spec section 1), never both over one row."""
+        p = self.placement
+        assert p.padded_rows is not None
+        if tuple(data.shape) != tuple(self.tensor.shape):
+            raise LayoutError(f"{key!r}: local shape {data.shape} differs from the parameter's "
+                              f"{tuple(self.tensor.shape)}")
+        vocab, start, rest = p.global_shape[0], p.global_offset[0], tuple(data.shape[1:])
+        true_rows = max(0, min(data.shape[0], vocab - start))
+        replica = 0 if self.main else 1
+        out = {name: gs.ShardedTensor.from_offset(key, data[:true_rows], global_shape=p.global_shape,
+                                                  global_offset=p.global_offset, replica_id=replica)}
+        if true_rows < data.shape[0]:
+            out[f"{name}#padding"] = gs.ShardedTensor.from_offset(
+                key + gs.PADDING_SUFFIX, data[true_rows:], global_shape=(p.padded_rows - vocab, *rest),
+                global_offset=(start + true_rows - vocab, *(0,) * len(rest)), replica_id=replica)
         return out
 
     def shard(self, key: str, data: np.ndarray) -> gs.ShardedTensor:

@@ -66,6 +66,8 @@ class Placement:
     expert: bool = False  # replicated over expert data parallelism, not dense DP
     local_view: tuple[int, ...] | None = None  # the local tensor seen with this shape (an expert axis of 1)
     segment_replicas: tuple[int, ...] | None = None  # per segment: 0 main, >0 a copy another TP rank also holds
+    padded_rows: int | None = None  # axis 0 padded to this many rows on this layout; the rows past
+    # global_shape[0] are stored in the key's padding companion (spec section 1)
 
 
 class Rule:
@@ -114,8 +116,12 @@ class RowParallel(Split):
 @dataclass(frozen=True)
 class VocabParallel(Rule):
     """Vocabulary rows split across TP ranks after padding the vocabulary to a
-    multiple of the TP size (so the padded size depends on TP). Only the first
-    ``vocab_size`` rows are stored; the padding is zero-filled on load."""
+    multiple of the TP size (so the padded size depends on TP). The key holds
+    exactly the first ``vocab_size`` rows; the padding rows (trained where the
+    loss runs over the padded vocabulary, as Megatron-Core's does) go to the
+    key's ``#padding`` companion, so a same-layout resume is exact, and on
+    another layout the rows inside both padded sizes carry over and the rest
+    are zero (as Megatron-Core does)."""
 
     vocab_size: int
     axis: int = 0
@@ -127,12 +133,11 @@ class VocabParallel(Rule):
             raise LayoutError(
                 f"vocabulary shard of {n} rows x TP {layout.tp_size} cannot hold a vocabulary of {self.vocab_size}"
             )
-        # TODO(limitation): the padding rows are not stored, so where they are trained
-        # (Megatron-Core's cross-entropy runs over the padded vocabulary) they and their
-        # optimizer state come back as zeros, even on the same layout.
         gshape = tuple(self.vocab_size if d == axis else s for d, s in enumerate(local_shape))
         offset = tuple(layout.tp_rank * n if d == axis else 0 for d in range(len(local_shape)))
-        return Placement(gshape, offset, allow_padding=True)
+        # TODO(limitation): padding rows of a vocabulary split on an axis other than 0 are not stored.
+        padded = n * layout.tp_size if axis == 0 and n * layout.tp_size > self.vocab_size else None
+        return Placement(gshape, offset, allow_padding=True, padded_rows=padded)
 
 
 @dataclass(frozen=True)

@@ -293,7 +293,8 @@ def load(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, all
     _, asked = run_collectively(comm, "load: matching the state dict", prepare)
     checkpoint = opened[0]
     values_read = {k for a in asked for k in a["values"]}
-    unexpected = sorted(unread_keys(checkpoint.metadata, [a["tensors"] for a in asked])
+    unexpected = sorted([k for k in unread_keys(checkpoint.metadata, [a["tensors"] for a in asked])
+                         if not gs.is_padding_key(k)]
                         + [k for k in checkpoint.trainer_state.get(_VALUES, {}) if k not in values_read])
     if strict and unexpected:
         raise MismatchError(format_problems(

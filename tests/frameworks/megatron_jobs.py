@@ -75,10 +75,11 @@ def rules(m: dict[str, Any]) -> gt.ShardingRules:
     """The rules a Megatron-Core GPTModel (local layer spec) needs."""
     layer = r"decoder\.layers\.\d+\."
     fc1 = gt.PackedSwiGLU() if m["glu"] else gt.ColumnParallel()
+    vocab = m.get("true_vocab", m["vocab"])  # GPTModel gets the padded size, as Megatron's trainer pads it
     return gt.ShardingRules([
-        (r"embedding\.word_embeddings\.weight", gt.VocabParallel(m["vocab"])),
+        (r"embedding\.word_embeddings\.weight", gt.VocabParallel(vocab)),
         (r"output_layer\.weight", gt.Tied("embedding.word_embeddings.weight") if m["tied"]
-         else gt.VocabParallel(m["vocab"])),
+         else gt.VocabParallel(vocab)),
         (layer + r"self_attention\.linear_qkv\.(weight|bias)", gt.MegatronQKV(m["heads"], m["groups"])),
         (layer + r"self_attention\.linear_proj\.weight", gt.RowParallel()),
         (layer + r"mlp\.linear_fc1\.(weight|bias)", fc1),

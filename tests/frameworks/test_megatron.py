@@ -24,6 +24,12 @@ CASES = [
          model={**DENSE, "groups": 1, "bias": True, "glu": False}),
     dict(name="gqa_1_group_tp1_to_tp2", save=dict(tp=1, pp=1), load=dict(tp=2, pp=1),
          model={**DENSE, "groups": 1, "bias": True, "glu": False}),
+    # A vocabulary of 60 padded to 64 (make_vocab_size_divisible_by=32 x TP): the padding rows are
+    # trained (the loss runs over them) and Megatron's checkpoint keeps them.
+    dict(name="padded_vocab_tp2_to_tp1", save=dict(tp=2, pp=1), load=dict(tp=1, pp=1),
+         model={**DENSE, "true_vocab": 60}),
+    dict(name="padded_vocab_same_layout", save=dict(tp=2, pp=1), load=dict(tp=2, pp=1),
+         model={**DENSE, "true_vocab": 60}),
     # Mixture of experts (SequentialMLP, 4 experts): EP carved out of DP, and EP traded for TP.
     dict(name="moe_ep2_to_ep1", save=dict(tp=1, pp=1, ep=2), load=dict(tp=1, pp=1, ep=1),
          model={**DENSE, "experts": 4}),
