@@ -10,7 +10,7 @@ rule                        local tensor on TP rank r of T
 ``ColumnParallel()``        rows ``[r*n, (r+1)*n)`` (weight and bias split on the output axis)
 ``RowParallel()``           columns ``[r*n, (r+1)*n)`` (weight split on the input axis)
 ``Split(axis)``             the same on any axis
-``VocabParallel(vocab)``    rows of a vocabulary padded to a multiple of T; only the true vocabulary is stored
+``VocabParallel(vocab)``    rows of a vocabulary padded to a multiple of T; padding rows in ``<key>#padding``
 ``Replicated()``            the whole tensor (norms, row-parallel biases, LoRA A of column-parallel layers)
 ``PackedQKV(heads, kv)``    ``[q_r; k_r; v_r]`` of a global ``[Q; K; V]``, grouped-query attention allowed
 ``MegatronQKV(heads, ng)``  Megatron-Core's ``linear_qkv``: per query group, its q heads, then k, then v (any ng/TP)
