@@ -72,20 +72,24 @@ def test_sigkill_at_every_phase_of_a_local_overwrite(tmp_path, pack_below):
     events, duration = json.loads(counted.stdout)["events"], json.loads(counted.stdout)["seconds"]
     points = [("at", k) for k in _spread(events, max(2, POINTS - POINTS // 4))]
     points += [("after", duration * (i + 0.5) / max(1, POINTS // 4)) for i in range(max(1, POINTS // 4))]
-    killed = survived = 0
+    killed = killed_at = survived = 0
     outcomes = {1: 0, 2: 0}
     for n, (how, when) in enumerate(points):
         ckpt = tmp_path / f"k{n}"
         shutil.copytree(base, ckpt)
         out = _saver(str(ckpt), "--tag", "2", "--overwrite", f"--kill-{how}", str(when), *packing)
         killed += out.returncode == -9
+        killed_at += how == "at" and out.returncode == -9
         assert out.returncode in (0, -9), out.stderr
         outcomes[_check_after_kill(ckpt, 2)] += 1
         assert sorted(os.listdir(ckpt / "saves")) == [gs.read_metadata(ckpt).save_id]
         assert not [f for f in os.listdir(ckpt) if ".tmp-" in f]
         survived += 1
         shutil.rmtree(ckpt)
-    assert killed >= 0.8 * len(points)  # nearly every point lands inside the save (timed ones may miss)
+    # Nearly every operation-counted point lands inside the save; a timed one may miss (the counted run,
+    # with its audit hook, is slower than the runs it times: both timed points of 8 missed once in CI).
+    at_points = sum(how == "at" for how, _ in points)
+    assert killed_at >= 0.8 * at_points
     assert outcomes[1] and outcomes[2], outcomes  # kills before and after the commit both happened
     _record("local, single process" + (", packed" if pack_below else ""), len(points), survived, killed)
 
