@@ -589,9 +589,10 @@ class LoadPlan:
 
 def asked_mask(metadata: Metadata, asked: Sequence[str] | set[str]) -> str:
     """Which of the checkpoint's keys ``asked`` names, as a hexadecimal bit
-    mask over its sorted keys: small enough for every rank to all-gather."""
+    mask over its keys in metadata order (every rank parses the same file):
+    small enough for every rank to all-gather."""
     wanted = set(asked)
-    bits = np.fromiter((k in wanted for k in sorted(metadata.tensors)), bool, len(metadata.tensors))
+    bits = np.fromiter((k in wanted for k in metadata.tensors), bool, len(metadata.tensors))
     return np.packbits(bits).tobytes().hex()
 
 
@@ -601,7 +602,7 @@ def unread_keys(metadata: Metadata, masks: Sequence[str]) -> list[str]:
     read = np.zeros(n, bool)
     for m in masks:
         read |= np.unpackbits(np.frombuffer(bytes.fromhex(m), np.uint8), count=n).astype(bool)
-    return [key for key, r in zip(sorted(metadata.tensors), read) if not r]
+    return sorted(key for key, r in zip(metadata.tensors, read) if not r)
 
 
 def missing_key(key: str, metadata: Metadata) -> str:

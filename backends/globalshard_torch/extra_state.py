@@ -106,19 +106,21 @@ def _is_main(layout: ParallelLayout, expert: bool) -> bool:
     return (layout.expert_dp_rank if expert else layout.dp_rank) == 0
 
 
-def _key(gname: str, layout: ParallelLayout) -> str:
-    key = f"{PREFIX}{gname}.tp{layout.tp_rank}of{layout.tp_size}"
+def _where(gname: str, layout: ParallelLayout) -> dict[str, Any]:
+    """The ranks a module's record belongs to: its TP rank, and its EP rank
+    for a grouped experts module."""
+    out: dict[str, Any] = {"tp": layout.tp_size, "rank": layout.tp_rank}
     # TODO(limitation): a grouped experts module's state (all of an EP rank's
     # experts in one module) is kept per EP rank and does not follow an EP change.
-    return f"{key}.ep{layout.ep_rank}of{layout.ep_size}" if _grouped(gname) and layout.ep_size > 1 else key
-
-
-def _where(gname: str, layout: ParallelLayout) -> dict[str, Any]:
-    """The ranks a module's record belongs to."""
-    out: dict[str, Any] = {"tp": layout.tp_size, "rank": layout.tp_rank}
     if _grouped(gname) and layout.ep_size > 1:
         out["ep"] = [layout.ep_rank, layout.ep_size]
     return out
+
+
+def _key(gname: str, layout: ParallelLayout) -> str:
+    where = _where(gname, layout)
+    key = f"{PREFIX}{gname}.tp{where['rank']}of{where['tp']}"
+    return f"{key}.ep{where['ep'][0]}of{where['ep'][1]}" if "ep" in where else key
 
 
 def collect(chunks: Sequence[nn.Module], layout: ParallelLayout, layer_pattern: str,
@@ -177,8 +179,7 @@ def restore_targets(chunks: Sequence[nn.Module], layout: ParallelLayout, layer_p
     for gname, module, _expert in _modules(chunks, layout, layer_pattern):
         records = saved.get(gname, [])
         where = _where(gname, layout)
-        record = next((r for r in records if all(r.get(k) == v for k, v in where.items())
-                       and ("ep" in r) == ("ep" in where)), None)
+        record = next((r for r in records if {k: r[k] for k in ("tp", "rank", "ep") if k in r} == where), None)
         if record is None and not records and is_empty(module.get_extra_state()):
             continue  # saved as no state (or by a model without it), and holding none
         if record is None:

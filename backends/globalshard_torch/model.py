@@ -65,9 +65,7 @@ class Entry:
         if p.segment_replicas is None:
             return {name: self.shard(key, data)}
         assert p.segments is not None
-        if tuple(data.shape) != tuple(self.tensor.shape):
-            raise LayoutError(f"{key!r}: local shape {data.shape} differs from the parameter's "
-                              f"{tuple(self.tensor.shape)}")
+        self._check_shape(key, data)
         out = {}
         for i, (seg, rep) in enumerate(zip(p.segments, p.segment_replicas)):
             rows = data[seg.local_offset:seg.local_offset + seg.length]
@@ -76,14 +74,17 @@ class Entry:
                 replica_id=0 if self.main and rep == 0 else 1)
         return out
 
+    def _check_shape(self, key: str, data: np.ndarray) -> None:
+        if tuple(data.shape) != tuple(self.tensor.shape):
+            raise LayoutError(f"{key!r}: local shape {data.shape} differs from the parameter's "
+                              f"{tuple(self.tensor.shape)}")
+
     def _padded(self, name: str, key: str, data: np.ndarray) -> dict[str, gs.ShardedTensor]:
         """The true rows under ``key`` and the padding rows under its
         ``#padding`` companion (spec section 1), never both over one row."""
         p = self.placement
         assert p.padded_rows is not None
-        if tuple(data.shape) != tuple(self.tensor.shape):
-            raise LayoutError(f"{key!r}: local shape {data.shape} differs from the parameter's "
-                              f"{tuple(self.tensor.shape)}")
+        self._check_shape(key, data)
         vocab, start, rest = p.global_shape[0], p.global_offset[0], tuple(data.shape[1:])
         true_rows = max(0, min(data.shape[0], vocab - start))
         replica = 0 if self.main else 1
@@ -102,10 +103,7 @@ class Entry:
         replica = 0 if self.main else 1
         if p.segment_replicas is not None:
             raise LayoutError(f"{key!r}: part of this layout is another rank's replica; use Entry.shards")
-        if tuple(data.shape) != tuple(self.tensor.shape):
-            raise LayoutError(
-                f"{key!r}: local shape {data.shape} differs from the parameter's {tuple(self.tensor.shape)}"
-            )
+        self._check_shape(key, data)
         if p.regions is not None:
             view = data.reshape(p.local_view) if p.local_view is not None else data
             return gs.ShardedTensor(key, view, p.global_shape, p.regions, replica)

@@ -175,8 +175,8 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
             elif isinstance(value, (bytes, bytearray)):
                 shards[key] = _replica_shard(key, np.frombuffer(bytes(value), np.uint8).copy(), comm.rank == 0)
                 byte_keys.append(key)
-            elif _refusal(value) is not None:
-                problems.append(f"{key}: {_refusal(value)}")
+            elif (why := _refusal(value)) is not None:
+                problems.append(f"{key}: {why}")
             else:
                 try:
                     values[key] = jsonable(value, key)
@@ -272,8 +272,8 @@ def load(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, all
                 asked_values.add(key)
             elif key in checkpoint.metadata.tensors:
                 problems.append(f"{key}: stored as a tensor, the state dict holds a {type(value).__name__}")
-            elif _refusal(value) is not None:
-                problems.append(f"{key}: {_refusal(value)}")
+            elif (why := _refusal(value)) is not None:
+                problems.append(f"{key}: {why}")
             elif strict:
                 problems.append(f"{key}: {missing_key(key, checkpoint.metadata)}")
             else:
