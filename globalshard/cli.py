@@ -4,7 +4,7 @@
     globalshard verify PATH [--workers N]    read every stored byte, checksums verified
     globalshard diff A B [--atol X]          keys, dtypes, shapes and values that differ
     globalshard export PATH OUT --format safetensors [--dtype bf16] [--max-shard-size 5GB]
-                       [--map llama|FILE] [--param heads=32]
+                       [--map llama|megatron_gpt|torchtitan_llama3|FILE] [--param heads=32]
 
 Every verb takes ``--json`` (one JSON document on stdout) and ``--kvstore
 SPEC`` (a TensorStore kvstore URL or JSON spec; PATH is then relative inside
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
 from importlib import metadata as importlib_metadata
@@ -177,12 +178,15 @@ def _export(args: argparse.Namespace) -> int:
     from globalshard.hf import ExportError, NameMapping, export, parse_size
 
     try:
-        params = {}
+        params: dict[str, float] = {}
         for p in args.param or []:
             name, _, value = p.partition("=")
-            if not value.isdigit():
-                raise ExportError(f"--param {p!r}: expected NAME=INTEGER")
-            params[name] = int(value)
+            try:
+                params[name] = int(value) if re.fullmatch(r"\d+", value) else float(value)
+            except ValueError:
+                raise ExportError(f"--param {p!r}: expected NAME=NUMBER") from None
+            if not name or not math.isfinite(params[name]):
+                raise ExportError(f"--param {p!r}: expected NAME=NUMBER")
         mapping = NameMapping.load(args.map, params) if args.map else (
             NameMapping({"tensors": [{"key": "{name}", "name": "{name}"}]}, params=params))
         size = parse_size(args.max_shard_size)
@@ -204,9 +208,15 @@ def _export(args: argparse.Namespace) -> int:
     files = sorted(set(index["weight_map"].values()))
     doc = {"out": args.out, "tensors": len(index["weight_map"]), "files": files,
            "bytes": index["metadata"]["total_size"], "seconds": round(time.perf_counter() - start, 3),
-           "skipped": index["skipped"]}
+           "skipped": index["skipped"], "merged": index["merged"],
+           "config": "config.json" if index["config"] is not None else None}
     lines = [f"wrote {len(index['weight_map'])} tensors, {doc['bytes'] / 2**20:.2f} MiB in "
              f"{len(files)} file(s) + model.safetensors.index.json to {args.out}"]
+    if index["config"] is not None:
+        lines.append(f"wrote config.json ({index['config'].get('architectures', ['?'])[0]})")
+    if index["merged"]:
+        lines.append(f"merged {len(index['merged'])} adapter keys into the tensors they adapt: "
+                     f"{', '.join(index['merged'][:8])}{' ...' if len(index['merged']) > 8 else ''}")
     if index["skipped"]:
         lines.append(f"skipped {len(index['skipped'])} keys the mapping leaves out: "
                      f"{', '.join(index['skipped'][:8])}{' ...' if len(index['skipped']) > 8 else ''}")
@@ -252,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--format", choices=["safetensors"], default="safetensors")
     p.add_argument("--dtype", help="convert floating-point tensors (bf16, fp16, fp32 or a dtype name)")
     p.add_argument("--max-shard-size", default="5GB", help="bytes per file (default 5GB)")
-    p.add_argument("--map", help="a mapping file, or a shipped one by name (llama)")
-    p.add_argument("--param", action="append", help="NAME=INT for the mapping (repeatable)")
+    p.add_argument("--map", help="a mapping file, or a shipped one by name (llama, megatron_gpt, torchtitan_llama3)")
+    p.add_argument("--param", action="append", help="NAME=NUMBER for the mapping (repeatable)")
     args = parser.parse_args(argv)
     command = {"inspect": _inspect, "verify": _verify, "diff": _diff, "export": _export}[args.command]
     try:

@@ -16,21 +16,47 @@ because the ``safetensors`` package needs whole tensors in memory, and read
 here by offsets because its numpy API has no bfloat16. The tests check both
 directions against the ``safetensors`` package itself.
 
-A mapping file (JSON; ``globalshard/mappings/llama.json`` is shipped)::
+A mapping file (JSON; ``globalshard/mappings/`` ships ``llama`` for the
+demo's model, ``megatron_gpt`` for Megatron-Core's GPTModel and
+``torchtitan_llama3``, each to Hugging Face's ``LlamaForCausalLM``)::
 
-    {"params": {"heads": 32, "kv_heads": 8},
+    {"params": {"heads": 32, "kv_heads": 8, "rope_theta": 500000.0},
      "tensors": [
        {"key": "layers.{layer}.attn.qkv.weight", "split": {"axis": 0, "parts": [
-           {"name": "model.layers.{layer}.self_attn.q_proj.weight", "size": "heads"},
-           {"name": "model.layers.{layer}.self_attn.k_proj.weight", "size": "kv_heads"},
-           {"name": "model.layers.{layer}.self_attn.v_proj.weight", "size": "kv_heads"}]}},
+           {"name": "model.layers.{layer}.self_attn.q_proj.weight", "size": "heads", "rotary": "heads"},
+           {"name": "model.layers.{layer}.self_attn.k_proj.weight", "size": "kv_heads", "rotary": "kv_heads"},
+           {"name": "model.layers.{layer}.self_attn.v_proj.weight", "size": "kv_heads"}]},
+        "lora": {"A": "layers.{layer}.attn.qkv_lora_A", "B": "layers.{layer}.attn.qkv_lora_B", "scale": 1}},
        {"key": "final_norm", "name": "model.norm.weight"}],
-     "skip": ["optimizer\\\\..*"]}
+     "skip": ["optimizer\\\\..*"],
+     "config": {"model_type": "llama", "num_attention_heads": {"$param": "heads"},
+                "hidden_size": {"$shape": "model.norm.weight", "axis": 0}}}
 
 ``{field}`` in a key matches one dot-free name part (``{layer}``: digits)
 and is substituted into the names. A split's part sizes are proportions
 (numbers or ``params`` names) of the axis. Every checkpoint key must match
 a rule or a ``skip`` pattern: nothing is left out silently.
+
+* ``lora``: the checkpoint holds a low-rank adapter of the tensor, ``W +
+  scale * B @ A`` (``B`` of shape ``[rows, r]``, ``A`` of ``[r, cols]``);
+  export writes the merged tensor and reports ``A`` and ``B`` as merged. An
+  adapter no rule merges matches no rule: an error naming it, never a
+  silent drop of what training learned.
+* ``rotary`` (on a name or a split part): the tensor's rows are, per head of
+  that many heads, in the interleaved rotary order (pairs ``2i, 2i + 1``, as
+  Meta's Llama and torchtitan rotate them); Hugging Face rotates halves
+  (``i, i + head_dim / 2``). Export permutes the rows of each head, and
+  reading back permutes them back, as torchtitan's own state dict adapter
+  and Hugging Face's conversion script do.
+* ``config``: written as ``config.json`` beside the files. Values are JSON,
+  or one of ``{"$param": name}``, ``{"$shape": hf_name, "axis": i}``
+  (``"divide": param`` divides it), ``{"$count": hf_name_with_{layer}}``
+  (how many layers have it), ``{"$present": hf_name}``, ``{"$absent":
+  hf_name}``, ``{"$dtype": hf_name}`` (its exported dtype, for
+  ``torch_dtype``). Without it no ``config.json`` is written (nor removed).
+
+``params`` are numbers; sizes, heads and layer counts must be positive
+integers.
 """
 
 from __future__ import annotations
@@ -39,7 +65,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +126,14 @@ def parse_size(text: str) -> int:
 class _Part:
     name: str
     size: int
+    rotary: int | None = None  # heads whose rows are in the interleaved rotary order
+
+
+@dataclass(frozen=True)
+class _Lora:
+    a: str
+    b: str
+    scale: float
 
 
 @dataclass(frozen=True)
@@ -109,15 +143,24 @@ class _Rule:
     name: str | None
     axis: int
     parts: tuple[_Part, ...]
+    rotary: int | None = None
+    lora: _Lora | None = None
 
 
 @dataclass(frozen=True)
 class Piece:
-    """A Hugging Face tensor: ``box`` of checkpoint key ``key``."""
+    """A Hugging Face tensor: ``box`` of checkpoint key ``key``.
+
+    ``rotary``: the box's rows are, per head of that many, in the
+    interleaved rotary order, and the Hugging Face tensor has them in
+    halves. ``lora``: the keys of the adapter merged into it and its scale.
+    """
 
     name: str
     key: str
     box: Box
+    rotary: int | None = None
+    lora: tuple[str, str, float] | None = None
 
 
 class NameMapping:
@@ -126,27 +169,26 @@ class NameMapping:
     Renames and splits only: no values change.
     """
 
-    # TODO(limitation): no permutation of rows inside a tensor (such as the rotary
-    # q/k row order Meta's and Hugging Face's Llama checkpoints differ by): a model
-    # whose layout differs from Hugging Face's that way needs it done outside.
-
-    def __init__(self, doc: Any, *, params: Mapping[str, int] | None = None, where: str = "mapping") -> None:
+    def __init__(self, doc: Any, *, params: Mapping[str, float] | None = None, where: str = "mapping") -> None:
         if not isinstance(doc, dict):
             raise ExportError(f"{where}: a mapping is a JSON object")
         self.params = {str(k): v for k, v in dict(doc.get("params") or {}).items()} | dict(params or {})
         for k, v in self.params.items():
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ExportError(f"{where}: params.{k} must be a positive integer, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ExportError(f"{where}: params.{k} must be a number, got {v!r}")
+        self.where = where
         self.rules: list[_Rule] = []
         for i, t in enumerate(doc.get("tensors") or []):
             at = f"{where}: tensors[{i}]"
             if not isinstance(t, dict) or not isinstance(t.get("key"), str):
                 raise ExportError(f"{at}: needs a string 'key'")
+            rotary = self._count(t, "rotary", at)
+            lora = self._lora(t.get("lora"), f"{at}.lora")
             split = t.get("split")
             if split is None:
                 if not isinstance(t.get("name"), str):
                     raise ExportError(f"{at}: needs a string 'name' or a 'split'")
-                self.rules.append(_Rule(_compile(t["key"], at), t["key"], t["name"], 0, ()))
+                self.rules.append(_Rule(_compile(t["key"], at), t["key"], t["name"], 0, (), rotary, lora))
                 continue
             if not isinstance(split, dict) or not isinstance(split.get("parts"), list) or not split["parts"]:
                 raise ExportError(f"{at}.split: needs a non-empty 'parts' list")
@@ -157,17 +199,42 @@ class NameMapping:
             for j, p in enumerate(split["parts"]):
                 if not isinstance(p, dict) or not isinstance(p.get("name"), str):
                     raise ExportError(f"{at}.split.parts[{j}]: needs a string 'name'")
-                size = p.get("size", 1)
-                if isinstance(size, str):
-                    if size not in self.params:
-                        raise ExportError(f"{at}.split.parts[{j}].size: {size!r} is not in params "
-                                          f"{sorted(self.params)} (set it with --param {size}=N)")
-                    size = self.params[size]
-                if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-                    raise ExportError(f"{at}.split.parts[{j}].size: a positive integer or a params name")
-                parts.append(_Part(p["name"], size))
-            self.rules.append(_Rule(_compile(t["key"], at), t["key"], None, axis, tuple(parts)))
+                size = self._count(p, "size", f"{at}.split.parts[{j}]", default=1)
+                parts.append(_Part(p["name"], size, self._count(p, "rotary", f"{at}.split.parts[{j}]")))
+            self.rules.append(_Rule(_compile(t["key"], at), t["key"], None, axis, tuple(parts), rotary, lora))
         self.skip = [re.compile(p) for p in doc.get("skip") or []]
+        config = doc.get("config")
+        if config is not None and not isinstance(config, dict):
+            raise ExportError(f"{where}: config must be a JSON object")
+        self.config: dict[str, Any] | None = config
+
+    def _count(self, doc: Mapping[str, Any], field: str, at: str, default: int | None = None) -> Any:
+        """``doc[field]``: a positive integer, or the name of a params entry holding one."""
+        value = doc.get(field, default)
+        if value is None:
+            return None
+        if isinstance(value, str):
+            if value not in self.params:
+                raise ExportError(f"{at}.{field}: {value!r} is not in params {sorted(self.params)} "
+                                  f"(set it with --param {value}=N)")
+            value = self.params[value]
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ExportError(f"{at}.{field}: a positive integer or the name of one in params, got {value!r}")
+        return value
+
+    def _lora(self, doc: Any, at: str) -> _Lora | None:
+        if doc is None:
+            return None
+        if not isinstance(doc, dict) or not isinstance(doc.get("A"), str) or not isinstance(doc.get("B"), str):
+            raise ExportError(f"{at}: needs string key patterns 'A' and 'B'")
+        scale = doc.get("scale", 1)
+        if isinstance(scale, str):
+            if scale not in self.params:
+                raise ExportError(f"{at}.scale: {scale!r} is not in params (set it with --param {scale}=X)")
+            scale = self.params[scale]
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise ExportError(f"{at}.scale: a number or the name of one in params, got {scale!r}")
+        return _Lora(doc["A"], doc["B"], float(scale))
 
     @classmethod
     def load(cls, path: str, params: Mapping[str, int] | None = None) -> NameMapping:
@@ -187,21 +254,36 @@ class NameMapping:
 
     def pieces(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple[list[Piece], list[str]]:
         """Every Hugging Face tensor of the checkpoint keys with these global
-        shapes, and the keys skipped. Raises naming every key no rule maps."""
+        shapes, and the keys skipped. Raises naming every key no rule maps.
+        The adapters merged into a tensor are in its pieces' ``lora``."""
         pieces: list[Piece] = []
-        skipped, unmapped, problems = [], [], []
+        skipped: list[str] = []
+        unmapped: list[str] = []
+        problems: list[str] = []
+        merged = self._merged(shapes)
         for key in sorted(shapes):
             shape = shapes[key]
             if is_padding_key(key):  # rows a training layout padded: not part of the model (spec section 1)
                 skipped.append(key)
+                continue
+            if key in merged:
                 continue
             for rule in self.rules:
                 m = rule.pattern.fullmatch(key)
                 if m is None:
                     continue
                 fields = m.groupdict()
+                lora = None
+                if rule.lora is not None:
+                    a, b = rule.lora.a.format(**fields), rule.lora.b.format(**fields)
+                    if a in shapes and b in shapes:
+                        lora = (a, b, rule.lora.scale)
+                        problems += _lora_problems(key, shape, a, shapes[a], b, shapes[b])
+                    elif a in shapes or b in shapes:
+                        problems.append(f"{key!r}: the checkpoint has only one of its adapter's {a!r} and {b!r}")
                 if rule.name is not None:
-                    pieces.append(Piece(rule.name.format(**fields), key, Box.full(shape)))
+                    pieces.append(Piece(rule.name.format(**fields), key, Box.full(shape), rule.rotary, lora))
+                    problems += _rotary_problems(pieces[-1])
                     break
                 if rule.axis >= len(shape):
                     problems.append(f"{key!r}: split on axis {rule.axis} of a {len(shape)}-d tensor")
@@ -216,7 +298,8 @@ class NameMapping:
                     n = total // units * p.size
                     offset = tuple(start if a == rule.axis else 0 for a in range(len(shape)))
                     size = tuple(n if a == rule.axis else s for a, s in enumerate(shape))
-                    pieces.append(Piece(p.name.format(**fields), key, Box(offset, size)))
+                    pieces.append(Piece(p.name.format(**fields), key, Box(offset, size), p.rotary, lora))
+                    problems += _rotary_problems(pieces[-1])
                     start += n
                 break
             else:
@@ -234,6 +317,92 @@ class NameMapping:
         if problems:
             raise ExportError("the mapping does not fit the checkpoint:\n" + "\n".join(f"  - {p}" for p in problems))
         return pieces, skipped
+
+    def _merged(self, shapes: Mapping[str, tuple[int, ...]]) -> set[str]:
+        """The adapter keys some rule merges into a tensor of the checkpoint."""
+        out: set[str] = set()
+        for key in shapes:
+            for rule in self.rules:
+                m = rule.pattern.fullmatch(key)
+                if m is not None:
+                    if rule.lora is not None:
+                        fields = m.groupdict()
+                        out |= {rule.lora.a.format(**fields), rule.lora.b.format(**fields)} & set(shapes)
+                    break
+        return out
+
+    def merged(self, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+        """The adapter keys of a checkpoint with these shapes that export merges."""
+        return sorted(self._merged(shapes))
+
+    def hf_config(self, pieces: Sequence[Piece], out_dtype: Mapping[str, str]) -> dict[str, Any] | None:
+        """The ``config.json`` the mapping describes for these tensors, or None."""
+        if self.config is None:
+            return None
+        shapes = {p.name: p.box.shape for p in pieces}
+
+        def value(v: Any, at: str) -> Any:
+            if isinstance(v, list):
+                return [value(x, f"{at}[{i}]") for i, x in enumerate(v)]
+            if not isinstance(v, dict):
+                return v
+            directive = [k for k in v if k.startswith("$")]
+            if not directive:
+                return {k: value(x, f"{at}.{k}") for k, x in v.items()}
+            kind, arg = directive[0], v[directive[0]]
+            if kind == "$param":
+                if arg not in self.params:
+                    raise ExportError(f"{self.where}: {at} needs params.{arg} (set it with --param {arg}=...)")
+                return self.params[arg]
+            if kind in ("$present", "$absent"):
+                return (arg in shapes) == (kind == "$present")
+            if kind == "$count":
+                pattern = _compile(arg, at)
+                return len({n for n in shapes if pattern.fullmatch(n)})
+            if arg not in shapes:
+                raise ExportError(f"{self.where}: {at} reads {arg!r}, which the export does not write")
+            if kind == "$dtype":
+                return out_dtype[arg]
+            if kind == "$shape":
+                n = shapes[arg][int(v.get("axis", 0))]
+                if "divide" in v:
+                    d = self._count(v, "divide", at)
+                    if n % d:
+                        raise ExportError(f"{self.where}: {at}: {n} does not divide by {d}")
+                    n //= d
+                return n
+            raise ExportError(f"{self.where}: {at}: unknown directive {kind!r}")
+
+        return {k: value(v, f"config.{k}") for k, v in self.config.items()}
+
+
+def _lora_problems(key: str, shape: tuple[int, ...], a: str, a_shape: tuple[int, ...], b: str,
+                   b_shape: tuple[int, ...]) -> list[str]:
+    if len(shape) != 2 or len(a_shape) != 2 or len(b_shape) != 2 or b_shape[0] != shape[0] \
+            or a_shape[1] != shape[1] or a_shape[0] != b_shape[1]:
+        return [f"{key!r} {list(shape)}: its adapter {b!r} {list(b_shape)} @ {a!r} {list(a_shape)} "
+                "does not have its shape"]
+    return []
+
+
+def _rotary_problems(p: Piece) -> list[str]:
+    if p.rotary is None:
+        return []
+    rows = p.box.shape[0] if p.box.shape else 0
+    if rows % (2 * p.rotary):
+        return [f"{p.name!r} ({p.key!r}): {rows} rows are not {p.rotary} heads of an even head size"]
+    return []
+
+
+def _to_halves(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Rows of whole heads from the interleaved rotary order to halves."""
+    n = rows.shape[0]
+    return rows.reshape(heads, n // heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _from_halves(rows: np.ndarray, heads: int) -> np.ndarray:
+    n = rows.shape[0]
+    return rows.reshape(heads, 2, n // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
 def _compile(key: str, where: str) -> re.Pattern[str]:
@@ -262,26 +431,35 @@ def export(checkpoint: str | Checkpoint, out: str, *, mapping: NameMapping | Non
     ``dtype`` converts floating-point tensors (integers and bools keep
     theirs); a narrowing conversion is what was asked for, so it is allowed.
     Files hold at most ``max_shard_size`` bytes of tensors (a larger tensor
-    gets a file of its own). ``progress(nbytes)`` follows the reads. What an
-    earlier export left in ``out`` (``model*.safetensors`` files this export
-    does not write, and their index) is removed once the new files are in
-    place, so that no reader picks a stale ``model.safetensors`` over the new
-    index; nothing else in ``out`` is touched.
+    gets a file of its own). ``progress(nbytes)`` follows the reads. A
+    mapping with a ``config`` also writes ``config.json``. What an earlier
+    export left in ``out`` (``model*.safetensors`` files this export does
+    not write, the index, and ``config.json`` when this export writes one)
+    is replaced once the new files are in place, so that no reader picks a
+    stale ``model.safetensors`` over the new index; nothing else in ``out``
+    is touched.
 
     Returns:
         The index written to ``model.safetensors.index.json``, plus
-        ``"skipped"``: the checkpoint keys the mapping's ``skip`` left out.
+        ``"skipped"``: the checkpoint keys the mapping's ``skip`` left out,
+        ``"merged"``: the adapter keys merged into the tensors they adapt,
+        and ``"config"``: the ``config.json`` written, or None.
     """
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint, kvstore=kvstore)
     tensors = ckpt.metadata.tensors
-    pieces, skipped = (mapping or NameMapping.identity()).pieces({k: t.global_shape for k, t in tensors.items()})
+    mapping = mapping or NameMapping.identity()
+    shapes = {k: t.global_shape for k, t in tensors.items()}
+    pieces, skipped = mapping.pieces(shapes)
     out_dtype = {}
     for p in pieces:
         stored = tensors[p.key].dtype
         want = canonical_name(np.dtype(numpy_dtype(dtype))) if dtype and _is_float(stored) else stored
         if want not in SAFETENSORS_DTYPES:
             raise ExportError(f"{p.key!r}: safetensors has no {want} (choose another with --dtype)")
+        if p.lora is not None and not _is_float(stored):
+            raise ExportError(f"{p.key!r}: an adapter merges into floating-point tensors only, not {stored}")
         out_dtype[p.name] = want
+    config = mapping.hf_config(pieces, out_dtype)
     # Files of bounded size, in the order the mapping lists the tensors.
     files: list[list[Piece]] = [[]]
     size = 0
@@ -303,12 +481,14 @@ def export(checkpoint: str | Checkpoint, out: str, *, mapping: NameMapping | Non
     index = {"metadata": {"total_size": total, "format": "pt", "source": "globalshard",
                           "save_id": ckpt.metadata.save_id},
              "weight_map": dict(sorted(weight_map.items()))}
+    if config is not None:
+        _write_atomically(os.path.join(out, "config.json"), json.dumps(config, indent=2).encode("utf-8"))
     _write_atomically(os.path.join(out, "model.safetensors.index.json"),
                       json.dumps(index, indent=2).encode("utf-8"))
     for stale in sorted(os.listdir(out)):
         if _EXPORTED.fullmatch(stale) and stale not in names:
             os.unlink(os.path.join(out, stale))
-    return {**index, "skipped": skipped}
+    return {**index, "skipped": skipped, "merged": mapping.merged(shapes), "config": config}
 
 
 #: The files an export writes (and so may replace): one file, or numbered shards.
@@ -317,6 +497,35 @@ _EXPORTED = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
 
 def _is_float(dtype: str) -> bool:
     return dtype.startswith(("float", "bfloat"))
+
+
+def _windows(ckpt: Checkpoint, p: Piece) -> Iterator[tuple[Box, np.ndarray]]:
+    """The piece's values in Hugging Face's order, a window of rows at a time,
+    with its adapter merged and its rotary rows in halves."""
+    stored = numpy_dtype(ckpt.metadata.tensors[p.key].dtype)
+    if p.rotary is None and p.lora is None:
+        for window in p.box.row_windows(stored.itemsize, WINDOW_BYTES):
+            yield window, ckpt.read_array(p.key, window)
+        return
+    rows = p.box.shape[0]
+    unit = rows // p.rotary if p.rotary else 1  # whole heads per window
+    row_bytes = math.prod(p.box.shape[1:]) * stored.itemsize
+    step = max(1, WINDOW_BYTES // max(1, row_bytes * unit)) * unit
+    a = ckpt.read_array(p.lora[0], Box.full(ckpt.metadata.tensors[p.lora[0]].global_shape)) if p.lora else None
+    for r0 in range(0, rows, step):
+        n = min(step, rows - r0)
+        window = Box((p.box.offset[0] + r0, *p.box.offset[1:]), (n, *p.box.shape[1:]))
+        buf = ckpt.read_array(p.key, window)
+        if p.lora is not None and a is not None:
+            _, b_key, scale = p.lora
+            rank = a.shape[0]
+            b = ckpt.read_array(b_key, Box((window.offset[0], 0), (n, rank)))
+            cols = slice(window.offset[1], window.offset[1] + window.shape[1])
+            merged = buf.astype(np.float64) + scale * (b.astype(np.float64) @ a[:, cols].astype(np.float64))
+            buf = merged.astype(buf.dtype)
+        if p.rotary is not None:
+            buf = _to_halves(buf, n // unit)
+        yield window, buf
 
 
 def _write_file(ckpt: Checkpoint, path: str, pieces: Sequence[Piece], out_dtype: Mapping[str, str],
@@ -336,8 +545,7 @@ def _write_file(ckpt: Checkpoint, path: str, pieces: Sequence[Piece], out_dtype:
             f.write(len(raw).to_bytes(8, "little") + raw)
             for p in pieces:
                 stored = ckpt.metadata.tensors[p.key].dtype
-                for window in p.box.row_windows(numpy_dtype(stored).itemsize, WINDOW_BYTES):
-                    buf = ckpt.read_array(p.key, window)
+                for window, buf in _windows(ckpt, p):
                     if out_dtype[p.name] != stored:
                         buf = buf.astype(numpy_dtype(out_dtype[p.name]))
                     if buf.size:  # little-endian bytes, written from the array itself (no copy)
@@ -473,10 +681,13 @@ class SafetensorsSource:
                 shape = list(entries[0].shape)
                 if rule.name is None:
                     shape[axis] = sum(e.shape[axis] for e in entries)
+                rotary = [rule.rotary] if rule.name is not None else [p.rotary for p in rule.parts]
                 pieces, start = [], 0
-                for n, e in zip(names, entries):
+                for n, e, heads in zip(names, entries, rotary):
                     offset = tuple(start if a == axis else 0 for a in range(len(e.shape)))
-                    pieces.append(Piece(n, key, Box(offset, e.shape)))
+                    pieces.append(Piece(n, key, Box(offset, e.shape), heads))
+                    if heads is not None and (not e.shape or e.shape[0] % (2 * heads)):
+                        raise ExportError(f"{n!r}: {list(e.shape)} is not {heads} rotary heads of an even size")
                     start += e.shape[axis] if rule.name is None else 0
                 claimed |= set(names)
                 out[key] = (entries[0].dtype, tuple(shape), pieces)
@@ -495,7 +706,7 @@ class SafetensorsSource:
                 continue
             e = self.entries[p.name]
             local = Box(tuple(a - b for a, b in zip(part.offset, p.box.offset)), part.shape)
-            values = _read_rows(e, local)
+            values = _read_rows(e, local) if p.rotary is None else _read_rotary(e, local, p.rotary)
             dst = out[tuple(slice(a - b, a - b + s) for a, b, s in zip(part.offset, box.offset, part.shape))]
             dst[...] = values if values.dtype == out.dtype else values.astype(out.dtype)
             nbytes += values.nbytes
@@ -504,6 +715,17 @@ class SafetensorsSource:
 
 def _fill(template: str, fields: Mapping[str, str]) -> str:
     return template.format(**fields)
+
+
+def _read_rotary(e: _Entry, box: Box, heads: int) -> np.ndarray:
+    """``box`` of a tensor stored with its rotary rows in halves, in the
+    interleaved order: the whole heads it spans are read and permuted back."""
+    unit = e.shape[0] // heads
+    first, last = box.offset[0] // unit, -(-(box.offset[0] + box.shape[0]) // unit)
+    rows = _read_rows(e, Box((first * unit, *(0 for _ in e.shape[1:])), ((last - first) * unit, *e.shape[1:])))
+    rows = _from_halves(rows, last - first)
+    r0 = box.offset[0] - first * unit
+    return rows[(slice(r0, r0 + box.shape[0]), *(slice(o, o + s) for o, s in zip(box.offset[1:], box.shape[1:])))]
 
 
 def _read_rows(e: _Entry, box: Box) -> np.ndarray:

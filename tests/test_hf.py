@@ -9,11 +9,14 @@ import json
 import os
 import re
 import sys
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -44,7 +47,8 @@ def hf_model(cfg=CFG, seed=0):
                 p + "self_attn.k_proj.weight": w(cfg.kv_heads * HD, cfg.hidden),
                 p + "self_attn.v_proj.weight": w(cfg.kv_heads * HD, cfg.hidden),
                 p + "self_attn.o_proj.weight": w(cfg.hidden, cfg.heads * HD),
-                p + "self_attn.o_proj.bias": w(cfg.hidden),
+                p + "self_attn.q_proj.bias": w(cfg.heads * HD), p + "self_attn.k_proj.bias": w(cfg.kv_heads * HD),
+                p + "self_attn.v_proj.bias": w(cfg.kv_heads * HD), p + "self_attn.o_proj.bias": w(cfg.hidden),
                 p + "mlp.gate_proj.weight": w(cfg.ffn, cfg.hidden), p + "mlp.up_proj.weight": w(cfg.ffn, cfg.hidden),
                 p + "mlp.down_proj.weight": w(cfg.hidden, cfg.ffn)}
     return out
@@ -58,12 +62,14 @@ def as_checkpoint_keys(hf):
         out |= {p + "attn.norm": hf[h + "input_layernorm.weight"],
                 p + "mlp.norm": hf[h + "post_attention_layernorm.weight"],
                 p + "attn.qkv.weight": np.concatenate([hf[h + f"self_attn.{x}_proj.weight"] for x in "qkv"]),
+                p + "attn.qkv.bias": np.concatenate([hf[h + f"self_attn.{x}_proj.bias"] for x in "qkv"]),
                 p + "attn.proj.weight": hf[h + "self_attn.o_proj.weight"],
                 p + "attn.proj.bias": hf[h + "self_attn.o_proj.bias"],
                 p + "mlp.gate_up.weight": np.concatenate([hf[h + "mlp.gate_proj.weight"],
                                                           hf[h + "mlp.up_proj.weight"]]),
                 p + "mlp.down.weight": hf[h + "mlp.down_proj.weight"],
-                p + "attn.qkv_lora_A": np.zeros((CFG.lora_rank, CFG.hidden), np.float32)}
+                p + "attn.qkv_lora_A": np.zeros((CFG.lora_rank, CFG.hidden), np.float32),
+                p + "attn.qkv_lora_B": np.zeros(((CFG.heads + 2 * CFG.kv_heads) * HD, CFG.lora_rank), np.float32)}
     return out
 
 
@@ -95,14 +101,13 @@ def test_export_under_llama_names_splits_fused_layouts(tmp_path):
             sizes = [st.get_tensor(n).numel() * 4 for n in st.keys()]
         assert sum(sizes) <= 40_000 or len(sizes) == 1
     _, got = read_all(tmp_path / "hf")
-    assert set(got) == set(hf)  # optimizer state and LoRA skipped, nothing else lost
+    assert set(got) == set(hf)  # optimizer state skipped, LoRA merged, nothing else lost
     for name, value in hf.items():
         assert np.array_equal(got[name].numpy(), value), name
     assert index["metadata"]["total_size"] == sum(v.nbytes for v in hf.values())
-    # Reported, not dropped without a word: the optimizer state and the LoRA factors.
-    assert "optimizer.exp_avg.final_norm" in index["skipped"]
-    assert all("_lora_" in k or k.startswith("optimizer.") for k in index["skipped"])
-    assert any("_lora_" in k for k in index["skipped"])
+    # Reported, not dropped without a word: the optimizer state skipped, the LoRA factors merged.
+    assert index["skipped"] == ["optimizer.exp_avg.final_norm"]
+    assert index["merged"] == sorted(f"layers.{i}.attn.qkv_lora_{x}" for i in range(CFG.layers) for x in "AB")
 
 
 def test_a_re_export_replaces_what_the_earlier_export_left(tmp_path):
@@ -183,11 +188,11 @@ def expected_for(key, hf, tp, r):
         return hf["model.norm.weight"]
     i, rest = key.split(".")[1], key.split(".", 2)[2]
     h = f"model.layers.{i}."
-    if rest == "attn.qkv.weight":
-        q, kv = CFG.heads * HD // tp, CFG.kv_heads * HD // tp
-        return np.concatenate([hf[h + "self_attn.q_proj.weight"][r * q:(r + 1) * q],
-                               hf[h + "self_attn.k_proj.weight"][r * kv:(r + 1) * kv],
-                               hf[h + "self_attn.v_proj.weight"][r * kv:(r + 1) * kv]])
+    if rest in ("attn.qkv.weight", "attn.qkv.bias"):
+        q, kv, kind = CFG.heads * HD // tp, CFG.kv_heads * HD // tp, rest.rsplit(".", 1)[1]
+        return np.concatenate([hf[h + f"self_attn.q_proj.{kind}"][r * q:(r + 1) * q],
+                               hf[h + f"self_attn.k_proj.{kind}"][r * kv:(r + 1) * kv],
+                               hf[h + f"self_attn.v_proj.{kind}"][r * kv:(r + 1) * kv]])
     if rest == "mlp.gate_up.weight":
         f = CFG.ffn // tp
         return np.concatenate([hf[h + "mlp.gate_proj.weight"][r * f:(r + 1) * f],
@@ -287,3 +292,123 @@ def test_safetensors_headers_are_checked_as_strictly_as_the_safetensors_package(
         load_file(str(path))
     with pytest.raises(gs.StorageError, match=re.escape(str(path))):
         SafetensorsSource(str(tmp_path))
+
+
+# ----------------------------------------------------------------- adapters, rotary order, config.json
+
+
+def test_an_adapter_is_merged_into_the_tensor_it_adapts_window_by_window(tmp_path, monkeypatch):
+    import globalshard.hf as hfmod
+
+    monkeypatch.setattr(hfmod, "WINDOW_BYTES", 700)  # windows of a few rows, each merged with its rows of B
+    hf = hf_model(seed=3)
+    keys = as_checkpoint_keys(hf)
+    rng = np.random.default_rng(4)
+    for i in range(CFG.layers):
+        keys[f"layers.{i}.attn.qkv_lora_A"] = rng.standard_normal((CFG.lora_rank, CFG.hidden)).astype(np.float32)
+        keys[f"layers.{i}.attn.qkv_lora_B"] = rng.standard_normal(
+            ((CFG.heads + 2 * CFG.kv_heads) * HD, CFG.lora_rank)).astype(np.float32)
+    save_global(keys, tmp_path / "ckpt")
+    mapping = NameMapping.load("llama", {"lora_scale": 0.5})
+    index = export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), mapping=mapping)
+    assert len(index["merged"]) == 2 * CFG.layers
+    _, got = read_all(tmp_path / "hf")
+    for i in range(CFG.layers):
+        p = f"layers.{i}.attn."
+        merged = keys[p + "qkv.weight"].astype(np.float64) + 0.5 * (
+            keys[p + "qkv_lora_B"].astype(np.float64) @ keys[p + "qkv_lora_A"].astype(np.float64))
+        q, kv = CFG.heads * HD, CFG.kv_heads * HD
+        expected = np.split(merged.astype(np.float32), [q, q + kv])
+        for x, want in zip("qkv", expected):
+            assert np.array_equal(got[f"model.layers.{i}.self_attn.{x}_proj.weight"].numpy(), want), (i, x)
+
+
+def test_an_adapter_no_rule_merges_is_refused_by_name(tmp_path):
+    keys = as_checkpoint_keys(hf_model())
+    keys["layers.0.mlp.down_lora_A"] = np.ones((2, CFG.ffn), np.float32)
+    save_global(keys, tmp_path / "ckpt")
+    with pytest.raises(ExportError, match=r"match no rule.*'layers\.0\.mlp\.down_lora_A'"):
+        export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), mapping=NameMapping.load("llama"))
+    keys = as_checkpoint_keys(hf_model())
+    del keys["layers.1.attn.qkv_lora_B"]
+    save_global(keys, tmp_path / "half")
+    with pytest.raises(ExportError, match=r"'layers\.1\.attn\.qkv\.weight': the checkpoint has only one"):
+        export(str(tmp_path / "half"), str(tmp_path / "hf"), mapping=NameMapping.load("llama"))
+    assert not os.path.exists(tmp_path / "hf" / "model.safetensors.index.json")
+
+
+def meta_to_hf(w, heads):
+    """torchtitan's Llama3StateDictAdapter._permute, written out: per head, pairs to halves."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+ROTARY = {"tensors": [{"key": "wq", "name": "q_proj.weight", "rotary": "heads"},
+                      {"key": "bq", "name": "q_proj.bias", "rotary": "heads"},
+                      {"key": "wqkv", "split": {"axis": 0, "parts": [
+                          {"name": "q.weight", "size": 2, "rotary": 2},
+                          {"name": "k.weight", "size": 1, "rotary": 1}]}}],
+          "params": {"heads": 4}}
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_rotary_rows_go_to_halves_on_export_and_back_on_any_read(tmp_path_factory, data):
+    path = tmp_path_factory.mktemp("rotary")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    hd = 2 * data.draw(st.integers(1, 4))
+    cols = data.draw(st.integers(1, 5))
+    values = {"wq": rng.standard_normal((4 * hd, cols)).astype(np.float32),
+              "bq": rng.standard_normal(4 * hd).astype(np.float32),
+              "wqkv": rng.standard_normal((3 * hd, cols)).astype(np.float32)}
+    save_global(values, path / "ckpt")
+    mapping = NameMapping(ROTARY)
+    monkey_window = data.draw(st.sampled_from([None, 8 * cols]))
+    import globalshard.hf as hfmod
+
+    old, hfmod.WINDOW_BYTES = hfmod.WINDOW_BYTES, monkey_window or hfmod.WINDOW_BYTES
+    try:
+        export(str(path / "ckpt"), str(path / "hf"), mapping=mapping)
+    finally:
+        hfmod.WINDOW_BYTES = old
+    _, got = read_all(path / "hf")
+    assert np.array_equal(got["q_proj.weight"].numpy(), meta_to_hf(values["wq"], 4))
+    assert np.array_equal(got["q_proj.bias"].numpy(), meta_to_hf(values["bq"], 4))
+    assert np.array_equal(got["q.weight"].numpy(), meta_to_hf(values["wqkv"][:2 * hd], 2))
+    assert np.array_equal(got["k.weight"].numpy(), meta_to_hf(values["wqkv"][2 * hd:], 1))
+    source = SafetensorsSource(str(path / "hf"), mapping)
+    for key, value in values.items():  # any box reads back in the checkpoint's own order
+        lo = data.draw(st.integers(0, value.shape[0] - 1))
+        hi = data.draw(st.integers(lo + 1, value.shape[0]))
+        box = gs.Box((lo, *(0 for _ in value.shape[1:])), (hi - lo, *value.shape[1:]))
+        out = np.empty(box.shape, np.float32)
+        source.read(key, box, out)
+        assert np.array_equal(out, value[box.slices]), (key, lo, hi)
+
+
+def test_config_json_from_the_mapping_and_its_params(tmp_path):
+    save_global(as_checkpoint_keys(hf_model()), tmp_path / "ckpt")
+    index = export(str(tmp_path / "ckpt"), str(tmp_path / "hf"),
+                   mapping=NameMapping.load("llama", {"rope_theta": 5e5}), dtype="bfloat16")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config == index["config"]
+    assert {k: config[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                   "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta",
+                                   "tie_word_embeddings", "attention_bias", "torch_dtype")} == {
+        "vocab_size": CFG.vocab, "hidden_size": CFG.hidden, "intermediate_size": CFG.ffn,
+        "num_hidden_layers": CFG.layers, "num_attention_heads": CFG.heads, "num_key_value_heads": CFG.kv_heads,
+        "head_dim": HD, "rope_theta": 5e5, "tie_word_embeddings": True, "attention_bias": True,
+        "torch_dtype": "bfloat16"}
+    # A param the config needs and nobody set is named, before anything is written.
+    doc = json.loads((Path(gs.__file__).parent / "mappings" / "llama.json").read_text())
+    del doc["params"]["rope_theta"]
+    with pytest.raises(ExportError, match=r"config\.rope_theta needs params\.rope_theta.*--param rope_theta"):
+        export(str(tmp_path / "ckpt"), str(tmp_path / "hf2"), mapping=NameMapping(doc))
+    assert not os.path.exists(tmp_path / "hf2")
+
+
+@pytest.mark.parametrize("name", ["megatron_gpt", "torchtitan_llama3"])
+def test_the_framework_mappings_need_the_head_counts_and_name_them(name):
+    with pytest.raises(ExportError, match=r"'heads' is not in params.*--param heads="):
+        NameMapping.load(name)
+    assert NameMapping.load(name, {"heads": 8, "kv_heads": 2}).params["heads"] == 8
