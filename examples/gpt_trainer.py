@@ -1,13 +1,20 @@
-"""A small GPT decoder trained with real TP, PP (with virtual stages) and DP on CPU/gloo.
+"""A small Llama trained with real TP, PP (with virtual stages) and DP on CPU/gloo.
+
+The model is Hugging Face's ``LlamaForCausalLM`` (RMSNorm, rotary position
+embedding in halves, grouped-query attention, SwiGLU, tied embeddings, q/k/v/o
+biases as ``attention_bias=True``) with a LoRA adapter on the fused QKV: the
+``llama`` mapping exports it, adapter merged, to a folder transformers opens
+with the same logits.
 
 Tensor parallelism: column-parallel linears (fused QKV with grouped-query
-attention, fused SwiGLU gate/up, LoRA-B of QKV) and row-parallel linears with
-all-reduces, a vocabulary-parallel embedding and cross-entropy over a
-vocabulary padded to a multiple of TP. Pipeline parallelism: stages exchange
-activations and gradients with send/recv over several micro-batches; virtual
-chunks follow Megatron's interleaved layer assignment. Data parallelism:
-gradient all-reduce. Tied input/output embeddings (two copies across PP
-stages, their gradients summed). AdamW, warmup + cosine LR, deterministic data.
+attention, its kv heads replicated when TP exceeds them, fused SwiGLU
+gate/up, LoRA-B of QKV) and row-parallel linears with all-reduces, a
+vocabulary-parallel embedding and cross-entropy over a vocabulary padded
+to a multiple of TP. Pipeline parallelism: stages exchange activations and
+gradients with send/recv over several micro-batches; virtual chunks follow
+Megatron's interleaved layer assignment. Data parallelism: gradient
+all-reduce. Tied input/output embeddings (two copies across PP stages,
+their gradients summed). AdamW, warmup + cosine LR, deterministic data.
 
 Every topology starts from the same global initial weights and sees the same
 global batches, so losses agree across topologies up to float32 reduction
@@ -49,6 +56,8 @@ class Config:
     global_batch: int = 8  # sequences per step, whatever the topology
     micro_batch: int = 2  # sequences per micro-batch on one DP rank
     lora_rank: int = 4
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
     lr: float = 3e-3
     warmup: int = 2
     total_steps: int = 12
@@ -75,7 +84,7 @@ def rules(cfg: Config) -> gt.ShardingRules:
     return gt.ShardingRules([
         (r"embedding\.weight", gt.VocabParallel(cfg.vocab)),
         (r"lm_head\.weight", gt.Tied("embedding.weight")),
-        (r"layers\.\d+\.attn\.qkv\.weight", gt.PackedQKV(cfg.heads, cfg.kv_heads)),
+        (r"layers\.\d+\.attn\.qkv\.(weight|bias)", gt.PackedQKV(cfg.heads, cfg.kv_heads)),
         (r"layers\.\d+\.attn\.qkv_lora_B", gt.PackedQKV(cfg.heads, cfg.kv_heads)),
         (r"layers\.\d+\.attn\.proj\.weight", gt.RowParallel()),
         (r"layers\.\d+\.mlp\.gate_up\.weight", gt.PackedSwiGLU()),
@@ -88,9 +97,10 @@ def rules(cfg: Config) -> gt.ShardingRules:
 
 
 class Groups:
-    """This rank's place and its TP, DP and embedding groups."""
+    """This rank's place and its TP, DP and embedding groups, and the TP ranks
+    that hold the same kv heads (when TP exceeds the kv heads)."""
 
-    def __init__(self, topo: Topology, rank: int):
+    def __init__(self, topo: Topology, rank: int, kv_heads: int):
         self.topo = topo
         self.tp_rank = rank % topo.tp
         self.pp_rank = (rank // topo.tp) % topo.pp
@@ -102,6 +112,10 @@ class Groups:
                                                  for t, p, _ in grid})
         self.embedding = self._mine(rank, topo.pp > 1, {(t, d): [self.rank_of(t, 0, d), self.rank_of(t, topo.pp - 1, d)]
                                                         for t, _, d in grid})
+        share = max(1, topo.tp // kv_heads)
+        self.kv_share = self._mine(rank, share > 1, {(t // share, p, d): [self.rank_of(t // share * share + i, p, d)
+                                                                          for i in range(share)]
+                                                     for t, p, d in grid})
 
     @staticmethod
     def _mine(rank: int, needed: bool, groups: dict[Any, list[int]]) -> Any:
@@ -196,31 +210,52 @@ class _VocabParallelCE(torch.autograd.Function):
         return grad * g.unsqueeze(-1), None, None, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def local_kv_heads(cfg: Config, tp: int) -> int:
+    """kv heads a TP rank holds: a share of them, or one replicated over TP / kv_heads ranks."""
+    return max(1, cfg.kv_heads // tp)
+
+
+def rotary(cfg: Config, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of each position (seq, head_dim), as Hugging Face's Llama computes them."""
+    hd = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    freqs = torch.arange(seq).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding on halves: ``x * cos + rotate_half(x) * sin``."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: Config, tp: int):
         super().__init__()
         self.cfg, self.tp = cfg, tp
-        rows = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim // tp
+        rows = (cfg.heads // tp + 2 * local_kv_heads(cfg, tp)) * cfg.head_dim
         self.norm = nn.Parameter(torch.empty(cfg.hidden))
-        self.qkv = nn.Linear(cfg.hidden, rows, bias=False)
+        self.qkv = nn.Linear(cfg.hidden, rows, bias=True)
         self.qkv_lora_A = nn.Parameter(torch.empty(cfg.lora_rank, cfg.hidden))
         self.qkv_lora_B = nn.Parameter(torch.empty(rows, cfg.lora_rank))
         self.proj = nn.Linear(cfg.heads * cfg.head_dim // tp, cfg.hidden, bias=True)
 
     def forward(self, x: torch.Tensor, group: Any) -> torch.Tensor:
         c, tp = self.cfg, self.tp
-        h = copy_to_tp(rms_norm(x, self.norm), group)
-        lora = copy_to_tp(rms_norm(x, self.norm) @ self.qkv_lora_A.t(), group) @ self.qkv_lora_B.t()
+        h = copy_to_tp(rms_norm(x, self.norm, c.rms_norm_eps), group)
+        lora = copy_to_tp(rms_norm(x, self.norm, c.rms_norm_eps) @ self.qkv_lora_A.t(), group) @ self.qkv_lora_B.t()
         qkv = self.qkv(h) + lora
-        nq, nkv, hd = c.heads // tp, c.kv_heads // tp, c.head_dim
+        nq, nkv, hd = c.heads // tp, local_kv_heads(c, tp), c.head_dim
         q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
         b, s = x.shape[:2]
-        q = q.view(b, s, nq, hd).transpose(1, 2)
-        k = k.view(b, s, nkv, hd).transpose(1, 2).repeat_interleave(nq // nkv, dim=1)
+        cos, sin = rotary(c, s)
+        q = apply_rotary(q.view(b, s, nq, hd).transpose(1, 2), cos, sin)
+        k = apply_rotary(k.view(b, s, nkv, hd).transpose(1, 2), cos, sin).repeat_interleave(nq // nkv, dim=1)
         v = v.view(b, s, nkv, hd).transpose(1, 2).repeat_interleave(nq // nkv, dim=1)
         att = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
         att = att.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
@@ -232,12 +267,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: Config, tp: int):
         super().__init__()
+        self.eps = cfg.rms_norm_eps
         self.norm = nn.Parameter(torch.empty(cfg.hidden))
         self.gate_up = nn.Linear(cfg.hidden, 2 * cfg.ffn // tp, bias=False)
         self.down = nn.Linear(cfg.ffn // tp, cfg.hidden, bias=False)
 
     def forward(self, x: torch.Tensor, group: Any) -> torch.Tensor:
-        gate, up = self.gate_up(copy_to_tp(rms_norm(x, self.norm), group)).chunk(2, dim=-1)
+        gate, up = self.gate_up(copy_to_tp(rms_norm(x, self.norm, self.eps), group)).chunk(2, dim=-1)
         return x + reduce_from_tp(self.down(nn.functional.silu(gate) * up), group)
 
 
@@ -287,9 +323,12 @@ class Chunk(nn.Module):
             x = layer(x, group)
         return x
 
+    def head(self, x: torch.Tensor, group: Any = None) -> torch.Tensor:
+        """This rank's columns of the logits (its part of the padded vocabulary)."""
+        return copy_to_tp(rms_norm(x, self.final_norm, self.cfg.rms_norm_eps), group) @ self.lm_head.weight.t()
+
     def loss(self, x: torch.Tensor, targets: torch.Tensor, group: Any) -> torch.Tensor:
-        h = copy_to_tp(rms_norm(x, self.final_norm), group)
-        logits = h @ self.lm_head.weight.t()
+        logits = self.head(x, group)
         return _VocabParallelCE.apply(logits, targets, self.vocab_start, self.cfg.vocab, group).mean()
 
 
@@ -308,6 +347,7 @@ def global_init(cfg: Config) -> dict[str, np.ndarray]:
     for i in range(cfg.layers):
         p = f"layers.{i}."
         out |= {p + "attn.norm": np.ones(cfg.hidden, np.float32), p + "attn.qkv.weight": w(qkv, cfg.hidden),
+                p + "attn.qkv.bias": w(qkv),
                 p + "attn.qkv_lora_A": w(cfg.lora_rank, cfg.hidden), p + "attn.qkv_lora_B": w(qkv, cfg.lora_rank),
                 p + "attn.proj.weight": w(cfg.hidden, cfg.heads * cfg.head_dim),
                 p + "attn.proj.bias": np.zeros(cfg.hidden, np.float32),
@@ -324,12 +364,13 @@ def local_part(cfg: Config, key: str, g: np.ndarray, tp: int, r: int) -> np.ndar
         part = g[r * n:(r + 1) * n]
         out[: len(part)] = part
         return out
-    if key.endswith(("qkv.weight", "qkv_lora_B")):
+    if key.endswith(("qkv.weight", "qkv.bias", "qkv_lora_B")):
         hd = cfg.head_dim
-        q, kv = cfg.heads * hd // tp, cfg.kv_heads * hd // tp
+        q, kv = cfg.heads * hd // tp, local_kv_heads(cfg, tp) * hd
+        first = r * cfg.kv_heads // tp * hd  # this rank's first kv row (its replica's, when shared)
         qh, kh = cfg.heads * hd, cfg.kv_heads * hd
-        return np.concatenate([g[r * q:(r + 1) * q], g[qh + r * kv:qh + (r + 1) * kv],
-                               g[qh + kh + r * kv:qh + kh + (r + 1) * kv]])
+        return np.concatenate([g[r * q:(r + 1) * q], g[qh + first:qh + first + kv],
+                               g[qh + kh + first:qh + kh + first + kv]])
     if key.endswith("gate_up.weight"):
         f = cfg.ffn // tp
         return np.concatenate([g[r * f:(r + 1) * f], g[cfg.ffn + r * f:cfg.ffn + (r + 1) * f]])
@@ -363,7 +404,7 @@ def lr_lambda(cfg: Config) -> Any:
 class Trainer:
     def __init__(self, cfg: Config, topo: Topology, rank: int):
         self.cfg, self.topo, self.rank = cfg, topo, rank
-        self.groups = Groups(topo, rank)
+        self.groups = Groups(topo, rank, cfg.kv_heads)
         self.layout = self.groups.layout(cfg)
         self.chunks = [Chunk(cfg, self.layout, c) for c in range(topo.vpp)]
         init = global_init(cfg)
@@ -438,6 +479,15 @@ class Trainer:
                     y.backward(grad)
                 if x_in is not None:
                     dist.send(x_in.grad, dst=self._peer(order[i - 1][1]))
+        if g.kv_share is not None:  # a kv head replicated over TP ranks: each saw only its query heads
+            q_rows = cfg.heads // topo.tp * cfg.head_dim
+            for ch in self.chunks:
+                for layer in ch.layers:
+                    a = layer.attn
+                    for p in (a.qkv.weight, a.qkv.bias, a.qkv_lora_B):
+                        kv_grad = p.grad[q_rows:].contiguous()
+                        dist.all_reduce(kv_grad, group=g.kv_share)
+                        p.grad[q_rows:] = kv_grad
         if g.embedding is not None:  # tied copies on the first and last stage: sum their gradients
             first, last = self.chunks[0], self.chunks[-1]
             w = first.embedding.weight if g.pp_rank == 0 else last.lm_head.weight
@@ -462,6 +512,14 @@ class Trainer:
                                                                 "consumed_samples": self.step * self.cfg.global_batch,
                                                                 "model_config": asdict(self.cfg)})
         return None
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The logits (batch, seq, vocab) of a process that holds the whole model."""
+        if self.topo.world != 1:
+            raise ValueError(f"logits() needs the whole model in one process, not {self.topo}")
+        chunk = self.chunks[0]
+        with torch.no_grad():
+            return chunk.head(chunk(chunk.embed(tokens, None), None))[..., :self.cfg.vocab]
 
     def misplace_after_load(self) -> None:
         """Negative control: what a wrong load would look like (two rows of the

@@ -109,3 +109,44 @@ def test_a_tensor_of_the_files_that_no_rank_reads_is_an_error_unless_allowed(sav
         gt.load_hf(str(path), headless, layout, rules)
     assert gt.load_hf(str(path), headless, layout, rules, strict=False)["unread"] == ["lm_head.weight"]
     assert torch.equal(headless.model.norm.weight, reference.model.norm.weight)
+
+
+# ----------------------------------------------------------------- the demo's Llama, exported
+
+
+def test_the_demo_exported_with_its_adapter_merged_gives_its_logits_in_transformers(tmp_path):
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    from gpt_trainer import Config, Topology, Trainer, run
+
+    from globalshard.hf import NameMapping, export
+
+    cfg = Config(total_steps=4)
+    # Trained at TP=2 (LoRA and biases move away from their initial values), saved, loaded whole.
+    run(cfg, Topology(tp=2), str(tmp_path / "job"), until=3, save=str(tmp_path / "ckpt"))
+    trainer = Trainer(cfg, Topology(), 0)
+    trainer.load(str(tmp_path / "ckpt"))
+    lora_b = trainer.chunks[0].layers[0].attn.qkv_lora_B
+    assert lora_b.abs().max() > 0  # the adapter matters: dropping it would change the logits
+    mapping = NameMapping.load("llama", {"heads": cfg.heads, "kv_heads": cfg.kv_heads})
+    out = export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), mapping=mapping)
+    assert out["merged"] == sorted(f"layers.{i}.attn.qkv_lora_{x}" for i in range(cfg.layers) for x in "AB")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config | {"architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab, "hidden_size": cfg.hidden,
+                     "num_hidden_layers": cfg.layers, "num_key_value_heads": cfg.kv_heads,
+                     "tie_word_embeddings": True, "attention_bias": True} == config
+    model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert model.config.head_dim == cfg.head_dim and model.config.num_attention_heads == cfg.heads
+    ids = torch.randint(0, cfg.vocab, (3, cfg.seq), generator=torch.Generator().manual_seed(3))
+    ours = trainer.logits(ids)
+    with torch.no_grad():
+        theirs = model(ids).logits
+    assert theirs.shape == ours.shape
+    assert (theirs - ours).abs().max() < 1e-5, (theirs - ours).abs().max()
+    # Without the adapter the model is another one: the comparison above can fail.
+    for layer in trainer.chunks[0].layers:
+        layer.attn.qkv_lora_B.data.zero_()
+    assert (trainer.logits(ids) - theirs).abs().max() > 1e-3
