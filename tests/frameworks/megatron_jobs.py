@@ -58,13 +58,17 @@ NUM_LAYERS = 4
 def build(m: dict[str, Any]) -> GPTModel:
     moe = dict(num_moe_experts=m["experts"], moe_router_topk=2, moe_token_dispatcher_type="allgather",
                moe_aux_loss_coeff=0.0) if m.get("experts") else {}
-    cfg = TransformerConfig(**moe,num_layers=NUM_LAYERS, hidden_size=m["hidden"], num_attention_heads=m["heads"],
+    # A Llama: RMSNorm and SwiGLU (Megatron's defaults are LayerNorm and GeLU).
+    llama = dict(normalization="RMSNorm", activation_func=torch.nn.functional.silu) if m.get("llama") else {}
+    cfg = TransformerConfig(**moe, **llama, num_layers=NUM_LAYERS, hidden_size=m["hidden"],
+                            num_attention_heads=m["heads"],
                             num_query_groups=m["groups"], ffn_hidden_size=m["ffn"],
                             gated_linear_unit=m["glu"], add_bias_linear=m["bias"], use_cpu_initialization=True,
                             hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32,
                             pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
                             tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size())
-    return GPTModel(cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=m.get("experts")),
+    spec = get_gpt_layer_local_spec(num_experts=m.get("experts"), normalization=llama.get("normalization"))
+    return GPTModel(cfg, transformer_layer_spec=spec,
                     vocab_size=m["vocab"],
                     max_sequence_length=SEQ, position_embedding_type="rope",
                     share_embeddings_and_output_weights=m["tied"],
@@ -170,5 +174,39 @@ def scenario(rank: int, *, path: str, save: dict[str, int], load: dict[str, int]
             "before": before, "after": after}
 
 
+def export_scenario(rank: int, *, path: str, save: dict[str, int], load: dict[str, int], model: dict[str, Any],
+                    name: str, export: bool) -> dict[str, Any]:
+    """Saved at ``save`` with globalshard, exported by ``globalshard export
+    --map megatron_gpt`` and opened by transformers (its logits returned by
+    rank 0); the exported folder then read back by ``load_hf`` into a fresh
+    model at ``load`` (its logits returned by the rank that holds them)."""
+    import transformers
+
+    from globalshard.cli import main as cli
+
+    ckpt, hf = os.path.join(path, name, "ckpt"), os.path.join(path, name, "hf")
+    layout = setup(**save)
+    a = build(model)
+    scramble(a, layout, model, "saved")
+    before = logits(a, layout)
+    gt.save_checkpoint(ckpt, model=a, layout=layout, rules=rules(model))
+    del a
+    params = {"heads": model["heads"], "kv_heads": model["groups"], "rms_norm_eps": 1e-5, "rope_theta": 10000}
+    exported = None
+    if rank == 0:
+        args = [f"--param={k}={v}" for k, v in params.items()]
+        assert cli(["export", ckpt, hf, "--map", "megatron_gpt", *args]) == 0
+        reference = transformers.LlamaForCausalLM.from_pretrained(hf).eval()
+        ids = (torch.arange(BATCH * SEQ).reshape(BATCH, SEQ) * 7) % 50
+        with torch.no_grad():
+            exported = reference(ids).logits.flatten().tolist()
+    dist.barrier()
+    layout = setup(**load)
+    b = build(model)
+    scramble(b, layout, model, "fresh")
+    gt.load_hf(hf, b, layout, rules(model), mapping="megatron_gpt", params=params)
+    return {"before": before, "exported": exported, "after": logits(b, layout)}
+
+
 def scenarios(rank: int, *, path: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [scenario(rank, path=path, **case) for case in cases]
+    return [(export_scenario if case.get("export") else scenario)(rank, path=path, **case) for case in cases]

@@ -38,13 +38,22 @@ CASES = [
     dict(name="moe_tp2_to_ep2", save=dict(tp=2, pp=1, ep=1), load=dict(tp=1, pp=1, ep=2),
          model={**DENSE, "experts": 4}),
 ]
+# A Megatron-Core Llama (RMSNorm, SwiGLU, rotary, GQA) exported to Hugging Face Llama, opened by
+# transformers, and the export read back into another layout by load_hf.
+LLAMA = {**DENSE, "llama": True}
+EXPORTS = [
+    dict(name="export_tp2_untied", save=dict(tp=2, pp=1), load=dict(tp=1, pp=2), model=LLAMA, export=True),
+    dict(name="export_pp2_tied", save=dict(tp=1, pp=2), load=dict(tp=2, pp=1), model={**LLAMA, "tied": True},
+         export=True),
+]
 
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     path = tmp_path_factory.mktemp("megatron")
-    per_rank = run(2, "megatron_jobs:scenarios", str(path / "ranks"), path=str(path), cases=CASES)
-    return {case["name"]: [rank[i] for rank in per_rank] for i, case in enumerate(CASES)}
+    cases = CASES + EXPORTS
+    per_rank = run(2, "megatron_jobs:scenarios", str(path / "ranks"), path=str(path), cases=cases)
+    return {case["name"]: [rank[i] for rank in per_rank] for i, case in enumerate(cases)}
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in CASES])
@@ -56,3 +65,14 @@ def test_every_tensor_equals_megatrons_own_load_and_the_logits_carry_over(outcom
     (before,) = [r["before"] for r in ranks if r["before"] is not None]
     (after,) = [r["after"] for r in ranks if r["after"] is not None]
     assert np.max(np.abs(np.array(after) - np.array(before))) < 1e-5
+
+
+@pytest.mark.parametrize("case", [c["name"] for c in EXPORTS])
+def test_a_megatron_llama_exports_to_a_llama_transformers_runs_with_the_same_logits_and_back(outcomes, case):
+    ranks = outcomes[case]
+    (before,) = [r["before"] for r in ranks if r["before"] is not None]
+    (exported,) = [r["exported"] for r in ranks if r["exported"] is not None]
+    (after,) = [r["after"] for r in ranks if r["after"] is not None]
+    before = np.array(before).reshape(-1, DENSE["vocab"])
+    assert np.max(np.abs(np.array(exported).reshape(before.shape) - before)) < 1e-5
+    assert np.max(np.abs(np.array(after).reshape(before.shape) - before)) < 1e-5
