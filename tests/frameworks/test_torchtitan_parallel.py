@@ -1,0 +1,58 @@
+"""torchtitan 0.3's llama3 ``debugmodel`` parallelized by its own
+``parallelize_llama`` (FSDP2 dp_shard=2 x TP=2 on 4 gloo ranks, DTensor
+backend), trained two AdamW steps and saved with globalshard and with torch
+DCP, then loaded at TP=2, at dp_shard=2 and into one process by each: every
+model and optimizer tensor equal to DCP's load. The one-process load is then
+exported with ``--map torchtitan_llama3`` and opened by transformers, whose
+logits must equal torchtitan's own forward."""
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torchtitan.models.llama3")  # needs triton installed to import
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+from ranks import run  # noqa: E402
+
+WORLDS = {"tp2": dict(world=2, dp_shard=1, tp=2), "dp_shard2": dict(world=2, dp_shard=2, tp=1),
+          "one_process": dict(world=1, dp_shard=1, tp=1)}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    work = tmp_path_factory.mktemp("torchtitan")
+    (value,) = set(json.dumps(v) for v in run(4, "torchtitan_jobs:train", str(work / "train"), work=str(work),
+                                               dp_shard=2, tp=2))
+    return work, json.loads(value)
+
+
+@pytest.mark.parametrize("layout", list(WORLDS))
+def test_fsdp2_by_tp_state_reloads_on_another_layout_as_dcp_loads_it(saved, layout):
+    work, trained = saved
+    w = WORLDS[layout]
+    ranks = run(w["world"], "torchtitan_jobs:reload", str(work / layout), work=str(work), dp_shard=w["dp_shard"],
+                tp=w["tp"])
+    for r in ranks:
+        assert r["tensors"] == trained["tensors"] == 57  # wq, wk, wv as torchtitan's state dict names them
+        assert r["optimizer_tensors"] >= 2 * 45
+        assert r["differ"] == [] and r["optimizer_differ"] == []
+        assert r["missing"] == [] and r["unexpected"] == []
+
+
+def test_a_torchtitan_checkpoint_exports_to_a_llama_transformers_runs_with_torchtitans_logits(saved, tmp_path):
+    from globalshard.hf import NameMapping, export
+
+    work, _ = saved
+    (loaded,) = run(1, "torchtitan_jobs:reload", str(tmp_path / "ranks"), work=str(work), dp_shard=1, tp=1)
+    out = export(str(work / "ours"), str(tmp_path / "hf"),
+                 mapping=NameMapping.load("torchtitan_llama3", {"heads": 16, "kv_heads": 16}))
+    assert out["skipped"] and all(k.startswith("optimizer.") for k in out["skipped"])
+    model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    tokens = (torch.arange(2 * 16).reshape(2, 16) * 37) % 2048
+    with torch.no_grad():
+        theirs = model(tokens).logits.numpy()
+    ours = np.array(loaded["logits"]).reshape(theirs.shape)
+    assert np.max(np.abs(ours - theirs)) < 1e-5, np.max(np.abs(ours - theirs))

@@ -1,0 +1,120 @@
+"""torchtitan 0.3's llama3 debugmodel parallelized by its own
+``parallelize_llama`` on CPU ranks over gloo (run by test_torchtitan.py).
+
+Scoped patches, in these processes only: torchtitan picks its device type
+when imported ("cuda" without a GPU); here it is the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torchtitan.distributed.parallel_dims as tt_parallel_dims
+import torchtitan.tools.utils as tt_utils
+from torch.distributed import checkpoint as dcp
+from torchtitan.components.checkpointer import ModelWrapper
+from torchtitan.components.optimizer.optimizer import default_adamw
+from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models.llama3 import model_registry
+from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+import globalshard_torch as gt
+
+tt_utils.device_type = tt_parallel_dims.device_type = "cpu"
+
+
+def build(dp_shard: int, tp: int, seed: int, work: str) -> tuple[Any, Any]:
+    """The debugmodel as torchtitan's trainer builds it (meta, parallelize, to_empty, init) and its AdamW.
+
+    The ``partial_dtensor`` backend: DTensors for TP and FSDP2, what torchtitan
+    before 0.3 always used. (0.3's default ``spmd_types`` backend refuses to
+    shard the model here: "all parameters must be DTensors on the full SPMD mesh".)
+    """
+    parallelism = ParallelismConfig(data_parallel_shard_degree=dp_shard, tensor_parallel_degree=tp,
+                                    spmd_backend="partial_dtensor")
+    spec = model_registry("debugmodel", attn_backend="flex")
+    # What Llama3Model.Config.update_from_config does for a parallelism config (it also imports
+    # torchtitan's whole trainer, whose data loading needs packages left out here).
+    set_llama3_sharding_config(spec.model, enable_sp=parallelism.enable_sequence_parallel)
+    dims = ParallelDims.from_config(parallelism, dist.get_world_size())
+    with torch.device("meta"):
+        model = spec.model.build()
+    model = spec.parallelize_fn(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
+                                compile_config=CompileConfig(), ac_config=None, dump_folder=work)
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    config = default_adamw(lr=1e-3)
+    config.implementation = "for-loop"
+    return model, config.build(model_parts=[model])
+
+
+def state(model: Any, optimizers: Any) -> dict[str, Any]:
+    """As torchtitan's CheckpointManager hands its state to DCP: model keys at the top."""
+    return {**ModelWrapper(model).state_dict(), "optimizer": optimizers}
+
+
+def train(rank: int, *, work: str, dp_shard: int, tp: int) -> dict[str, Any]:
+    """Two AdamW steps (gradients a function of the weights, so equal on every replica),
+    then the state saved with globalshard and with DCP."""
+    model, optimizers = build(dp_shard, tp, 0, work)
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.sin(p.detach() * 3.0) * 0.1
+        optimizers.step()
+    gt.save(state(model, optimizers), os.path.join(work, "ours"))
+    dcp.save(state(model, optimizers), checkpoint_id=os.path.join(work, "dcp"))
+    return {"tensors": len(ModelWrapper(model).state_dict())}
+
+
+def _local(t: Any) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def reload(rank: int, *, work: str, dp_shard: int, tp: int) -> dict[str, Any]:
+    """Load what ``train`` saved into this layout with globalshard (default arguments)
+    and with DCP, each into a model of other values; every tensor compared."""
+    loaded = {}
+    for name, seed in (("ours", 5), ("dcp", 7)):
+        model, optimizers = build(dp_shard, tp, seed, work)
+        for p in model.parameters():  # optimizer state of its own, to be replaced
+            p.grad = torch.cos(p.detach())
+        optimizers.step()
+        sd = state(model, optimizers)
+        if name == "ours":
+            missing = gt.load(sd, os.path.join(work, "ours"))
+        else:
+            dcp.load(sd, checkpoint_id=os.path.join(work, "dcp"))
+        ModelWrapper(model).load_state_dict({k: v for k, v in sd.items() if k != "optimizer"})
+        loaded[name] = (model, optimizers)
+    ours, theirs = (ModelWrapper(loaded[n][0]).state_dict() for n in ("ours", "dcp"))
+    differ = sorted(k for k in theirs if not torch.equal(_local(ours[k]), _local(theirs[k])))
+    ours_opt, theirs_opt = (loaded[n][1].state_dict() for n in ("ours", "dcp"))
+    opt_tensors = [k for k, v in theirs_opt.items() if torch.is_tensor(v)]
+    opt_differ = sorted(k for k in opt_tensors if not torch.equal(_local(ours_opt[k]), _local(theirs_opt[k])))
+    opt_differ += sorted(k for k, v in theirs_opt.items() if not torch.is_tensor(v) and ours_opt[k] != v)
+    out: dict[str, Any] = {"tensors": len(theirs), "optimizer_tensors": len(opt_tensors), "differ": differ,
+                           "optimizer_differ": opt_differ, "missing": missing.missing_keys,
+                           "unexpected": missing.unexpected_keys}
+    if dist.get_world_size() == 1:
+        out["logits"] = logits(loaded["ours"][0]).flatten().tolist()
+    return out
+
+
+def logits(model: Any) -> torch.Tensor:
+    """torchtitan's forward of a fixed batch (one document: a causal flex-attention mask), in
+    float32: the same weights in an unparallelized debugmodel (FSDP2's mixed precision
+    policy would compute in bfloat16)."""
+    plain = model_registry("debugmodel", attn_backend="flex").model.build()
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in ModelWrapper(model).state_dict().items()}
+    ModelWrapper(plain).load_state_dict(full)
+    tokens = (torch.arange(2 * 16).reshape(2, 16) * 37) % 2048
+    positions = torch.arange(16).unsqueeze(0).expand(2, 16)
+    plain.eval()
+    with torch.no_grad():
+        return plain(tokens, positions, plain.get_attention_masks(positions))
