@@ -48,6 +48,11 @@ a rule or a ``skip`` pattern: nothing is left out silently.
   (``i, i + head_dim / 2``). Export permutes the rows of each head, and
   reading back permutes them back, as torchtitan's own state dict adapter
   and Hugging Face's conversion script do.
+* ``groups`` (on a split of axis 0): the axis is that many equal blocks,
+  each holding every part's share in order (``q1 q2 k1 v1 | q3 q4 k2 v2``,
+  as Megatron-Core's ``linear_qkv`` and torchtitan's fused ``wqkv`` lay out
+  grouped-query attention); a part's tensor is its rows of every block.
+  Part sizes are proportions of the whole axis, as without groups.
 * ``config``: written as ``config.json`` beside the files. Values are JSON,
   or one of ``{"$param": name}``, ``{"$shape": hf_name, "axis": i}``
   (``"divide": param`` divides it), ``{"$count": hf_name_with_{layer}}``
@@ -145,6 +150,7 @@ class _Rule:
     parts: tuple[_Part, ...]
     rotary: int | None = None
     lora: _Lora | None = None
+    groups: int = 1
 
 
 @dataclass(frozen=True)
@@ -154,6 +160,8 @@ class Piece:
     ``rotary``: the box's rows are, per head of that many, in the
     interleaved rotary order, and the Hugging Face tensor has them in
     halves. ``lora``: the keys of the adapter merged into it and its scale.
+    ``at``: where the box starts in the Hugging Face tensor's first axis
+    (a grouped split makes one tensor of several boxes, in order).
     """
 
     name: str
@@ -161,6 +169,7 @@ class Piece:
     box: Box
     rotary: int | None = None
     lora: tuple[str, str, float] | None = None
+    at: int = 0
 
 
 class NameMapping:
@@ -195,13 +204,20 @@ class NameMapping:
             axis = split.get("axis", 0)
             if isinstance(axis, bool) or not isinstance(axis, int) or axis < 0:
                 raise ExportError(f"{at}.split.axis: a non-negative integer, got {axis!r}")
+            groups = self._count(split, "groups", f"{at}.split", default=1)
+            if groups > 1 and axis != 0:
+                raise ExportError(f"{at}.split: groups split axis 0 only")
             parts = []
             for j, p in enumerate(split["parts"]):
                 if not isinstance(p, dict) or not isinstance(p.get("name"), str):
                     raise ExportError(f"{at}.split.parts[{j}]: needs a string 'name'")
                 size = self._count(p, "size", f"{at}.split.parts[{j}]", default=1)
                 parts.append(_Part(p["name"], size, self._count(p, "rotary", f"{at}.split.parts[{j}]")))
-            self.rules.append(_Rule(_compile(t["key"], at), t["key"], None, axis, tuple(parts), rotary, lora))
+            for j, part in enumerate(parts):
+                if part.rotary is not None and part.rotary % groups:
+                    raise ExportError(f"{at}.split.parts[{j}].rotary: {part.rotary} heads in {groups} groups")
+            self.rules.append(_Rule(_compile(t["key"], at), t["key"], None, axis, tuple(parts), rotary, lora,
+                                    groups))
         self.skip = [re.compile(p) for p in doc.get("skip") or []]
         config = doc.get("config")
         if config is not None and not isinstance(config, dict):
@@ -237,7 +253,7 @@ class NameMapping:
         return _Lora(doc["A"], doc["B"], float(scale))
 
     @classmethod
-    def load(cls, path: str, params: Mapping[str, int] | None = None) -> NameMapping:
+    def load(cls, path: str, params: Mapping[str, float] | None = None) -> NameMapping:
         """A mapping file, or the name of a shipped one (``"llama"``)."""
         if not os.path.exists(path) and re.fullmatch(r"[a-z0-9_-]+", path):
             path = os.path.join(MAPPINGS_DIR, f"{path}.json")
@@ -289,18 +305,22 @@ class NameMapping:
                     problems.append(f"{key!r}: split on axis {rule.axis} of a {len(shape)}-d tensor")
                     break
                 total, units = shape[rule.axis], sum(p.size for p in rule.parts)
-                if total % units:
+                sizes = [total // units * p.size for p in rule.parts]
+                if total % units or any(n % rule.groups for n in sizes):
                     problems.append(f"{key!r}: axis {rule.axis} of {total} does not split in proportions "
-                                    f"{[p.size for p in rule.parts]}")
+                                    f"{[p.size for p in rule.parts]}"
+                                    f"{f' in {rule.groups} groups' if rule.groups > 1 else ''}")
                     break
-                start = 0
-                for p in rule.parts:
-                    n = total // units * p.size
-                    offset = tuple(start if a == rule.axis else 0 for a in range(len(shape)))
-                    size = tuple(n if a == rule.axis else s for a, s in enumerate(shape))
-                    pieces.append(Piece(p.name.format(**fields), key, Box(offset, size), p.rotary, lora))
-                    problems += _rotary_problems(pieces[-1])
-                    start += n
+                block, start = total // rule.groups, 0
+                for p, n in zip(rule.parts, sizes):
+                    rows = n // rule.groups
+                    heads = p.rotary // rule.groups if p.rotary is not None else None
+                    for g in range(rule.groups):  # a part of a grouped split: its rows of every group
+                        offset = tuple(g * block + start if a == rule.axis else 0 for a in range(len(shape)))
+                        size = tuple(rows if a == rule.axis else s for a, s in enumerate(shape))
+                        pieces.append(Piece(p.name.format(**fields), key, Box(offset, size), heads, lora, g * rows))
+                        problems += _rotary_problems(pieces[-1])
+                    start += rows
                 break
             else:
                 if any(s.fullmatch(key) for s in self.skip):
@@ -310,7 +330,7 @@ class NameMapping:
         if unmapped:
             problems.append(f"{len(unmapped)} keys match no rule and no 'skip' pattern: "
                             f"{unmapped[:8]}{' ...' if len(unmapped) > 8 else ''}")
-        names = [p.name for p in pieces]
+        names = [p.name for p in pieces if p.at == 0]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             problems.append(f"several tensors map to the same names: {dupes[:8]}")
@@ -460,15 +480,18 @@ def export(checkpoint: str | Checkpoint, out: str, *, mapping: NameMapping | Non
             raise ExportError(f"{p.key!r}: an adapter merges into floating-point tensors only, not {stored}")
         out_dtype[p.name] = want
     config = mapping.hf_config(pieces, out_dtype)
-    # Files of bounded size, in the order the mapping lists the tensors.
+    # Files of bounded size, in the order the mapping lists the tensors (a tensor: its pieces, in order).
+    by_name: dict[str, list[Piece]] = {}
+    for p in pieces:
+        by_name.setdefault(p.name, []).append(p)
     files: list[list[Piece]] = [[]]
     size = 0
-    for p in pieces:
-        n = p.box.volume * numpy_dtype(out_dtype[p.name]).itemsize
+    for name, members in by_name.items():
+        n = sum(p.box.volume for p in members) * numpy_dtype(out_dtype[name]).itemsize
         if files[-1] and size + n > max_shard_size:
             files.append([])
             size = 0
-        files[-1].append(p)
+        files[-1] += members
         size += n
     os.makedirs(out, exist_ok=True)
     names = (["model.safetensors"] if len(files) == 1 else
@@ -532,10 +555,15 @@ def _write_file(ckpt: Checkpoint, path: str, pieces: Sequence[Piece], out_dtype:
                 progress: Callable[[int], None] | None) -> int:
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for p in pieces:
+    for p in pieces:  # a tensor of several pieces (a grouped split): their rows one after the other
         n = p.box.volume * numpy_dtype(out_dtype[p.name]).itemsize
-        header[p.name] = {"dtype": SAFETENSORS_DTYPES[out_dtype[p.name]], "shape": list(p.box.shape),
-                          "data_offsets": [offset, offset + n]}
+        if p.name in header:
+            entry = header[p.name]
+            entry["shape"][0] += p.box.shape[0]
+            entry["data_offsets"][1] += n
+        else:
+            header[p.name] = {"dtype": SAFETENSORS_DTYPES[out_dtype[p.name]], "shape": list(p.box.shape),
+                              "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
@@ -658,15 +686,18 @@ class SafetensorsSource:
         self.keys = self._invert()
 
     def _invert(self) -> dict[str, tuple[str, tuple[int, ...], list[Piece]]]:
-        """Checkpoint key -> (dtype, global shape, its pieces), from the names present."""
+        """Checkpoint key -> (dtype, global shape, its pieces), from the names present.
+
+        A name may back several keys: rules for alternative layouts of one
+        tensor (torchtitan's ``wq`` of its state dict and its fused ``wqkv``
+        parameter) each read it; a model asks for the keys it has."""
         out: dict[str, tuple[str, tuple[int, ...], list[Piece]]] = {}
-        claimed: set[str] = set()
         for rule in self.mapping.rules:
             targets = [rule.name] if rule.name is not None else [p.name for p in rule.parts]
             first = _compile(targets[0], "mapping")
             for name in sorted(self.entries):
                 m = first.fullmatch(name)
-                if m is None or name in claimed:
+                if m is None:
                     continue
                 fields = m.groupdict()
                 key = _fill(rule.key, fields)
@@ -677,19 +708,26 @@ class SafetensorsSource:
                 entries = [self.entries[n] for n in names]
                 if len({e.dtype for e in entries}) != 1:
                     raise ExportError(f"{key!r}: {names} have different dtypes")
-                axis = rule.axis
+                axis, groups = rule.axis, rule.groups
                 shape = list(entries[0].shape)
                 if rule.name is None:
                     shape[axis] = sum(e.shape[axis] for e in entries)
                 rotary = [rule.rotary] if rule.name is not None else [p.rotary for p in rule.parts]
-                pieces, start = [], 0
                 for n, e, heads in zip(names, entries, rotary):
-                    offset = tuple(start if a == axis else 0 for a in range(len(e.shape)))
-                    pieces.append(Piece(n, key, Box(offset, e.shape), heads))
                     if heads is not None and (not e.shape or e.shape[0] % (2 * heads)):
                         raise ExportError(f"{n!r}: {list(e.shape)} is not {heads} rotary heads of an even size")
-                    start += e.shape[axis] if rule.name is None else 0
-                claimed |= set(names)
+                    if e.shape[axis] % groups if e.shape else groups > 1:
+                        raise ExportError(f"{n!r}: {list(e.shape)} does not split into {groups} groups")
+                pieces, start = [], 0
+                block = shape[axis] // groups if shape else 0
+                for n, e, heads in zip(names, entries, rotary):
+                    rows = e.shape[axis] // groups if e.shape else 0
+                    for g in range(groups):
+                        offset = tuple(g * block + start if a == axis else 0 for a in range(len(e.shape)))
+                        size = tuple(rows if a == axis else s for a, s in enumerate(e.shape))
+                        pieces.append(Piece(n, key, Box(offset, size), None if heads is None else heads // groups,
+                                            None, g * rows))
+                    start += rows if rule.name is None else 0
                 out[key] = (entries[0].dtype, tuple(shape), pieces)
         return out
 
@@ -705,8 +743,10 @@ class SafetensorsSource:
             if part is None or part.volume == 0:
                 continue
             e = self.entries[p.name]
-            local = Box(tuple(a - b for a, b in zip(part.offset, p.box.offset)), part.shape)
-            values = _read_rows(e, local) if p.rotary is None else _read_rotary(e, local, p.rotary)
+            shift = [a - b for a, b in zip(part.offset, p.box.offset)]
+            local = Box((shift[0] + p.at, *shift[1:]) if shift else (), part.shape)
+            values = (_read_rows(e, local) if p.rotary is None else
+                      _read_rotary(e, local, e.shape[0] // (p.box.shape[0] // p.rotary)))
             dst = out[tuple(slice(a - b, a - b + s) for a, b, s in zip(part.offset, box.offset, part.shape))]
             dst[...] = values if values.dtype == out.dtype else values.astype(out.dtype)
             nbytes += values.nbytes

@@ -347,7 +347,12 @@ ROTARY = {"tensors": [{"key": "wq", "name": "q_proj.weight", "rotary": "heads"},
                       {"key": "bq", "name": "q_proj.bias", "rotary": "heads"},
                       {"key": "wqkv", "split": {"axis": 0, "parts": [
                           {"name": "q.weight", "size": 2, "rotary": 2},
-                          {"name": "k.weight", "size": 1, "rotary": 1}]}}],
+                          {"name": "k.weight", "size": 1, "rotary": 1}]}},
+                      # Grouped-query attention fused per group, as torchtitan's wqkv: q1 q2 k1 v1 | q3 q4 k2 v2.
+                      {"key": "fused", "split": {"axis": 0, "groups": 2, "parts": [
+                          {"name": "gq.weight", "size": "heads", "rotary": "heads"},
+                          {"name": "gk.weight", "size": 2, "rotary": 2},
+                          {"name": "gv.weight", "size": 2}]}}],
           "params": {"heads": 4}}
 
 
@@ -360,7 +365,8 @@ def test_rotary_rows_go_to_halves_on_export_and_back_on_any_read(tmp_path_factor
     cols = data.draw(st.integers(1, 5))
     values = {"wq": rng.standard_normal((4 * hd, cols)).astype(np.float32),
               "bq": rng.standard_normal(4 * hd).astype(np.float32),
-              "wqkv": rng.standard_normal((3 * hd, cols)).astype(np.float32)}
+              "wqkv": rng.standard_normal((3 * hd, cols)).astype(np.float32),
+              "fused": rng.standard_normal((8 * hd, cols)).astype(np.float32)}
     save_global(values, path / "ckpt")
     mapping = NameMapping(ROTARY)
     monkey_window = data.draw(st.sampled_from([None, 8 * cols]))
@@ -376,6 +382,10 @@ def test_rotary_rows_go_to_halves_on_export_and_back_on_any_read(tmp_path_factor
     assert np.array_equal(got["q_proj.bias"].numpy(), meta_to_hf(values["bq"], 4))
     assert np.array_equal(got["q.weight"].numpy(), meta_to_hf(values["wqkv"][:2 * hd], 2))
     assert np.array_equal(got["k.weight"].numpy(), meta_to_hf(values["wqkv"][2 * hd:], 1))
+    groups = values["fused"].reshape(2, 4, hd, cols)  # per group: 2 query heads, its key head, its value head
+    assert np.array_equal(got["gq.weight"].numpy(), meta_to_hf(groups[:, :2].reshape(4 * hd, cols), 4))
+    assert np.array_equal(got["gk.weight"].numpy(), meta_to_hf(groups[:, 2].reshape(2 * hd, cols), 2))
+    assert np.array_equal(got["gv.weight"].numpy(), groups[:, 3].reshape(2 * hd, cols))
     source = SafetensorsSource(str(path / "hf"), mapping)
     for key, value in values.items():  # any box reads back in the checkpoint's own order
         lo = data.draw(st.integers(0, value.shape[0] - 1))

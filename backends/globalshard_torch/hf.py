@@ -31,7 +31,7 @@ __all__ = ["load_hf"]
 
 def load_hf(directory: str, model: nn.Module | Sequence[nn.Module], layout: ParallelLayout,
             rules: ShardingRules | None, *, mapping: NameMapping | str | None = None,
-            params: dict[str, int] | None = None, allow_lossy_cast: bool = False,
+            params: dict[str, float] | None = None, allow_lossy_cast: bool = False,
             strict: bool = True, comm: Comm | None = None) -> dict[str, Any]:
     """Load this rank's part of every parameter and persistent buffer from safetensors.
 

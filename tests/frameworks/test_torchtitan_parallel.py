@@ -4,7 +4,8 @@ backend), trained two AdamW steps and saved with globalshard and with torch
 DCP, then loaded at TP=2, at dp_shard=2 and into one process by each: every
 model and optimizer tensor equal to DCP's load. The one-process load is then
 exported with ``--map torchtitan_llama3`` and opened by transformers, whose
-logits must equal torchtitan's own forward."""
+logits must equal torchtitan's own forward, and the export read back by
+``load_hf`` into torchtitan's FSDP2 x TP model equals DCP's load."""
 
 import json
 
@@ -56,3 +57,7 @@ def test_a_torchtitan_checkpoint_exports_to_a_llama_transformers_runs_with_torch
         theirs = model(tokens).logits.numpy()
     ours = np.array(loaded["logits"]).reshape(theirs.shape)
     assert np.max(np.abs(ours - theirs)) < 1e-5, np.max(np.abs(ours - theirs))
+    # And back: load_hf fills torchtitan's own FSDP2 x TP model (fused wqkv, per kv group) from the export.
+    for r in run(4, "torchtitan_jobs:from_hf", str(tmp_path / "back"), work=str(work), hf=str(tmp_path / "hf"),
+                 dp_shard=2, tp=2):
+        assert r["tensors"] == 45 and r["differ"] == []

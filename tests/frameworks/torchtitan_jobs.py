@@ -106,6 +106,21 @@ def reload(rank: int, *, work: str, dp_shard: int, tp: int) -> dict[str, Any]:
     return out
 
 
+def from_hf(rank: int, *, work: str, hf: str, dp_shard: int, tp: int) -> dict[str, Any]:
+    """A Hugging Face folder read by ``load_hf`` straight into torchtitan's parallelized
+    model (its fused ``wqkv`` DTensors), compared with DCP's load of the original state."""
+    model, _ = build(dp_shard, tp, 11, work)
+    gt.load_hf(hf, model, gt.ParallelLayout(num_layers=6), None, mapping="torchtitan_llama3",
+               params={"heads": 16, "kv_heads": 16})
+    reference, optimizers = build(dp_shard, tp, 13, work)
+    sd = state(reference, optimizers)
+    dcp.load(sd, checkpoint_id=os.path.join(work, "dcp"))
+    ModelWrapper(reference).load_state_dict({k: v for k, v in sd.items() if k != "optimizer"})
+    ours, theirs = (dict(m.named_parameters()) for m in (model, reference))
+    return {"tensors": len(theirs),
+            "differ": sorted(k for k in theirs if not torch.equal(_local(ours[k]), _local(theirs[k])))}
+
+
 def logits(model: Any) -> torch.Tensor:
     """torchtitan's forward of a fixed batch (one document: a causal flex-attention mask), in
     float32: the same weights in an unparallelized debugmodel (FSDP2's mixed precision
