@@ -3,7 +3,10 @@
 Scoped patches, in these processes only (never in the library): Megatron-Core
 0.16 allocates buffers on ``torch.cuda.current_device()``, moves tied
 embeddings with ``.cuda()`` and synchronizes CUDA in ``dist_checkpointing``;
-on CPU those become the CPU and no-ops. Its MoE router references
+on CPU those become the CPU and no-ops; the distributed optimizer also makes
+tensors with ``device="cuda"`` (made on the CPU here) and accepts only
+parameters whose ``.type()`` is a CUDA type (answered as CUDA while it is
+built and steps). Its MoE router references
 ``te_general_gemm``, undefined without Transformer Engine: set to None, its
 value when Transformer Engine is absent. MoE layers use the ``allgather``
 token dispatcher (``alltoall`` creates a CUDA stream). Its ``model_parallel_cuda_manual_seed``
@@ -12,8 +15,10 @@ takes ``inference_rng_tracker=True`` (a CPU-capable tracker).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,13 +32,49 @@ torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[assignment,method
 
 from megatron.core import dist_checkpointing  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.tensor_parallel import random as mrandom  # noqa: E402
 from megatron.core.transformer.moe import moe_utils  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 moe_utils.te_general_gemm = None  # 0.16's router references it undefined without Transformer Engine
+
+
+def _on_cpu(make: Any) -> Any:
+    def made(*args: Any, **kwargs: Any) -> Any:
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return make(*args, **kwargs)
+    return made
+
+
+@contextlib.contextmanager
+def _distributed_optimizer_on_cpu() -> Iterator[None]:
+    """While the block runs: tensors asked for on ``"cuda"`` are made on the CPU,
+    and ``Tensor.type()`` answers ``torch.cuda.FloatTensor`` for CPU tensors (the
+    distributed optimizer checks it)."""
+    real_type = torch.Tensor.type
+    factories = {name: getattr(torch, name) for name in ("tensor", "zeros", "empty", "ones", "full")}
+
+    def as_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        name = real_type(self, *args, **kwargs)
+        if args or kwargs or not isinstance(name, str) or name.startswith("torch.cuda."):
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = as_cuda  # type: ignore[method-assign,assignment]
+    for name, make in factories.items():
+        setattr(torch, name, _on_cpu(make))
+    try:
+        yield
+    finally:
+        torch.Tensor.type = real_type  # type: ignore[method-assign]
+        for name, make in factories.items():
+            setattr(torch, name, make)
+
 
 SEQ, BATCH = 8, 2
 
@@ -208,5 +249,97 @@ def export_scenario(rank: int, *, path: str, save: dict[str, int], load: dict[st
     return {"before": before, "exported": exported, "after": logits(b, layout)}
 
 
+def trained(model: dict[str, Any], layout: gt.ParallelLayout, salt: str) -> tuple[GPTModel, Any, Any]:
+    """A GPTModel in Megatron's DDP wrapper with its distributed optimizer, after one
+    Adam step (gradients a function of the weights, so equal on every replica)."""
+    gpt = build(model)
+    scramble(gpt, layout, model, salt)
+    ddp = DistributedDataParallel(config=gpt.config, module=gpt, ddp_config=DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True))
+    with _distributed_optimizer_on_cpu():
+        chained = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True),
+                                         [ddp])
+    for p in ddp.parameters():
+        p.main_grad.copy_(torch.sin(p.detach() * 3.0))
+    ddp.finish_grad_sync()
+    with _distributed_optimizer_on_cpu():
+        chained.step()
+    (opt,) = chained.chained_optimizers
+    return gpt, ddp, opt
+
+
+def flat_shards(gpt: GPTModel, opt: Any, layout: gt.ParallelLayout, ddp: Any) -> tuple[list[gt.FlatShard], bool]:
+    """This rank's pieces of the Adam state, as Megatron's DistributedOptimizer holds them,
+    and whether megatron_param_ranges gives the same ranges."""
+    pieces = []
+    for params, shards in zip(opt.model_fp32_groups, opt.shard_fp32_groups):
+        for p, shard in zip(params, shards):
+            r = opt._get_model_param_range_map(p)["param"]
+            state = opt.optimizer.state[shard]
+            pieces.append(gt.FlatShard(p, r.start, r.end, {k: state[k] for k in ("exp_avg", "exp_avg_sq", "step")}))
+    ours = gt.megatron_param_ranges(list(gpt.parameters()), dp_size=layout.dp_size, dp_rank=layout.dp_rank,
+                                    bucket_size=ddp.bucket_size)
+    same = sorted((id(p), s, e) for p, s, e in ours) == sorted((id(f.param), f.start, f.stop) for f in pieces)
+    return pieces, same
+
+
+def distopt_scenario(rank: int, *, path: str, save: dict[str, int], load: dict[str, int], model: dict[str, Any],
+                     name: str, distopt: bool) -> dict[str, Any]:
+    """Megatron-Core's distributed optimizer saved at ``save`` with globalshard (its
+    pieces as FlatShards) and with dist_checkpointing (``fully_reshardable``), loaded
+    at ``load`` by each into another distributed optimizer; every Adam moment compared."""
+    ours, theirs = os.path.join(path, name, "globalshard"), os.path.join(path, name, "megatron")
+    meta = {"distrib_optim_sharding_type": "fully_reshardable"}
+    layout = setup(**save)
+    gpt, ddp, opt = trained(model, layout, "saved")
+    pieces, same_ranges_saved = flat_shards(gpt, opt, layout, ddp)
+    gt.save_checkpoint(ours, model=gpt, layout=layout, rules=rules(model), optimizer=opt.optimizer,
+                       optimizer_shards=pieces)
+    if rank == 0:
+        os.makedirs(theirs, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save({"model": gpt.sharded_state_dict(),
+                             "optimizer": opt.sharded_state_dict(gpt.sharded_state_dict(), metadata=meta)}, theirs)
+    del gpt, ddp, opt
+
+    layout = setup(**load)
+    b, b_ddp, b_opt = trained(model, layout, "fresh")
+    b_pieces, same_ranges_loaded = flat_shards(b, b_opt, layout, b_ddp)
+    result = gt.load_checkpoint(ours, model=b, layout=layout, rules=rules(model), optimizer=b_opt.optimizer,
+                                optimizer_shards=b_pieces)
+    c, _, c_opt = trained(model, layout, "other")
+    loaded = dist_checkpointing.load({"model": c.sharded_state_dict(), "optimizer": c_opt.sharded_state_dict(
+        c.sharded_state_dict(), is_loading=True, metadata=meta)}, theirs)
+    c.load_state_dict(loaded["model"])
+    # Megatron's fully_reshardable format keeps param, exp_avg and exp_avg_sq (its fused Adams count
+    # steps per group); torch's AdamW, its CPU fallback, also holds a per-parameter "step", which
+    # Megatron's load then looks for in what it read: set aside while each parameter's state is set.
+    set_state = c_opt._set_main_param_and_optimizer_states
+
+    def keeping_step(model_param: Any, tensors: dict[str, torch.Tensor]) -> None:
+        group, order = c_opt.model_param_group_index_map[model_param]
+        state = c_opt.optimizer.state[c_opt.optimizer.param_groups[group]["params"][order]]
+        step = state.pop("step", None)
+        set_state(model_param, tensors)
+        if step is not None:
+            state["step"] = step
+
+    c_opt._set_main_param_and_optimizer_states = keeping_step
+    c_opt.load_state_dict(loaded["optimizer"])
+    differ = []
+    for i, (ours_shards, their_shards) in enumerate(zip(b_opt.shard_fp32_groups, c_opt.shard_fp32_groups)):
+        for j, (x, y) in enumerate(zip(ours_shards, their_shards)):
+            for item in ("exp_avg", "exp_avg_sq"):
+                if not torch.equal(b_opt.optimizer.state[x][item], c_opt.optimizer.state[y][item]):
+                    differ.append(f"group {i} shard {j} {item}")
+            if not torch.equal(x, y):
+                differ.append(f"group {i} shard {j} main param")
+    ours_t, theirs_t = _named(b, layout), _named(c, layout)
+    differ += sorted(k for k in ours_t if not torch.equal(ours_t[k], theirs_t[k]))
+    return {"differ": differ, "tensors": sum(len(g) for g in b_opt.shard_fp32_groups),
+            "unexpected": result.unexpected_keys, "same_ranges": same_ranges_saved and same_ranges_loaded}
+
+
 def scenarios(rank: int, *, path: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [(export_scenario if case.get("export") else scenario)(rank, path=path, **case) for case in cases]
+    kinds = {"export": export_scenario, "distopt": distopt_scenario}
+    return [next((f for k, f in kinds.items() if case.get(k)), scenario)(rank, path=path, **case) for case in cases]

@@ -38,6 +38,11 @@ CASES = [
     dict(name="moe_tp2_to_ep2", save=dict(tp=2, pp=1, ep=1), load=dict(tp=1, pp=1, ep=2),
          model={**DENSE, "experts": 4}),
 ]
+# Megatron-Core's DistributedOptimizer (DDP wrapper, fp32 main params): DP traded for TP both ways.
+DISTOPT = [
+    dict(name="distopt_dp2_to_tp2", save=dict(tp=1, pp=1), load=dict(tp=2, pp=1), model=DENSE, distopt=True),
+    dict(name="distopt_tp2_to_dp2", save=dict(tp=2, pp=1), load=dict(tp=1, pp=1), model=DENSE, distopt=True),
+]
 # A Megatron-Core Llama (RMSNorm, SwiGLU, rotary, GQA) exported to Hugging Face Llama, opened by
 # transformers, and the export read back into another layout by load_hf.
 LLAMA = {**DENSE, "llama": True}
@@ -51,7 +56,7 @@ EXPORTS = [
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     path = tmp_path_factory.mktemp("megatron")
-    cases = CASES + EXPORTS
+    cases = CASES + EXPORTS + DISTOPT
     per_rank = run(2, "megatron_jobs:scenarios", str(path / "ranks"), path=str(path), cases=cases)
     return {case["name"]: [rank[i] for rank in per_rank] for i, case in enumerate(cases)}
 
@@ -76,3 +81,11 @@ def test_a_megatron_llama_exports_to_a_llama_transformers_runs_with_the_same_log
     before = np.array(before).reshape(-1, DENSE["vocab"])
     assert np.max(np.abs(np.array(exported).reshape(before.shape) - before)) < 1e-5
     assert np.max(np.abs(np.array(after).reshape(before.shape) - before)) < 1e-5
+
+
+@pytest.mark.parametrize("case", [c["name"] for c in DISTOPT])
+def test_a_distributed_optimizers_adam_state_reshards_as_dist_checkpointing_reshards_it(outcomes, case):
+    for r in outcomes[case]:
+        assert r["differ"] == [], f"differ from dist_checkpointing's load: {r['differ']}"
+        assert r["tensors"] > 0 and r["unexpected"] == []
+        assert r["same_ranges"], "megatron_param_ranges differs from the DistributedOptimizer's own ranges"
