@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 import time
 import traceback
@@ -58,6 +59,7 @@ class Config:
     lora_rank: int = 4
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
+    experts: int = 0  # > 0: every MLP is a mixture of experts (top-2 routing), experts split over EP
     lr: float = 3e-3
     warmup: int = 2
     total_steps: int = 12
@@ -70,6 +72,8 @@ class Topology:
     pp: int = 1
     vpp: int = 1
     dp: int = 1
+    distopt: bool = False  # a distributed optimizer: each DP rank holds the Adam state of its flat ranges
+    ep: int = 1  # expert parallelism, carved out of DP (Megatron-Core's tp-ep-dp order)
 
     @property
     def world(self) -> int:
@@ -77,7 +81,9 @@ class Topology:
 
     def __str__(self) -> str:
         parts = [f"TP={self.tp}", f"PP={self.pp}"] + ([f"VPP={self.vpp}"] if self.vpp > 1 else [])
-        return "/".join(parts + ([f"DP={self.dp}"] if self.dp > 1 else []))
+        parts += ([f"DP={self.dp}"] if self.dp > 1 else []) + ([f"EP={self.ep}"] if self.ep > 1 else [])
+        parts += ["DistOpt"] if self.distopt else []
+        return "/".join(parts)
 
 
 def rules(cfg: Config) -> gt.ShardingRules:
@@ -89,6 +95,9 @@ def rules(cfg: Config) -> gt.ShardingRules:
         (r"layers\.\d+\.attn\.proj\.weight", gt.RowParallel()),
         (r"layers\.\d+\.mlp\.gate_up\.weight", gt.PackedSwiGLU()),
         (r"layers\.\d+\.mlp\.down\.weight", gt.RowParallel()),
+        (r"layers\.\d+\.mlp\.router\.weight", gt.Replicated()),
+        (r"layers\.\d+\.mlp\.experts\.local_experts\.\d+\.gate_up\.weight", gt.Experts(cfg.experts, gt.PackedSwiGLU())),
+        (r"layers\.\d+\.mlp\.experts\.local_experts\.\d+\.down\.weight", gt.Experts(cfg.experts, gt.RowParallel())),
         (r".*(norm|bias|lora_A)", gt.Replicated()),
     ])
 
@@ -112,6 +121,12 @@ class Groups:
                                                  for t, p, _ in grid})
         self.embedding = self._mine(rank, topo.pp > 1, {(t, d): [self.rank_of(t, 0, d), self.rank_of(t, topo.pp - 1, d)]
                                                         for t, _, d in grid})
+        ep = topo.ep
+        self.ep = self._mine(rank, ep > 1, {(t, p, d // ep): [self.rank_of(t, p, d // ep * ep + i) for i in range(ep)]
+                                            for t, p, d in grid})
+        self.expert_dp = self._mine(rank, topo.dp // ep > 1,
+                                    {(t, p, d % ep): [self.rank_of(t, p, d % ep + i * ep) for i in range(topo.dp // ep)]
+                                     for t, p, d in grid})
         share = max(1, topo.tp // kv_heads)
         self.kv_share = self._mine(rank, share > 1, {(t // share, p, d): [self.rank_of(t // share * share + i, p, d)
                                                                           for i in range(share)]
@@ -133,7 +148,8 @@ class Groups:
     def layout(self, cfg: Config) -> gt.ParallelLayout:
         t = self.topo
         return gt.ParallelLayout(tp_rank=self.tp_rank, tp_size=t.tp, pp_rank=self.pp_rank, pp_size=t.pp,
-                                 vpp_size=t.vpp, dp_rank=self.dp_rank, dp_size=t.dp, num_layers=cfg.layers)
+                                 vpp_size=t.vpp, dp_rank=self.dp_rank, dp_size=t.dp, ep_size=t.ep,
+                                 num_layers=cfg.layers)
 
 
 # --------------------------------------------------------------------------- tensor-parallel pieces
@@ -277,10 +293,93 @@ class MLP(nn.Module):
         return x + reduce_from_tp(self.down(nn.functional.silu(gate) * up), group)
 
 
-class Block(nn.Module):
+class _GatherFromEP(torch.autograd.Function):
+    """All-gather the EP group's tokens forward; backward, the sum of every rank's
+    gradient for this rank's tokens (all-reduce, then this rank's slice)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        g = g.clone()
+        dist.all_reduce(g, group=ctx.group)
+        n = g.shape[0] // dist.get_world_size(ctx.group)
+        r = dist.get_rank(ctx.group)
+        return g[r * n:(r + 1) * n].contiguous(), None
+
+
+class _ScatterToEP(torch.autograd.Function):
+    """Sum the EP group's partial outputs and keep this rank's tokens forward;
+    backward, all-gather the gradients of every rank's tokens."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        n = x.shape[0] // dist.get_world_size(group)
+        r = dist.get_rank(group)
+        return x[r * n:(r + 1) * n].contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        parts = [torch.empty_like(g) for _ in range(dist.get_world_size(ctx.group))]
+        dist.all_gather(parts, g.contiguous(), group=ctx.group)
+        return torch.cat(parts), None
+
+
+class Expert(nn.Module):
     def __init__(self, cfg: Config, tp: int):
         super().__init__()
-        self.attn, self.mlp = Attention(cfg, tp), MLP(cfg, tp)
+        self.gate_up = nn.Linear(cfg.hidden, 2 * cfg.ffn // tp, bias=False)
+        self.down = nn.Linear(cfg.ffn // tp, cfg.hidden, bias=False)
+
+    def forward(self, h: torch.Tensor, group: Any) -> torch.Tensor:
+        gate, up = self.gate_up(copy_to_tp(h, group)).chunk(2, dim=-1)
+        return reduce_from_tp(self.down(nn.functional.silu(gate) * up), group)
+
+
+class MoE(nn.Module):
+    """A mixture of SwiGLU experts with top-2 routing (Mixtral's: softmax, top 2,
+    renormalised). Each EP rank holds ``experts / ep`` of them; tokens are
+    exchanged the way Megatron's ``allgather`` dispatcher does: every rank of
+    the EP group runs its experts on the group's tokens, and the partial
+    outputs are summed back to the rank that owns each token."""
+
+    def __init__(self, cfg: Config, tp: int, ep: int):
+        super().__init__()
+        self.cfg, self.ep_group = cfg, None  # the EP group is set once the process groups exist
+        self.ep_rank = 0
+        self.norm = nn.Parameter(torch.empty(cfg.hidden))
+        self.router = nn.Linear(cfg.hidden, cfg.experts, bias=False)
+        self.experts = nn.Module()
+        self.experts.local_experts = nn.ModuleList(Expert(cfg, tp) for _ in range(cfg.experts // ep))
+
+    def forward(self, x: torch.Tensor, group: Any) -> torch.Tensor:
+        c = self.cfg
+        h = rms_norm(x, self.norm, c.rms_norm_eps).reshape(-1, c.hidden)
+        top, index = self.router(h).softmax(-1).topk(2, dim=-1)
+        weights = torch.zeros(h.shape[0], c.experts).scatter(1, index, top / top.sum(-1, keepdim=True))
+        if self.ep_group is not None:
+            h, weights = _GatherFromEP.apply(h, self.ep_group), _GatherFromEP.apply(weights, self.ep_group)
+        first = self.ep_rank * len(self.experts.local_experts)
+        out = sum(weights[:, first + i:first + i + 1] * expert(h, group)
+                  for i, expert in enumerate(self.experts.local_experts))
+        if self.ep_group is not None:
+            out = _ScatterToEP.apply(out, self.ep_group)
+        return x + out.reshape(x.shape)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Config, tp: int, ep: int = 1):
+        super().__init__()
+        self.attn = Attention(cfg, tp)
+        self.mlp: nn.Module = MoE(cfg, tp, ep) if cfg.experts else MLP(cfg, tp)
 
     def forward(self, x: torch.Tensor, group: Any) -> torch.Tensor:
         return self.mlp(self.attn(x, group), group)
@@ -301,7 +400,7 @@ class Chunk(nn.Module):
         self.vocab_start = layout.tp_rank * (padded_vocab(cfg, tp) // tp)
         if self.first:
             self.embedding = nn.Embedding(padded_vocab(cfg, tp) // tp, cfg.hidden)
-        self.layers = nn.ModuleList(Block(cfg, tp) for _ in layout.chunk_layers(chunk))
+        self.layers = nn.ModuleList(Block(cfg, tp, layout.ep_size) for _ in layout.chunk_layers(chunk))
         if self.last:
             self.final_norm = nn.Parameter(torch.empty(cfg.hidden))
             self.lm_head = nn.Module()
@@ -351,8 +450,14 @@ def global_init(cfg: Config) -> dict[str, np.ndarray]:
                 p + "attn.qkv_lora_A": w(cfg.lora_rank, cfg.hidden), p + "attn.qkv_lora_B": w(qkv, cfg.lora_rank),
                 p + "attn.proj.weight": w(cfg.hidden, cfg.heads * cfg.head_dim),
                 p + "attn.proj.bias": np.zeros(cfg.hidden, np.float32),
-                p + "mlp.norm": np.ones(cfg.hidden, np.float32), p + "mlp.gate_up.weight": w(2 * cfg.ffn, cfg.hidden),
-                p + "mlp.down.weight": w(cfg.hidden, cfg.ffn)}
+                p + "mlp.norm": np.ones(cfg.hidden, np.float32)}
+        if cfg.experts:  # per global expert (the checkpoint stacks them as one array per layer)
+            out[p + "mlp.router.weight"] = w(cfg.experts, cfg.hidden, scale=0.5)
+            for e in range(cfg.experts):
+                out |= {p + f"mlp.experts.local_experts.{e}.gate_up.weight": w(2 * cfg.ffn, cfg.hidden),
+                        p + f"mlp.experts.local_experts.{e}.down.weight": w(cfg.hidden, cfg.ffn)}
+        else:
+            out |= {p + "mlp.gate_up.weight": w(2 * cfg.ffn, cfg.hidden), p + "mlp.down.weight": w(cfg.hidden, cfg.ffn)}
     return out
 
 
@@ -403,6 +508,10 @@ def lr_lambda(cfg: Config) -> Any:
 
 class Trainer:
     def __init__(self, cfg: Config, topo: Topology, rank: int):
+        if topo.ep > 1 and (not cfg.experts or cfg.experts % topo.ep or topo.distopt):
+            # TODO(limitation): the demo's distributed optimizer shards over DP, not over expert-DP as
+            # Megatron-Core does for experts, so it does not run with EP.
+            raise ValueError(f"{topo}: EP needs experts divisible by it, and no distributed optimizer")
         self.cfg, self.topo, self.rank = cfg, topo, rank
         self.groups = Groups(topo, rank, cfg.kv_heads)
         self.layout = self.groups.layout(cfg)
@@ -413,14 +522,30 @@ class Trainer:
                 for name, p in chunk.named_parameters():
                     key = self.layout.global_name(name, c)
                     key = "embedding.weight" if key == "lm_head.weight" else key
+                    key = re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{self.global_expert(int(m[1]))}.",
+                                 key)
                     p.copy_(torch.from_numpy(local_part(cfg, key, init[key], topo.tp, self.groups.tp_rank)))
-        params = [p for ch in self.chunks for p in ch.parameters()]
-        decay = [p for p in params if p.ndim > 1]
-        no_decay = [p for p in params if p.ndim <= 1]
+        for ch in self.chunks:
+            for layer in ch.layers:
+                if isinstance(layer.mlp, MoE):
+                    layer.mlp.ep_group, layer.mlp.ep_rank = self.groups.ep, self.layout.ep_rank
+        self.params = [p for ch in self.chunks for p in ch.parameters()]
+        # A distributed optimizer, as Megatron-Core lays it out: this DP rank owns the flat ranges
+        # megatron_param_ranges gives, and AdamW runs on copies of those ranges only.
+        self.ranges = [(p, start, stop, nn.Parameter(p.detach().view(-1)[start:stop].clone()))
+                       for p, start, stop in gt.megatron_param_ranges(self.params, dp_size=topo.dp,
+                                                                      dp_rank=self.groups.dp_rank)
+                       ] if topo.distopt else []
+        stepped = [(p, piece) for p, _, _, piece in self.ranges] if topo.distopt else [(p, p) for p in self.params]
+        decay = [piece for p, piece in stepped if p.ndim > 1]
+        no_decay = [piece for p, piece in stepped if p.ndim <= 1]
         groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
         self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), foreach=False)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         self.step = 0
+
+    def global_expert(self, local: int) -> int:
+        return self.layout.ep_rank * self.cfg.experts // self.topo.ep + local
 
     @property
     def model(self) -> list[nn.Module]:
@@ -438,7 +563,9 @@ class Trainer:
         mine = tokens[g.dp_rank * per_dp:(g.dp_rank + 1) * per_dp]
         micro = [mine[i:i + cfg.micro_batch] for i in range(0, per_dp, cfg.micro_batch)]
         n_micro = len(micro)
-        self.opt.zero_grad(set_to_none=False)
+        for p in self.params:  # (the optimizer of a distributed one holds copies, not these)
+            if p.grad is not None:
+                p.grad.zero_()
         # The virtual pipeline: (chunk, stage) in order; a micro-batch goes through all of it.
         # TODO(limitation): all forwards, then all backwards (GPipe order), not 1F1B.
         order = [(c, s) for c in range(topo.vpp) for s in range(topo.pp)]
@@ -494,11 +621,19 @@ class Trainer:
             dist.all_reduce(w.grad, group=g.embedding)
         if g.dp is not None:
             for ch in self.chunks:
-                for p in ch.parameters():
-                    dist.all_reduce(p.grad, group=g.dp)
+                for name, p in ch.named_parameters():
+                    # An expert is held by the ranks of its expert-DP group only; it saw its whole EP group's tokens.
+                    group = g.expert_dp if ".local_experts." in name else g.dp
+                    if group is not None:
+                        dist.all_reduce(p.grad, group=group)
                     p.grad /= topo.dp
+        if topo.distopt:
+            for p, start, stop, piece in self.ranges:
+                piece.grad = p.grad.view(-1)[start:stop].clone()
         self.opt.step()
         self.sched.step()
+        if topo.distopt:
+            self._gather_ranges()
         self.step += 1
         last_stage = g.pp_rank == topo.pp - 1
         if g.dp is not None and last_stage:
@@ -506,8 +641,33 @@ class Trainer:
             total /= topo.dp
         return float(total) if last_stage and g.tp_rank == 0 and g.dp_rank == 0 else None
 
+    def _gather_ranges(self) -> None:
+        """Every parameter whole again on every DP rank, from the ranges each one stepped."""
+        with torch.no_grad():
+            mine: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
+            for p, start, stop, piece in self.ranges:
+                mine.setdefault(id(p), []).append((start, stop, piece))
+            for p in self.params:
+                full = torch.zeros(p.numel())
+                for start, stop, piece in mine.get(id(p), []):
+                    full[start:stop] = piece
+                if self.groups.dp is not None:
+                    dist.all_reduce(full, group=self.groups.dp)  # the other ranks add zeros
+                p.copy_(full.view_as(p))
+
+    def _flat_shards(self) -> list[gt.FlatShard]:
+        """This rank's pieces of the Adam state (created empty before the first step)."""
+        out = []
+        for p, start, stop, piece in self.ranges:
+            st = self.opt.state[piece]
+            if not st:
+                st.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(piece), exp_avg_sq=torch.zeros_like(piece))
+            out.append(gt.FlatShard(p, start, stop, {k: st[k] for k in ("step", "exp_avg", "exp_avg_sq")}))
+        return out
+
     def save(self, path: str) -> gt.LoadResult | None:
         gt.save_checkpoint(path, model=self.model, layout=self.layout, rules=rules(self.cfg), optimizer=self.opt,
+                           optimizer_shards=self._flat_shards() if self.topo.distopt else None,
                            scheduler=self.sched, trainer_state={"step": self.step,
                                                                 "consumed_samples": self.step * self.cfg.global_batch,
                                                                 "model_config": asdict(self.cfg)})
@@ -531,8 +691,12 @@ class Trainer:
                         p[[0, 1]] = p[[1, 0]]
 
     def load(self, path: str) -> gt.LoadResult:
+        shards = self._flat_shards() if self.topo.distopt else None
         result = gt.load_checkpoint(path, model=self.model, layout=self.layout, rules=rules(self.cfg),
-                                    optimizer=self.opt, scheduler=self.sched)
+                                    optimizer=self.opt, optimizer_shards=shards, scheduler=self.sched)
+        with torch.no_grad():
+            for p, start, stop, piece in self.ranges:  # the stepped copies follow the loaded weights
+                piece.copy_(p.view(-1)[start:stop])
         self.step = int(result.trainer_state["step"])
         return result
 
