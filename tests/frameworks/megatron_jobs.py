@@ -254,6 +254,8 @@ def trained(model: dict[str, Any], layout: gt.ParallelLayout, salt: str) -> tupl
     Adam step (gradients a function of the weights, so equal on every replica)."""
     gpt = build(model)
     scramble(gpt, layout, model, salt)
+    # TODO(limitation): fp32 parameters and torch's AdamW only; not Megatron's fused Adams, nor
+    # fp16/bf16 parameters with fp32 main copies.
     ddp = DistributedDataParallel(config=gpt.config, module=gpt, ddp_config=DistributedDataParallelConfig(
         use_distributed_optimizer=True, grad_reduce_in_fp32=True))
     with _distributed_optimizer_on_cpu():
