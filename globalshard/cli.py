@@ -213,7 +213,8 @@ def _export(args: argparse.Namespace) -> int:
     lines = [f"wrote {len(index['weight_map'])} tensors, {doc['bytes'] / 2**20:.2f} MiB in "
              f"{len(files)} file(s) + model.safetensors.index.json to {args.out}"]
     if index["config"] is not None:
-        lines.append(f"wrote config.json ({index['config'].get('architectures', ['?'])[0]})")
+        kind = index["config"].get("architectures") or []
+        lines.append("wrote config.json" + (f" ({', '.join(map(str, kind))})" if kind else ""))
     if index["merged"]:
         lines.append(f"merged {len(index['merged'])} adapter keys into the tensors they adapt: "
                      f"{', '.join(index['merged'][:8])}{' ...' if len(index['merged']) > 8 else ''}")

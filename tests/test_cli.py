@@ -124,6 +124,32 @@ def test_export_safetensors_from_the_command_line(tmp_path):
     assert bad.returncode == 2 and "not a size" in bad.stderr
 
 
+def test_export_with_a_mapping_reports_merged_adapters_and_its_config_and_takes_number_params(tmp_path):
+    mapping = {"params": {"heads": 2},
+               "tensors": [{"key": "wq", "name": "q.weight", "rotary": "heads",
+                            "lora": {"A": "wq_lora_A", "B": "wq_lora_B", "scale": "alpha"}}],
+               "config": {"rope_theta": {"$param": "rope_theta"}, "heads": {"$param": "heads"},
+                          "dtype": {"$dtype": "q.weight"}}}
+    (tmp_path / "map.json").write_text(json.dumps(mapping))
+    save(tmp_path / "a", {"wq": np.ones((8, 3), np.float32), "wq_lora_A": np.ones((1, 3), np.float32),
+                          "wq_lora_B": np.ones((8, 1), np.float32)})
+    out = run("export", str(tmp_path / "a"), str(tmp_path / "hf"), "--map", str(tmp_path / "map.json"),
+              "--param", "rope_theta=5e5", "--param", "alpha=0.5", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["merged"] == ["wq_lora_A", "wq_lora_B"] and doc["config"] == "config.json"
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == {"rope_theta": 500000.0, "heads": 2,
+                                                                          "dtype": "float32"}
+    human = run("export", str(tmp_path / "a"), str(tmp_path / "hf"), "--map", str(tmp_path / "map.json"),
+                "--param", "rope_theta=5e5", "--param", "alpha=0.5")
+    assert "merged 2 adapter keys" in human.stdout and "wrote config.json" in human.stdout
+    missing = run("export", str(tmp_path / "a"), str(tmp_path / "hf2"), "--map", str(tmp_path / "map.json"),
+                  "--param", "alpha=1")
+    assert missing.returncode == 2 and "--param rope_theta" in missing.stderr
+    bad = run("export", str(tmp_path / "a"), str(tmp_path / "hf2"), "--param", "alpha=many")
+    assert bad.returncode == 2 and "NAME=NUMBER" in bad.stderr
+
+
 def test_kvstore_option(tmp_path):
     save(tmp_path / "root" / "run1", {"w": np.ones(3, np.float32)})
     out = run("inspect", "run1", "--kvstore", f"file://{tmp_path / 'root'}/", "--json")
