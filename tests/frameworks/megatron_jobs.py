@@ -184,17 +184,23 @@ def _named(model: GPTModel, layout: gt.ParallelLayout) -> dict[str, torch.Tensor
     return {layout.global_name(n, 0): p.detach().clone() for n, p in model.named_parameters()}
 
 
+def saved_with_globalshard(path: str, save: dict[str, int], model: dict[str, Any]) -> tuple[GPTModel, Any, Any]:
+    """A model at layout ``save`` with values unlike any initialisation, its logits, saved to ``path``."""
+    layout = setup(**save)
+    a = build(model)
+    scramble(a, layout, model, "saved")
+    before = logits(a, layout)
+    gt.save_checkpoint(path, model=a, layout=layout, rules=rules(model))
+    return a, layout, before
+
+
 def scenario(rank: int, *, path: str, save: dict[str, int], load: dict[str, int], model: dict[str, Any],
              name: str) -> dict[str, Any]:
     """Save at ``save`` with globalshard and with Megatron's dist_checkpointing;
     load at ``load`` with each (globalshard with its default arguments);
     every tensor and the logits compared."""
     ours, theirs = os.path.join(path, name, "globalshard"), os.path.join(path, name, "megatron")
-    layout = setup(**save)
-    a = build(model)
-    scramble(a, layout, model, "saved")
-    before = logits(a, layout)
-    gt.save_checkpoint(ours, model=a, layout=layout, rules=rules(model))
+    a, layout, before = saved_with_globalshard(ours, save, model)
     if rank == 0:
         os.makedirs(theirs, exist_ok=True)
     dist.barrier()
@@ -226,11 +232,7 @@ def export_scenario(rank: int, *, path: str, save: dict[str, int], load: dict[st
     from globalshard.cli import main as cli
 
     ckpt, hf = os.path.join(path, name, "ckpt"), os.path.join(path, name, "hf")
-    layout = setup(**save)
-    a = build(model)
-    scramble(a, layout, model, "saved")
-    before = logits(a, layout)
-    gt.save_checkpoint(ckpt, model=a, layout=layout, rules=rules(model))
+    a, layout, before = saved_with_globalshard(ckpt, save, model)
     del a
     params = {"heads": model["heads"], "kv_heads": model["groups"], "rms_norm_eps": 1e-5, "rope_theta": 10000}
     exported = None
