@@ -40,7 +40,7 @@ examples: $(STAMP)
 	$(PY) examples/numpy_demo.py
 	$(PY) examples/torch_resume.py
 
-# The full reliability campaign behind the README's table (about 15 minutes):
+# The full reliability campaign behind docs/reliability.md's table (about 15 minutes):
 # kills at 50+ points per case, every corruption, racing saves, 100,000 fuzz inputs.
 RELIABILITY := build/reliability
 reliability: $(STAMP)

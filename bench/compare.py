@@ -243,7 +243,7 @@ def main() -> None:
             settle()
         # The disk, globalshard and DCP take turns within each round, so that each
         # round's ratios compare runs made minutes apart at most: this disk's write
-        # speed changes by up to 3x from one minute to the next (see the README).
+        # speed changes by up to 3x from one minute to the next (see docs/benchmarks.md).
         rounds: dict[str, list[dict[str, float]]] = {"raw": [], "globalshard": [], "dcp": []}
         for rep in range(REPS):
             print(f"round {rep + 1} of {REPS}: raw disk, globalshard, dcp ...", flush=True)

@@ -56,7 +56,7 @@ def _async(root: str, tensors: int) -> dict[str, float]:
     medians of those rounds (the ratio: the median of their ratios). Each
     save goes to a new directory, as a trainer's step_N checkpoints do (one
     overwriting the path of the save before it waits for that save's
-    deletion of the checkpoint it replaced, README Limitations)."""
+    deletion of the checkpoint it replaced, docs/limitations.md)."""
     state = {}
     for k in range(tensors):
         full = np.random.default_rng(k).standard_normal((ROWS, COLS), dtype=np.float32)
@@ -84,7 +84,7 @@ def _async(root: str, tensors: int) -> dict[str, float]:
     out: dict[str, float] = {"state_bytes": total}
     # The first save's buffer takes pages the process used before, as a
     # trainer's would: this VM's host backs memory never touched since boot
-    # lazily, 3-7 s for 512 MiB (README).
+    # lazily, 3-7 s for 512 MiB (docs/benchmarks.md).
     dest = np.zeros(total, np.uint8)
     memcpy()
     del dest

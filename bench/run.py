@@ -1,4 +1,4 @@
-"""Benchmarks behind every figure in the README.
+"""Benchmarks behind every figure in docs/benchmarks.md.
 
     make bench                 (or: .venv/bin/python bench/run.py [--quick])
 

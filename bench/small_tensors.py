@@ -14,7 +14,7 @@ turns in each of 3 rounds; in a round each layout is saved once and loaded
 load swings by 1.5x on this machine). Each ratio is the median of the
 rounds' ratios, each figure the median of the 3 rounds. Each checkpoint is
 deleted once it is loaded, so every save starts just after a deletion (this
-disk writes faster then, README) and the run holds one checkpoint at a time
+disk writes faster then, docs/benchmarks.md) and the run holds one checkpoint at a time
 on disk. Writes
 build/bench/small_tensors.json (with ``--tensors N``: small_tensors_N.json).
 
@@ -82,7 +82,7 @@ def main() -> None:
     rounds: dict[str, list[dict[str, float]]] = {f"{store}_{name}": [] for store, name, _, _ in layouts}
     with tempfile.TemporaryDirectory(dir=os.path.abspath(os.environ.get("BENCH_DIR", "build"))) as tmp:
         # The layouts take turns in each round: this disk's write speed jumps by
-        # 4x from minute to minute (README), so each ratio compares neighbours.
+        # 4x from minute to minute (docs/benchmarks.md), so each ratio compares neighbours.
         for rep in range(3):
             for store, name, state, pack in layouts:
                 root = os.path.join(tmp, f"{store}-{name}-{rep}")
