@@ -16,3 +16,62 @@ settings.register_profile("dev", max_examples=100, **_common)
 # deep: `make deep-test`, by hand.
 settings.register_profile("deep", max_examples=3000, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+# Markers (pyproject.toml): `-m "not gloo and not e2e and not campaign"` is the quick loop.
+_E2E = {"test_gpt_demo.py", "test_examples.py"}
+_CAMPAIGN = {"test_crash.py", "test_corruption.py", "test_fuzz.py"}
+
+
+def _names(code):
+    """Global names a code object (and the functions defined in it) refers to."""
+    out = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            out |= _names(const)
+    return out
+
+
+def _spawns_gloo(fn, module, spawners, helpers, seen=None) -> bool:
+    """Whether ``fn`` calls a process-group runner, directly, as ``harness.run``, or through
+    functions of its own module."""
+    seen = set() if seen is None else seen
+    code = getattr(fn, "__code__", None)
+    if code is None or code in seen:
+        return False
+    seen.add(code)
+    names = _names(code)
+    runners = {"run", "run_tolerating_deaths"}
+    if names & {"torch_harness", "ranks", "gpt_trainer"} and (names | set(code.co_varnames)) & runners:
+        return True  # imported inside the function
+    for n in names:
+        obj = getattr(module, n, None)
+        if id(obj) in spawners or (id(obj) in helpers and names & runners):
+            return True
+        if callable(obj) and getattr(obj, "__module__", None) == module.__name__ \
+                and _spawns_gloo(obj, module, spawners, helpers, seen):
+            return True
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    spawners, helpers = set(), set()
+    for helper in ("torch_harness", "ranks", "gpt_trainer"):
+        mod = sys.modules.get(helper)
+        if mod is not None:
+            helpers.add(id(mod))
+            spawners |= {id(getattr(mod, n)) for n in ("run", "run_tolerating_deaths") if hasattr(mod, n)}
+    for item in items:
+        name = os.path.basename(str(item.fspath))
+        if name in _E2E:
+            item.add_marker(pytest.mark.e2e)
+        if name in _CAMPAIGN:
+            item.add_marker(pytest.mark.campaign)
+        module = getattr(item, "module", None)
+        if module is None or not spawners:
+            continue
+        fixtures = [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
+        if any(_spawns_gloo(fn, module, spawners, helpers) for fn in [getattr(item, "function", None), *fixtures]):
+            item.add_marker(pytest.mark.gloo)
