@@ -154,7 +154,7 @@ class _Rule:
 
 
 @dataclass(frozen=True)
-class Piece:
+class HfTensor:
     """A Hugging Face tensor: ``box`` of checkpoint key ``key``.
 
     ``rotary``: the box's rows are, per head of that many, in the
@@ -268,11 +268,11 @@ class NameMapping:
     def identity(cls) -> NameMapping:
         return cls({"tensors": [{"key": "{name}", "name": "{name}"}]})
 
-    def pieces(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple[list[Piece], list[str]]:
+    def pieces(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple[list[HfTensor], list[str]]:
         """Every Hugging Face tensor of the checkpoint keys with these global
         shapes, and the keys skipped. Raises naming every key no rule maps.
         The adapters merged into a tensor are in its pieces' ``lora``."""
-        pieces: list[Piece] = []
+        pieces: list[HfTensor] = []
         skipped: list[str] = []
         unmapped: list[str] = []
         problems: list[str] = []
@@ -298,7 +298,7 @@ class NameMapping:
                     elif a in shapes or b in shapes:
                         problems.append(f"{key!r}: the checkpoint has only one of its adapter's {a!r} and {b!r}")
                 if rule.name is not None:
-                    pieces.append(Piece(rule.name.format(**fields), key, Box.full(shape), rule.rotary, lora))
+                    pieces.append(HfTensor(rule.name.format(**fields), key, Box.full(shape), rule.rotary, lora))
                     problems += _rotary_problems(pieces[-1])
                     break
                 if rule.axis >= len(shape):
@@ -318,7 +318,7 @@ class NameMapping:
                     for g in range(rule.groups):  # a part of a grouped split: its rows of every group
                         offset = tuple(g * block + start if a == rule.axis else 0 for a in range(len(shape)))
                         size = tuple(rows if a == rule.axis else s for a, s in enumerate(shape))
-                        pieces.append(Piece(p.name.format(**fields), key, Box(offset, size), heads, lora, g * rows))
+                        pieces.append(HfTensor(p.name.format(**fields), key, Box(offset, size), heads, lora, g * rows))
                         problems += _rotary_problems(pieces[-1])
                     start += rows
                 break
@@ -355,7 +355,7 @@ class NameMapping:
         """The adapter keys of a checkpoint with these shapes that export merges."""
         return sorted(self._merged(shapes))
 
-    def hf_config(self, pieces: Sequence[Piece], out_dtype: Mapping[str, str]) -> dict[str, Any] | None:
+    def hf_config(self, pieces: Sequence[HfTensor], out_dtype: Mapping[str, str]) -> dict[str, Any] | None:
         """The ``config.json`` the mapping describes for these tensors, or None."""
         if self.config is None:
             return None
@@ -405,7 +405,7 @@ def _lora_problems(key: str, shape: tuple[int, ...], a: str, a_shape: tuple[int,
     return []
 
 
-def _rotary_problems(p: Piece) -> list[str]:
+def _rotary_problems(p: HfTensor) -> list[str]:
     if p.rotary is None:
         return []
     rows = p.box.shape[0] if p.box.shape else 0
@@ -481,10 +481,10 @@ def export(checkpoint: str | Checkpoint, out: str, *, mapping: NameMapping | Non
         out_dtype[p.name] = want
     config = mapping.hf_config(pieces, out_dtype)
     # Files of bounded size, in the order the mapping lists the tensors (a tensor: its pieces, in order).
-    by_name: dict[str, list[Piece]] = {}
+    by_name: dict[str, list[HfTensor]] = {}
     for p in pieces:
         by_name.setdefault(p.name, []).append(p)
-    files: list[list[Piece]] = [[]]
+    files: list[list[HfTensor]] = [[]]
     size = 0
     for name, members in by_name.items():
         n = sum(p.box.volume for p in members) * numpy_dtype(out_dtype[name]).itemsize
@@ -522,7 +522,7 @@ def _is_float(dtype: str) -> bool:
     return dtype.startswith(("float", "bfloat"))
 
 
-def _windows(ckpt: Checkpoint, p: Piece) -> Iterator[tuple[Box, np.ndarray]]:
+def _windows(ckpt: Checkpoint, p: HfTensor) -> Iterator[tuple[Box, np.ndarray]]:
     """The piece's values in Hugging Face's order, a window of rows at a time,
     with its adapter merged and its rotary rows in halves."""
     stored = numpy_dtype(ckpt.metadata.tensors[p.key].dtype)
@@ -551,7 +551,7 @@ def _windows(ckpt: Checkpoint, p: Piece) -> Iterator[tuple[Box, np.ndarray]]:
         yield window, buf
 
 
-def _write_file(ckpt: Checkpoint, path: str, pieces: Sequence[Piece], out_dtype: Mapping[str, str],
+def _write_file(ckpt: Checkpoint, path: str, pieces: Sequence[HfTensor], out_dtype: Mapping[str, str],
                 progress: Callable[[int], None] | None) -> int:
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -685,13 +685,13 @@ class SafetensorsSource:
         self.mapping = mapping or NameMapping.identity()
         self.keys = self._invert()
 
-    def _invert(self) -> dict[str, tuple[str, tuple[int, ...], list[Piece]]]:
+    def _invert(self) -> dict[str, tuple[str, tuple[int, ...], list[HfTensor]]]:
         """Checkpoint key -> (dtype, global shape, its pieces), from the names present.
 
         A name may back several keys: rules for alternative layouts of one
         tensor (torchtitan's ``wq`` of its state dict and its fused ``wqkv``
         parameter) each read it; a model asks for the keys it has."""
-        out: dict[str, tuple[str, tuple[int, ...], list[Piece]]] = {}
+        out: dict[str, tuple[str, tuple[int, ...], list[HfTensor]]] = {}
         for rule in self.mapping.rules:
             targets = [rule.name] if rule.name is not None else [p.name for p in rule.parts]
             first = _compile(targets[0], "mapping")
@@ -725,7 +725,7 @@ class SafetensorsSource:
                     for g in range(groups):
                         offset = tuple(g * block + start if a == axis else 0 for a in range(len(e.shape)))
                         size = tuple(rows if a == axis else s for a, s in enumerate(e.shape))
-                        pieces.append(Piece(n, key, Box(offset, size), None if heads is None else heads // groups,
+                        pieces.append(HfTensor(n, key, Box(offset, size), None if heads is None else heads // groups,
                                             None, g * rows))
                     start += rows if rule.name is None else 0
                 out[key] = (entries[0].dtype, tuple(shape), pieces)

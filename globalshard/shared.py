@@ -39,7 +39,7 @@ from globalshard.errors import CommError
 from globalshard.geometry import Box
 from globalshard.planner import LoadPlan, ReadItem, TargetPlan
 
-__all__ = ["WINDOW_BYTES", "Exchange", "Piece", "plan_sharing", "read_shared", "require_exchange"]
+__all__ = ["WINDOW_BYTES", "Exchange", "Piece", "SharedRead", "plan_sharing", "read_shared", "require_exchange"]
 
 #: Shared pieces per exchange window (and the most a piece holds: larger
 #: stored reads are cut along their first axis).
@@ -60,7 +60,7 @@ class Exchange(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class Piece:
+class SharedRead:
     """A box of a stored array needed by several ranks, read by ``owner``."""
 
     path: str
@@ -84,7 +84,11 @@ def needs_of(plan: LoadPlan) -> list[list[Any]]:
     return [[p, b, list(o), list(s), d] for p, b, o, s, d in sorted(seen)]
 
 
-def plan_sharing(needs: Sequence[Sequence[Sequence[Any]]]) -> list[Piece]:
+#: The earlier name of :class:`SharedRead`, kept for code that imports it.
+Piece = SharedRead
+
+
+def plan_sharing(needs: Sequence[Sequence[Sequence[Any]]]) -> list[SharedRead]:
     """The pieces two or more ranks need, each with its owner, in exchange order.
 
     ``needs[r]`` is rank ``r``'s :func:`needs_of`. Reads are shared when they
@@ -114,15 +118,15 @@ def plan_sharing(needs: Sequence[Sequence[Sequence[Any]]]) -> list[Piece]:
         whole = Box(offset, shape)
         packed = None if byte_offset < 0 else byte_offset
         for box in whole.row_windows(numpy_dtype(dtype).itemsize, _PIECE_BYTES):
-            pieces.append(Piece(path, packed, box, dtype, owner, group, whole))
+            pieces.append(SharedRead(path, packed, box, dtype, owner, group, whole))
     pieces.sort(key=lambda p: (p.path, -1 if p.byte_offset is None else p.byte_offset, p.box.offset))
     return pieces
 
 
-def windows(pieces: Sequence[Piece]) -> list[list[Piece]]:
+def windows(pieces: Sequence[SharedRead]) -> list[list[SharedRead]]:
     """Consecutive pieces grouped into windows of at most :data:`WINDOW_BYTES`
     (one piece at least); always one window, even an empty one."""
-    out: list[list[Piece]] = [[]]
+    out: list[list[SharedRead]] = [[]]
     size = 0
     for p in pieces:
         if out[-1] and size + p.nbytes > WINDOW_BYTES:
@@ -178,7 +182,7 @@ def read_shared(comm: Comm, plan: LoadPlan, datas: Sequence[np.ndarray], read: A
     for n, window in enumerate(windows(pieces)):
         staged: dict[int, np.ndarray] = {}
 
-        def read_window(n: int = n, window: list[Piece] = window, staged: dict[int, np.ndarray] = staged) -> None:
+        def read_window(n: int = n, window: list[SharedRead] = window, staged: dict[int, np.ndarray] = staged) -> None:
             if n == 0:
                 read(LoadPlan(tuple(unshared), plan.arrays, plan.packs), datas, stats)
             targets: list[TargetPlan] = []
