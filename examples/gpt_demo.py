@@ -52,11 +52,12 @@ CHANGES: list[tuple[str, Topology, Topology, dict]] = [
 SAME = ("same topology (bit-exact)", Topology(tp=2, pp=2))
 
 
-def resume_run(cfg: Config, a: Topology, b: Topology, k: int, n: int, work: str, *, misplace: bool = False) -> dict:
+def resume_run(cfg: Config, a: Topology, b: Topology, k: int, n: int, work: str, *, misplace: bool = False,
+               start_method: str = "spawn") -> dict:
     ckpt = os.path.join(work, "ckpt")
     shutil.rmtree(ckpt, ignore_errors=True)
-    first = run(cfg, a, os.path.join(work, "a"), until=k, save=ckpt)
-    second = run(cfg, b, os.path.join(work, "b"), until=n, resume=ckpt, misplace=misplace)
+    first = run(cfg, a, os.path.join(work, "a"), until=k, save=ckpt, start_method=start_method)
+    second = run(cfg, b, os.path.join(work, "b"), until=n, resume=ckpt, misplace=misplace, start_method=start_method)
     return {"from": str(a), "to": str(b), "resume_step": second["resume_step"], "losses": second["losses"],
             "losses_before": first["losses"],
             "save": {"seconds": first["save_s"]},

@@ -751,8 +751,10 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], out: str) -> 
 
 
 def run(cfg: Config, topo: Topology, out: str, *, until: int, resume: str | None = None,
-        save: str | None = None, misplace: bool = False) -> dict[str, Any]:
-    """Run a whole job on ``topo.world`` processes; its losses and timings."""
+        save: str | None = None, misplace: bool = False, start_method: str = "spawn") -> dict[str, Any]:
+    """Run a whole job on ``topo.world`` processes; its losses and timings.
+    ``start_method``: torch.multiprocessing's (the tests fork the ranks from a
+    server that imported torch once)."""
     os.makedirs(out, exist_ok=True)
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -760,7 +762,7 @@ def run(cfg: Config, topo: Topology, out: str, *, until: int, resume: str | None
     s.close()
     job = {"config": asdict(cfg), "topology": asdict(topo), "until": until, "resume": resume, "save": save,
            "misplace": misplace}
-    mp.start_processes(_worker, args=(topo.world, port, job, out), nprocs=topo.world, start_method="spawn")
+    mp.start_processes(_worker, args=(topo.world, port, job, out), nprocs=topo.world, start_method=start_method)
     reports = []
     for r in range(topo.world):
         with open(os.path.join(out, f"rank{r}.json")) as f:

@@ -18,8 +18,21 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
-from gpt_demo import TOLERANCE, resume_run
-from gpt_trainer import Config, Topology, run
+import gpt_demo
+import gpt_trainer
+from gpt_trainer import Config, Topology
+from torch_harness import start_method
+
+TOLERANCE = gpt_demo.TOLERANCE
+
+
+def run(*args, **kwargs):
+    return gpt_trainer.run(*args, start_method=start_method(), **kwargs)
+
+
+def resume_run(*args, **kwargs):
+    return gpt_demo.resume_run(*args, start_method=start_method(), **kwargs)
+
 
 N, K = 4, 2
 CFG = Config(total_steps=N)

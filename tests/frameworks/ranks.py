@@ -13,12 +13,14 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch_harness import free_port
+from torch_harness import free_port, start_method
 
 
 def _entry(rank: int, world: int, port: int, target: str, args: dict[str, Any], out_dir: str,
-           paths: list[str]) -> None:
+           paths: list[str], env: dict[str, str]) -> None:
     sys.path[:0] = paths
+    os.environ.clear()  # the caller's environment now, not the fork server's when it started
+    os.environ.update(env)
     os.environ["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
@@ -51,8 +53,10 @@ def run(world: int, target: str, out_dir: str, **args: Any) -> list[Any]:
     os.makedirs(out_dir, exist_ok=True)
     here = os.path.dirname(os.path.abspath(__file__))
     paths = [here, os.path.dirname(here)]
-    mp.start_processes(_entry, args=(world, free_port(), target, args, out_dir, paths), nprocs=world,
-                       join=True, start_method="spawn")
+    # Forked from a server that imported torch once; each job imports its framework itself,
+    # so one framework's scoped patches never reach another's ranks.
+    mp.start_processes(_entry, args=(world, free_port(), target, args, out_dir, paths, dict(os.environ)),
+                       nprocs=world, join=True, start_method=start_method())
     values, failures = [], []
     for r in range(world):
         try:
