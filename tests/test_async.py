@@ -5,9 +5,9 @@ runs at a time and the snapshot buffer is reused."""
 import numpy as np
 import pytest
 import saver
-from threadcomm import run_ranks
 
 import globalshard as gs
+from globalshard.testing.comm import run_ranks
 
 
 def test_the_checkpoint_holds_the_values_at_the_snapshot_on_every_rank(tmp_path):

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import grid_boxes, shapes
 
 from globalshard import Box, LayoutError, Region, Segment
 from globalshard.geometry import BoxIndex, cover_problems, flat_range_boxes
+from globalshard.testing.strategies import grid_boxes, shapes
 
 
 def test_box_basics():

@@ -7,7 +7,6 @@ import os
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import grid_boxes, shapes
 
 from globalshard import SUPPORTED_DTYPES, Box, MetadataError, StoredRegion, TensorMetadata, geometry
 from globalshard.dtypes import numpy_dtype
@@ -19,6 +18,7 @@ from globalshard.metadata import (
     parse_metadata,
     parse_trainer_state,
 )
+from globalshard.testing.strategies import grid_boxes, shapes
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "spec", "examples")
 

@@ -20,11 +20,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_localio import ENGINES, NOWAIT_ANSWERS, engine, flip_byte, nowait_answers
 from test_property_roundtrip import _bits_equal, assert_loaded, checkpoints, shards_of
-from threadcomm import run_ranks
 
 import globalshard as gs
 from globalshard import localio, planner, storage
 from globalshard.metadata import parse_metadata
+from globalshard.testing.comm import run_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "spec"))
 import reference_reader

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import layouts, make_shard, shapes
 
 import globalshard as gs
 from globalshard import Box, planner
 from globalshard.dtypes import numpy_dtype
 from globalshard.planner import describe_shards, group_descriptions, group_ranks
+from globalshard.testing.strategies import layouts, make_shard, shapes
 
 
 @st.composite

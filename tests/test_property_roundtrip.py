@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
-from strategies import layouts, make_shard, random_values, shapes
 
 import globalshard as gs
 from globalshard import SUPPORTED_DTYPES, Box, is_exact_cast
 from globalshard.dtypes import numpy_dtype
+from globalshard.testing.strategies import layouts, make_shard, random_values, shapes
 
 
 @st.composite

@@ -121,7 +121,7 @@ def test_s3_shared_reads_get_each_chunk_once_per_group(s3):
     """Three data-parallel replicas load the same TP=2 halves: with shared_reads each
     chunk is fetched from the object store once per group instead of once per rank
     (GET requests counted in the S3 server's own log)."""
-    from threadcomm import run_ranks
+    from globalshard.testing.comm import run_ranks
 
     spec, _, log_path = s3
     full = np.random.default_rng(1).standard_normal((64, 48)).astype(np.float32)

@@ -11,12 +11,12 @@ import tempfile
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import expected_target, layouts, make_shard, random_values, shapes
-from threadcomm import ThreadComm, run_ranks
 
 import globalshard as gs
 from globalshard import shared
 from globalshard.shared import needs_of, plan_sharing
+from globalshard.testing.comm import ThreadComm, run_ranks
+from globalshard.testing.strategies import expected_target, layouts, make_shard, random_values, shapes
 
 
 @st.composite

@@ -6,11 +6,11 @@ import shutil
 
 import numpy as np
 import pytest
-from threadcomm import ThreadComm, run_ranks
 
 import globalshard as gs
 from globalshard import ShardedTensor
 from globalshard.storage import CHUNK_BYTES, chunk_shape
+from globalshard.testing.comm import ThreadComm, run_ranks
 
 RNG = np.random.default_rng(7)
 

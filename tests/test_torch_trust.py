@@ -117,7 +117,7 @@ def moe_with_extra_state(ep_size, ep_rank):
 
 @pytest.mark.parametrize(("ep_save", "ep_load"), [(2, 1), (1, 2), (2, 4)])
 def test_an_experts_extra_state_follows_it_across_an_ep_change(tmp_path, ep_save, ep_load):
-    from threadcomm import run_ranks
+    from globalshard.testing.comm import run_ranks
 
     rules = gt.ShardingRules([(r".*experts.*", gt.Experts(4, gt.Replicated()))])
 
@@ -374,7 +374,7 @@ class GroupedExperts(nn.Module):
 def test_a_grouped_experts_modules_state_stays_per_ep_rank_and_an_ep_change_is_named():
     import tempfile
 
-    from threadcomm import run_ranks
+    from globalshard.testing.comm import run_ranks
 
     rules = gt.ShardingRules([(r".*experts.*", gt.Experts(4, gt.Replicated()))])
     path = tempfile.mkdtemp()
@@ -421,7 +421,7 @@ def _padded_global(tp):
 
 @pytest.mark.parametrize("tp_load", [2, 4, 3, 1])
 def test_trained_vocabulary_padding_rows_and_their_moments_are_kept(tmp_path, tp_load):
-    from threadcomm import run_ranks
+    from globalshard.testing.comm import run_ranks
 
     saved = torch.arange(6 * H, dtype=torch.float32).reshape(6, H) + 1  # row 5 is padding, trained
     moments = {}

@@ -11,12 +11,12 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from threadcomm import run_ranks
 from torch import nn
 from torch_harness import run, values_of
 
 import globalshard as gs
 import globalshard_torch as gt
+from globalshard.testing.comm import run_ranks
 
 VOCAB, H, HEADS, KV, HD, LAYERS = 10, 4, 8, 4, 2, 2
 QKV_ROWS = (HEADS + 2 * KV) * HD

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import layouts, make_shard, random_values, shapes
 
 import globalshard as gs
+from globalshard.testing.strategies import layouts, make_shard, random_values, shapes
 
 
 @st.composite

@@ -17,12 +17,12 @@ import pytest
 import saver
 from hypothesis import given
 from hypothesis import strategies as st
-from threadcomm import ThreadComm, run_ranks
 
 import globalshard as gs
 from globalshard import ShardedTensor
 from globalshard.metadata import MAX_FILE_BYTES
 from globalshard.storage import Location
+from globalshard.testing.comm import ThreadComm, run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

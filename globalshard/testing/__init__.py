@@ -1,0 +1,10 @@
+"""Public helpers for testing code that uses globalshard, and for testing
+other implementations of the format, as ``zarr.testing`` is for zarr.
+
+* :mod:`globalshard.testing.strategies`: hypothesis strategies for global
+  shapes, exact-cover shard layouts (with replicas) and their expected
+  values. Needs ``hypothesis`` (``pip install globalshard[test]``).
+* :mod:`globalshard.testing.comm`: a real communicator between threads of one
+  process (``ThreadGroup``, ``ThreadComm``, ``run_ranks``), for multi-rank
+  saves and loads without processes.
+"""
