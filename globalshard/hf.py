@@ -359,7 +359,7 @@ class NameMapping:
         """The ``config.json`` the mapping describes for these tensors, or None."""
         if self.config is None:
             return None
-        shapes = {p.name: p.box.shape for p in pieces}
+        shapes = _hf_shapes(pieces)
 
         def value(v: Any, at: str) -> Any:
             if isinstance(v, list):
@@ -394,6 +394,15 @@ class NameMapping:
             raise ExportError(f"{self.where}: {at}: unknown directive {kind!r}")
 
         return {k: value(v, f"config.{k}") for k, v in self.config.items()}
+
+
+def _hf_shapes(pieces: Sequence[HfTensor]) -> dict[str, tuple[int, ...]]:
+    """Each Hugging Face tensor's shape: its pieces' boxes one after the other on axis 0."""
+    out: dict[str, tuple[int, ...]] = {}
+    for p in pieces:
+        have = out.get(p.name)
+        out[p.name] = p.box.shape if have is None else (have[0] + p.box.shape[0], *have[1:])
+    return out
 
 
 def _lora_problems(key: str, shape: tuple[int, ...], a: str, a_shape: tuple[int, ...], b: str,
@@ -555,15 +564,10 @@ def _write_file(ckpt: Checkpoint, path: str, pieces: Sequence[HfTensor], out_dty
                 progress: Callable[[int], None] | None) -> int:
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for p in pieces:  # a tensor of several pieces (a grouped split): their rows one after the other
-        n = p.box.volume * numpy_dtype(out_dtype[p.name]).itemsize
-        if p.name in header:
-            entry = header[p.name]
-            entry["shape"][0] += p.box.shape[0]
-            entry["data_offsets"][1] += n
-        else:
-            header[p.name] = {"dtype": SAFETENSORS_DTYPES[out_dtype[p.name]], "shape": list(p.box.shape),
-                              "data_offsets": [offset, offset + n]}
+    for name, shape in _hf_shapes(pieces).items():  # a tensor's pieces are consecutive, in order
+        n = math.prod(shape) * numpy_dtype(out_dtype[name]).itemsize
+        header[name] = {"dtype": SAFETENSORS_DTYPES[out_dtype[name]], "shape": list(shape),
+                        "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)

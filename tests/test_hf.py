@@ -422,3 +422,16 @@ def test_the_framework_mappings_need_the_head_counts_and_name_them(name):
     with pytest.raises(ExportError, match=r"'heads' is not in params.*--param heads="):
         NameMapping.load(name)
     assert NameMapping.load(name, {"heads": 8, "kv_heads": 2}).params["heads"] == 8
+
+
+def test_config_shape_of_a_tensor_a_grouped_split_assembles_is_its_whole_shape(tmp_path):
+    # q of 2 groups of 2 heads of 4 rows: q_proj has 16 rows, from two boxes of 8.
+    save_global({"fused": np.zeros((24, 3), np.float32)}, tmp_path / "ckpt")
+    parts = [{"name": "q", "size": 4}, {"name": "k", "size": 1}, {"name": "v", "size": 1}]
+    mapping = NameMapping({"params": {"heads": 4},
+                           "tensors": [{"key": "fused", "split": {"axis": 0, "groups": 2, "parts": parts}}],
+        "config": {"q_rows": {"$shape": "q", "axis": 0}, "head_dim": {"$shape": "q", "axis": 0, "divide": "heads"}}})
+    out = export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), mapping=mapping)
+    _, got = read_all(tmp_path / "hf")
+    assert tuple(got["q"].shape) == (16, 3)
+    assert out["config"] == {"q_rows": 16, "head_dim": 4}
