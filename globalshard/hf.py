@@ -224,16 +224,20 @@ class NameMapping:
             raise ExportError(f"{where}: config must be a JSON object")
         self.config: dict[str, Any] | None = config
 
+    def _param(self, value: Any, at: str) -> Any:
+        """``value``, or the params entry it names."""
+        if not isinstance(value, str):
+            return value
+        if value not in self.params:
+            raise ExportError(f"{at}: {value!r} is not in params {sorted(self.params)} "
+                              f"(set it with --param {value}=...)")
+        return self.params[value]
+
     def _count(self, doc: Mapping[str, Any], field: str, at: str, default: int | None = None) -> Any:
         """``doc[field]``: a positive integer, or the name of a params entry holding one."""
-        value = doc.get(field, default)
+        value = self._param(doc.get(field, default), f"{at}.{field}")
         if value is None:
             return None
-        if isinstance(value, str):
-            if value not in self.params:
-                raise ExportError(f"{at}.{field}: {value!r} is not in params {sorted(self.params)} "
-                                  f"(set it with --param {value}=N)")
-            value = self.params[value]
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ExportError(f"{at}.{field}: a positive integer or the name of one in params, got {value!r}")
         return value
@@ -243,11 +247,7 @@ class NameMapping:
             return None
         if not isinstance(doc, dict) or not isinstance(doc.get("A"), str) or not isinstance(doc.get("B"), str):
             raise ExportError(f"{at}: needs string key patterns 'A' and 'B'")
-        scale = doc.get("scale", 1)
-        if isinstance(scale, str):
-            if scale not in self.params:
-                raise ExportError(f"{at}.scale: {scale!r} is not in params (set it with --param {scale}=X)")
-            scale = self.params[scale]
+        scale = self._param(doc.get("scale", 1), f"{at}.scale")
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
             raise ExportError(f"{at}.scale: a number or the name of one in params, got {scale!r}")
         return _Lora(doc["A"], doc["B"], float(scale))
@@ -351,10 +351,6 @@ class NameMapping:
                     break
         return out
 
-    def merged(self, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
-        """The adapter keys of a checkpoint with these shapes that export merges."""
-        return sorted(self._merged(shapes))
-
     def hf_config(self, pieces: Sequence[HfTensor], out_dtype: Mapping[str, str]) -> dict[str, Any] | None:
         """The ``config.json`` the mapping describes for these tensors, or None."""
         if self.config is None:
@@ -371,9 +367,7 @@ class NameMapping:
                 return {k: value(x, f"{at}.{k}") for k, x in v.items()}
             kind, arg = directive[0], v[directive[0]]
             if kind == "$param":
-                if arg not in self.params:
-                    raise ExportError(f"{self.where}: {at} needs params.{arg} (set it with --param {arg}=...)")
-                return self.params[arg]
+                return self._param(arg, f"{self.where}: {at} needs params.{arg}")
             if kind in ("$present", "$absent"):
                 return (arg in shapes) == (kind == "$present")
             if kind == "$count":
@@ -477,8 +471,7 @@ def export(checkpoint: str | Checkpoint, out: str, *, mapping: NameMapping | Non
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint, kvstore=kvstore)
     tensors = ckpt.metadata.tensors
     mapping = mapping or NameMapping.identity()
-    shapes = {k: t.global_shape for k, t in tensors.items()}
-    pieces, skipped = mapping.pieces(shapes)
+    pieces, skipped = mapping.pieces({k: t.global_shape for k, t in tensors.items()})
     out_dtype = {}
     for p in pieces:
         stored = tensors[p.key].dtype
@@ -520,7 +513,8 @@ def export(checkpoint: str | Checkpoint, out: str, *, mapping: NameMapping | Non
     for stale in sorted(os.listdir(out)):
         if _EXPORTED.fullmatch(stale) and stale not in names:
             os.unlink(os.path.join(out, stale))
-    return {**index, "skipped": skipped, "merged": mapping.merged(shapes), "config": config}
+    merged = sorted({key for p in pieces if p.lora is not None for key in p.lora[:2]})
+    return {**index, "skipped": skipped, "merged": merged, "config": config}
 
 
 #: The files an export writes (and so may replace): one file, or numbered shards.
@@ -720,7 +714,7 @@ class SafetensorsSource:
                 for n, e, heads in zip(names, entries, rotary):
                     if heads is not None and (not e.shape or e.shape[0] % (2 * heads)):
                         raise ExportError(f"{n!r}: {list(e.shape)} is not {heads} rotary heads of an even size")
-                    if e.shape[axis] % groups if e.shape else groups > 1:
+                    if groups > 1 and (not e.shape or e.shape[axis] % groups):
                         raise ExportError(f"{n!r}: {list(e.shape)} does not split into {groups} groups")
                 pieces, start = [], 0
                 block = shape[axis] // groups if shape else 0
@@ -749,8 +743,7 @@ class SafetensorsSource:
             e = self.entries[p.name]
             shift = [a - b for a, b in zip(part.offset, p.box.offset)]
             local = Box((shift[0] + p.at, *shift[1:]) if shift else (), part.shape)
-            values = (_read_rows(e, local) if p.rotary is None else
-                      _read_rotary(e, local, e.shape[0] // (p.box.shape[0] // p.rotary)))
+            values = _read_rows(e, local) if p.rotary is None else _read_rotary(e, local, p.box.shape[0] // p.rotary)
             dst = out[tuple(slice(a - b, a - b + s) for a, b, s in zip(part.offset, box.offset, part.shape))]
             dst[...] = values if values.dtype == out.dtype else values.astype(out.dtype)
             nbytes += values.nbytes
@@ -761,10 +754,10 @@ def _fill(template: str, fields: Mapping[str, str]) -> str:
     return template.format(**fields)
 
 
-def _read_rotary(e: _Entry, box: Box, heads: int) -> np.ndarray:
-    """``box`` of a tensor stored with its rotary rows in halves, in the
-    interleaved order: the whole heads it spans are read and permuted back."""
-    unit = e.shape[0] // heads
+def _read_rotary(e: _Entry, box: Box, unit: int) -> np.ndarray:
+    """``box`` of a tensor stored with its rotary rows in halves (``unit`` rows
+    a head), in the interleaved order: the whole heads it spans are read and
+    permuted back."""
     first, last = box.offset[0] // unit, -(-(box.offset[0] + box.shape[0]) // unit)
     rows = _read_rows(e, Box((first * unit, *(0 for _ in e.shape[1:])), ((last - first) * unit, *e.shape[1:])))
     rows = _from_halves(rows, last - first)
