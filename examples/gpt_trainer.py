@@ -263,9 +263,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, group: Any) -> torch.Tensor:
         c, tp = self.cfg, self.tp
-        h = copy_to_tp(rms_norm(x, self.norm, c.rms_norm_eps), group)
-        lora = copy_to_tp(rms_norm(x, self.norm, c.rms_norm_eps) @ self.qkv_lora_A.t(), group) @ self.qkv_lora_B.t()
-        qkv = self.qkv(h) + lora
+        normed = rms_norm(x, self.norm, c.rms_norm_eps)
+        lora = copy_to_tp(normed @ self.qkv_lora_A.t(), group) @ self.qkv_lora_B.t()
+        qkv = self.qkv(copy_to_tp(normed, group)) + lora
         nq, nkv, hd = c.heads // tp, local_kv_heads(c, tp), c.head_dim
         q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
         b, s = x.shape[:2]
@@ -280,17 +280,29 @@ class Attention(nn.Module):
         return x + y
 
 
-class MLP(nn.Module):
+class Expert(nn.Module):
+    """SwiGLU on normalised input: fused [gate; up] column-parallel, down row-parallel."""
+
     def __init__(self, cfg: Config, tp: int):
         super().__init__()
-        self.eps = cfg.rms_norm_eps
-        self.norm = nn.Parameter(torch.empty(cfg.hidden))
         self.gate_up = nn.Linear(cfg.hidden, 2 * cfg.ffn // tp, bias=False)
         self.down = nn.Linear(cfg.ffn // tp, cfg.hidden, bias=False)
 
+    def forward(self, h: torch.Tensor, group: Any) -> torch.Tensor:
+        gate, up = self.gate_up(copy_to_tp(h, group)).chunk(2, dim=-1)
+        return reduce_from_tp(self.down(nn.functional.silu(gate) * up), group)
+
+
+class MLP(Expert):
+    """The dense MLP block: its norm, then SwiGLU, added to the residual."""
+
+    def __init__(self, cfg: Config, tp: int):
+        super().__init__(cfg, tp)
+        self.eps = cfg.rms_norm_eps
+        self.norm = nn.Parameter(torch.empty(cfg.hidden))
+
     def forward(self, x: torch.Tensor, group: Any) -> torch.Tensor:
-        gate, up = self.gate_up(copy_to_tp(rms_norm(x, self.norm, self.eps), group)).chunk(2, dim=-1)
-        return x + reduce_from_tp(self.down(nn.functional.silu(gate) * up), group)
+        return x + super().forward(rms_norm(x, self.norm, self.eps), group)
 
 
 class _GatherFromEP(torch.autograd.Function):
@@ -331,17 +343,6 @@ class _ScatterToEP(torch.autograd.Function):
         parts = [torch.empty_like(g) for _ in range(dist.get_world_size(ctx.group))]
         dist.all_gather(parts, g.contiguous(), group=ctx.group)
         return torch.cat(parts), None
-
-
-class Expert(nn.Module):
-    def __init__(self, cfg: Config, tp: int):
-        super().__init__()
-        self.gate_up = nn.Linear(cfg.hidden, 2 * cfg.ffn // tp, bias=False)
-        self.down = nn.Linear(cfg.ffn // tp, cfg.hidden, bias=False)
-
-    def forward(self, h: torch.Tensor, group: Any) -> torch.Tensor:
-        gate, up = self.gate_up(copy_to_tp(h, group)).chunk(2, dim=-1)
-        return reduce_from_tp(self.down(nn.functional.silu(gate) * up), group)
 
 
 class MoE(nn.Module):
