@@ -229,7 +229,7 @@ def io_bench(root: str) -> dict[str, Any]:
     t_npload = best_of(3, np_load_all)
     out: dict[str, Any] = {"bytes": total, "np_save_s": t_npsave, "np_load_everything_s": t_npload, "chunks": []}
     for chunk_mib in (4, 1):
-        gs.storage.CHUNK_BYTES = chunk_mib << 20
+        gs.format.zarr.CHUNK_BYTES = chunk_mib << 20
         ckpt = os.path.join(root, f"ckpt{chunk_mib}")
         save_stats = gs.IOStats()
 
@@ -263,7 +263,7 @@ def io_bench(root: str) -> dict[str, Any]:
             })
         out["chunks"].append({"chunk_mib": chunk_mib, "arrays": save_stats.arrays // 3, "save_s": t_save,
                               "save_over_np_save": t_save / t_npsave, "loads": rows})
-    gs.storage.CHUNK_BYTES = 1 << 20
+    gs.format.zarr.CHUNK_BYTES = 1 << 20
     return out
 
 

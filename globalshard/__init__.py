@@ -9,9 +9,12 @@ torch, no jax (those adapters live in ``backends/``).
 
 import logging as _logging
 
-from globalshard.api import (
+# The modules of version 2, kept importable as ``globalshard.api`` and so on.
+from globalshard import api, metadata, storage  # noqa: F401
+from globalshard.checkpoint import (
     AsyncSaver,
     Checkpoint,
+    CheckpointManager,
     load,
     read_array,
     read_metadata,
@@ -35,11 +38,11 @@ from globalshard.errors import (
     StorageError,
     TrainerStateError,
 )
+from globalshard.format.metadata import FORMAT_VERSION, Metadata, StoredRegion, TensorMetadata
 from globalshard.geometry import Box, Region, Segment
+from globalshard.io.base import IOStats
 from globalshard.layout import PADDING_SUFFIX, ShardedStateDict, ShardedTensor, is_padding_key, shards_from_flat_range
-from globalshard.metadata import FORMAT_VERSION, Metadata, StoredRegion, TensorMetadata
 from globalshard.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, ShardInfo
-from globalshard.storage import IOStats
 
 __version__ = "0.1.0"
 
@@ -50,6 +53,7 @@ __all__ = [
     "Box",
     "CastError",
     "Checkpoint",
+    "CheckpointManager",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "Comm",

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from globalshard.api import Checkpoint
+from globalshard.checkpoint import Checkpoint
 from globalshard.dtypes import numpy_dtype
 from globalshard.errors import GlobalShardError
 from globalshard.geometry import Box

@@ -76,7 +76,7 @@ from typing import Any
 
 import numpy as np
 
-from globalshard.api import Checkpoint
+from globalshard.checkpoint import Checkpoint
 from globalshard.dtypes import canonical_name, numpy_dtype
 from globalshard.errors import GlobalShardError, MismatchError, StorageError
 from globalshard.geometry import Box

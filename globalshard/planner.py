@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import hashlib
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,9 +30,10 @@ import numpy as np
 from globalshard.comm import json_digest
 from globalshard.dtypes import is_exact_cast, numpy_dtype
 from globalshard.errors import CastError, LayoutError, MismatchError, MissingKeyError, format_problems
+from globalshard.format.metadata import FORMAT_VERSION, Metadata, StoredRegion, TensorMetadata, gc_paused
+from globalshard.format.paths import array_dir, array_dirs, arrays_prefix, is_save_id, pack_path, save_dir
 from globalshard.geometry import Box, BoxIndex, Region, cover_problems
 from globalshard.layout import ShardedTensor
-from globalshard.metadata import FORMAT_VERSION, Metadata, StoredRegion, TensorMetadata, gc_paused, is_save_id
 
 __all__ = [
     "LoadPlan",
@@ -132,54 +132,11 @@ class SavePlan:
         return out
 
 
-_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
-
-
-#: Everything one save writes, besides metadata.json, lies under this prefix.
-SAVES_DIR = "saves"
-
 #: The most bytes one pack of small regions holds (spec section 5.1): each
 #: is built in host memory before it is written.
 PACK_BYTES = 16 << 20
 #: Packed regions start at multiples of this many bytes.
 PACK_ALIGN = 64
-
-
-def save_dir(save_id: str) -> str:
-    """The directory of one save's arrays and trainer state (spec section 2)."""
-    return f"{SAVES_DIR}/{save_id}"
-
-
-def array_dir(key: str) -> str:
-    """A readable, filesystem-safe directory name for a checkpoint key.
-
-    Bytes outside ``[A-Za-z0-9._-]`` are percent-encoded (so the mapping is
-    one to one), a leading dot is encoded, and long names are shortened with a
-    hash of the key.
-
-    >>> array_dir("layers.0.attn/qkv weight")
-    'layers.0.attn%2Fqkv%20weight'
-    """
-    enc = "".join(c if c in _SAFE else "".join(f"%{b:02X}" for b in c.encode("utf-8")) for c in key)
-    if enc.startswith("."):
-        enc = "%2E" + enc[1:]
-    if len(enc) > 120:
-        enc = enc[:100] + "~" + hashlib.sha256(key.encode("utf-8")).hexdigest()[:16]
-    return enc
-
-
-def _array_dirs(keys: Sequence[str]) -> dict[str, str]:
-    # Keys that differ only in case would share a directory on a
-    # case-insensitive filesystem: give those a hash suffix.
-    dirs = {k: array_dir(k) for k in keys}
-    folded: dict[str, list[str]] = defaultdict(list)
-    for k, d in dirs.items():
-        folded[d.casefold()].append(k)
-    for group in folded.values():
-        if len(group) > 1:
-            for k in group:
-                dirs[k] += "~" + hashlib.sha256(k.encode("utf-8")).hexdigest()[:8]
-    return dirs
 
 
 # --------------------------------------------------------------------------- compact descriptions
@@ -328,8 +285,8 @@ class SavePlanner:
         problems: list[str] = []
         tensors: dict[str, TensorMetadata] = {}
         candidates: dict[tuple[str, Box], list[_Holder]] = {}
-        dirs = _array_dirs(sorted(by_key))
-        prefix = save_dir(save_id) + "/arrays/"
+        dirs = array_dirs(sorted(by_key))
+        prefix = arrays_prefix(save_id)
         # How many of each group's ranks hold each of its shards as the main replica.
         mains = [(g.replicas == 0).sum(axis=0).tolist() for g in groups]
         for key in sorted(by_key):
@@ -450,11 +407,6 @@ def check_pack_below(pack_below: Any) -> int:
         raise LayoutError(f"pack_below must be an integer number of bytes in [0, {PACK_BYTES}], "
                           f"got {pack_below!r}")
     return pack_below
-
-
-def pack_path(save_id: str, rank: int, n: int) -> str:
-    """Where writer ``rank`` stores its ``n``-th pack of small regions."""
-    return f"{save_dir(save_id)}/packs/{rank}/{n}"
 
 
 def _pack(plan: SavePlan, pack_below: int) -> SavePlan:

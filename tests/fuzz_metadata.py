@@ -26,8 +26,8 @@ import time
 from typing import Any
 
 from globalshard.errors import MetadataError
+from globalshard.format.metadata import TrainerStateRef, parse_metadata, parse_trainer_state
 from globalshard.geometry import Box, Region
-from globalshard.metadata import TrainerStateRef, parse_metadata, parse_trainer_state
 from globalshard.planner import LoadPlanner, ShardInfo
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "spec", "examples")

@@ -25,22 +25,27 @@ from hypothesis import strategies as st
 from test_property_roundtrip import assert_loaded, checkpoints, shards_of
 
 import globalshard as gs
-from globalshard import localio, storage
+from globalshard.format import zarr
+from globalshard.io import local, localio
 
-ENGINES = ["direct", "tensorstore"]
+ENGINES = ["localio", "tensorstore"]
 
 
 @contextlib.contextmanager
 def engine(name, chunk_bytes=None):
     """Local I/O through ``name``, with inner chunks of at most ``chunk_bytes``."""
-    saved = storage.LOCAL_IO, storage.CHUNK_BYTES
-    storage.LOCAL_IO = name
+    saved = os.environ.get("GLOBALSHARD_IO"), zarr.CHUNK_BYTES
+    os.environ["GLOBALSHARD_IO"] = name
     if chunk_bytes is not None:
-        storage.CHUNK_BYTES = chunk_bytes
+        zarr.CHUNK_BYTES = chunk_bytes
     try:
         yield
     finally:
-        storage.LOCAL_IO, storage.CHUNK_BYTES = saved
+        zarr.CHUNK_BYTES = saved[1]
+        if saved[0] is None:
+            del os.environ["GLOBALSHARD_IO"]
+        else:
+            os.environ["GLOBALSHARD_IO"] = saved[0]
 
 
 @given(checkpoints(), st.sampled_from(ENGINES), st.sampled_from(ENGINES), st.sampled_from([2, 8, 24, 1 << 20]),
@@ -205,7 +210,7 @@ def save_rows(root, value):
     that the chunks of each half lie back to back in one file and land whole in
     a target (read in runs). Returns the file holding a given row."""
     half = len(value) // 2
-    with engine("direct", 4096):
+    with engine("localio", 4096):
         gs.save({f"h{i}": whole(value[i * half:(i + 1) * half], (i * half, 0), value.shape) for i in range(2)}, root)
     regions = gs.read_metadata(root).tensors["w"].regions
 
@@ -335,7 +340,7 @@ def test_a_save_of_many_arrays_is_made_durable_by_one_syncfs(tmp_path, monkeypat
     calls = []
     real = localio.syncfs
     monkeypatch.setattr(localio, "syncfs", lambda path: calls.append(path) or real(path))
-    values = {f"t{i}": np.full((3, 2), i, np.float32) for i in range(storage.SYNCFS_MIN_ARRAYS)}
+    values = {f"t{i}": np.full((3, 2), i, np.float32) for i in range(local.SYNCFS_MIN_ARRAYS)}
     gs.save({k: gs.ShardedTensor.from_offset(k, v, global_shape=v.shape, global_offset=(0, 0))
              for k, v in values.items()}, tmp_path / "c")
     assert calls == ([str(tmp_path / "c")] if localio.has_syncfs() else [])
@@ -350,7 +355,7 @@ def test_io_threads_follow_the_environment():
     base = {k: v for k, v in os.environ.items() if k not in ("LOCAL_WORLD_SIZE", "GLOBALSHARD_IO_THREADS")}
 
     def workers(**env):
-        run = subprocess.run([sys.executable, "-c", "import globalshard.localio as l; print(l.WORKERS)"],
+        run = subprocess.run([sys.executable, "-c", "import globalshard.io.localio as l; print(l.pool()._max_workers)"],
                              env={**base, **env}, capture_output=True, text=True)
         return run.stdout.strip() or run.stderr
 
@@ -367,7 +372,7 @@ def test_each_sharded_file_starts_its_writeback_before_its_fsync(tmp_path, monke
     monkeypatch.setattr(localio, "_start_writeback", lambda fd: events.append(("start", fd)) or real_start(fd))
     monkeypatch.setattr(localio, "_sync_close",
                         lambda fd, fsync: events.append(("fsync", fd)) or real_close(fd, fsync))
-    with engine("direct", 4 * 64):  # three arrays, each a shard file of many inner chunks
+    with engine("localio", 4 * 64):  # three arrays, each a shard file of many inner chunks
         gs.save({f"w{i}": gs.ShardedTensor.from_offset(f"w{i}", np.full((40, 64), i, np.float32),
                                                        global_shape=(40, 64), global_offset=(0, 0))
                  for i in range(3)}, tmp_path / "c")

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from globalshard import SUPPORTED_DTYPES, Box, MetadataError, StoredRegion, TensorMetadata, geometry
 from globalshard.dtypes import numpy_dtype
-from globalshard.metadata import (
+from globalshard.format.metadata import (
     Metadata,
     TrainerStateRef,
     check_relative_path,

@@ -22,8 +22,10 @@ from test_localio import ENGINES, NOWAIT_ANSWERS, engine, flip_byte, nowait_answ
 from test_property_roundtrip import _bits_equal, assert_loaded, checkpoints, shards_of
 
 import globalshard as gs
-from globalshard import localio, planner, storage
-from globalshard.metadata import parse_metadata
+from globalshard import planner
+from globalshard.format.metadata import parse_metadata
+from globalshard.io import localio
+from globalshard.io import read as io_read
 from globalshard.testing.comm import run_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "spec"))
@@ -174,7 +176,7 @@ def test_a_load_failing_while_it_prepares_packs_leaves_no_read_running(tmp_path)
                                                    global_offset=(0,)) for i in range(40)}  # 20 MiB: 2 packs
     gs.save(state, tmp_path, pack_below=1 << 20)
     futures, calls = [], []
-    real_task, real_whole, real_pool = localio._read_pack_task, storage._whole_region_bytes, localio.pool()
+    real_task, real_whole, real_pool = localio._read_pack_task, io_read._whole_region_bytes, localio.pool()
 
     def slow_task(units):
         time.sleep(0.3)
@@ -195,7 +197,7 @@ def test_a_load_failing_while_it_prepares_packs_leaves_no_read_running(tmp_path)
                                                global_offset=(0,)) for k, t in state.items()}
     with mock.patch.object(localio, "_read_pack_task", slow_task), \
             mock.patch.object(localio, "pool", lambda: Recording()), \
-            mock.patch.object(storage, "_whole_region_bytes", failing), \
+            mock.patch.object(io_read, "_whole_region_bytes", failing), \
             pytest.raises(RuntimeError, match="placing failed"):
         gs.load(targets, tmp_path)
     assert futures and all(f.done() for f in futures)
@@ -310,7 +312,7 @@ def test_a_pack_that_is_not_one_axis_of_uint8_is_refused(tmp_path, io):
 
 
 def test_a_flipped_byte_in_a_pack_names_the_pack_its_chunk_and_keys(tmp_path):
-    with engine("direct", 64):  # inner chunks of 64 bytes: each holds one member or part of one
+    with engine("localio", 64):  # inner chunks of 64 bytes: each holds one member or part of one
         values, root, md, pack = _packed(tmp_path)
     shard = root / pack / "c" / "0"
     chunk = json.loads((root / pack / "zarr.json").read_text())["codecs"][0]["configuration"]["chunk_shape"][0]
@@ -335,7 +337,7 @@ def test_a_flipped_byte_in_a_pack_names_the_pack_its_chunk_and_keys(tmp_path):
 @pytest.fixture(scope="module")
 def packed64(tmp_path_factory):
     """A packed checkpoint whose pack has inner chunks of 64 bytes (saved once)."""
-    with engine("direct", 64):
+    with engine("localio", 64):
         return _packed(tmp_path_factory.mktemp("packed64"))
 
 

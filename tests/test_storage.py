@@ -460,7 +460,7 @@ def test_checkpoint_handle_parses_once_and_loads(tmp_path, monkeypatch):
     ckpt = gs.Checkpoint(tmp_path)
     assert ckpt.metadata.tensors["w"].global_shape == (8, 4) and ckpt.trainer_state == {"step": 3}
     calls = []
-    monkeypatch.setattr(gs.api, "parse_metadata", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(gs.checkpoint.loading, "parse_metadata", lambda *a, **k: calls.append(1))
     t = target()
     state = ckpt.load(t)
     assert np.array_equal(t["t"].data, full) and calls == []  # no second parse

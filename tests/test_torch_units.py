@@ -285,17 +285,17 @@ def test_optimizer_mismatches_are_refused_before_loading(tmp_path):
 
 
 def test_manager_prunes_a_large_checkpoint_unpublished_first_then_in_the_background(tmp_path, monkeypatch):
-    from globalshard import api
+    from globalshard.checkpoint import cleanup
 
-    monkeypatch.setattr(api, "BACKGROUND_DELETE_BYTES", 1)  # every checkpoint counts as large
+    monkeypatch.setattr(cleanup, "BACKGROUND_DELETE_BYTES", 1)  # every checkpoint counts as large
     release, seen = threading.Event(), []
-    real = api.delete_in_background
+    real = cleanup.delete_in_background
 
     def held(what, delete, **kw):
         seen.append(what)
         real(what, lambda: (release.wait(60), delete()), **kw)
 
-    monkeypatch.setattr(api, "delete_in_background", held)
+    monkeypatch.setattr(cleanup, "delete_in_background", held)
     mgr = gt.CheckpointManager(tmp_path, keep_last=1)
     model = _model()
     try:

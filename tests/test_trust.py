@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 import globalshard as gs
 from globalshard import ShardedTensor
-from globalshard.metadata import MAX_FILE_BYTES
-from globalshard.storage import Location
+from globalshard.format.metadata import MAX_FILE_BYTES
+from globalshard.store import open_root
 from globalshard.testing.comm import ThreadComm, run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -87,7 +87,7 @@ def test_a_kvstore_commit_that_lost_the_race_is_refused_and_cleans_up():
     # this save's start and its commit.
     root = "memory://race-cas/"
     saver.save_stamped(root, 1)
-    location = Location(root)
+    location = open_root(root)
     data, stamp = location.read_stamped("metadata.json")
     saver.save_stamped(root, 2, overwrite=True)
     with pytest.raises(gs.ConcurrentSaveError, match="another save committed"):
@@ -173,13 +173,13 @@ def test_a_save_never_deletes_files_it_did_not_write(tmp_path):
 
 def test_a_save_never_deletes_keys_it_did_not_write_on_a_kvstore():
     root = "memory://foreign-keys/"
-    location = Location(root)
-    location.write_file("arrays/theirs", b"x")
+    location = open_root(root)
+    location.write("arrays/theirs", b"x")
     with pytest.raises(gs.CheckpointExistsError, match="not empty"):
         saver.save_stamped(root, 1)
     saver.save_stamped(root, 1, overwrite=True)
     saver.save_stamped(root, 2, overwrite=True)
-    assert location.read_file("arrays/theirs") == b"x"
+    assert location.read("arrays/theirs") == b"x"
 
 
 def test_a_metadata_json_that_is_not_ours_is_never_replaced(tmp_path):
@@ -209,7 +209,7 @@ def test_leftovers_of_killed_saves_are_swept_by_the_next_save(tmp_path):
 
 
 def test_a_second_local_save_while_one_holds_the_lock_fails_at_once(tmp_path):
-    location = Location(tmp_path)
+    location = open_root(tmp_path)
     with location.lock():
         with pytest.raises(gs.ConcurrentSaveError, match="another save .* is running"):
             saver.save_stamped(tmp_path, 1)
@@ -220,18 +220,18 @@ def test_a_second_local_save_while_one_holds_the_lock_fails_at_once(tmp_path):
 def paused_deletion(monkeypatch):
     """Every replaced checkpoint counts as large (deleted in the background),
     and its deletion waits for the event the fixture yields."""
-    from globalshard import api
+    from globalshard.checkpoint import cleanup
 
-    monkeypatch.setattr(api, "BACKGROUND_DELETE_BYTES", 1)
+    monkeypatch.setattr(cleanup, "BACKGROUND_DELETE_BYTES", 1)
     release = threading.Event()
-    real = api._remove_superseded
+    real = cleanup.remove_superseded
 
     def paused(location, previous, save_id):
         if previous is not None:  # a first save only sweeps leftovers, in its own thread
             assert release.wait(60)
         real(location, previous, save_id)
 
-    monkeypatch.setattr(api, "_remove_superseded", paused)
+    monkeypatch.setattr(cleanup, "remove_superseded", paused)
     yield release
     release.set()
     gs.wait_for_cleanup()
@@ -245,7 +245,7 @@ def test_a_large_replaced_checkpoint_is_deleted_after_save_returns_under_the_loc
     assert saved_dirs(tmp_path) == sorted([old, new])
     assert saver.whose(tmp_path) == 2
     with pytest.raises(gs.ConcurrentSaveError):  # another writer finds the lock held
-        with Location(tmp_path).lock():
+        with open_root(tmp_path).lock():
             pass
     # The next save of this process waits for the deletion instead of failing.
     errors = []
@@ -260,7 +260,7 @@ def test_a_large_replaced_checkpoint_is_deleted_after_save_returns_under_the_loc
     gs.wait_for_cleanup()
     assert saved_dirs(tmp_path) == [gs.read_metadata(tmp_path).save_id]
     assert saver.whose(tmp_path) == 3
-    with Location(tmp_path).lock():  # released
+    with open_root(tmp_path).lock():  # released
         pass
 
 
@@ -279,8 +279,8 @@ def test_a_small_replaced_checkpoint_is_gone_when_save_returns(tmp_path):
 
 
 def test_the_interpreter_finishes_a_background_deletion_before_it_exits(tmp_path):
-    script = (f"import sys; sys.path.insert(0, {HERE!r})\nimport saver\nfrom globalshard import api\n"
-              f"api.BACKGROUND_DELETE_BYTES = 1\nsaver.save_stamped({str(tmp_path)!r}, 1)\n"
+    script = (f"import sys; sys.path.insert(0, {HERE!r})\nimport saver\nfrom globalshard.checkpoint import cleanup\n"
+              f"cleanup.BACKGROUND_DELETE_BYTES = 1\nsaver.save_stamped({str(tmp_path)!r}, 1)\n"
               f"saver.save_stamped({str(tmp_path)!r}, 2, overwrite=True)\n")
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
     assert saved_dirs(tmp_path) == [gs.read_metadata(tmp_path).save_id]
@@ -534,7 +534,7 @@ def test_a_symlink_planted_as_saves_makes_the_save_fail_and_touches_nothing_outs
     root, outside = tmp_path / "root", tmp_path / "outside"
     gs.save(_one(1.0), root)
     from globalshard.api import new_save_id
-    from globalshard.metadata import is_save_id
+    from globalshard.format.metadata import is_save_id
 
     old_id = new_save_id()
     assert is_save_id(old_id)
@@ -547,11 +547,11 @@ def test_a_symlink_planted_as_saves_makes_the_save_fail_and_touches_nothing_outs
         gs.save(_one(2.0), root, overwrite=True)
     assert _tree(outside) == before and (outside / old_id / "precious").read_bytes() == b"keep"
     # The sweep and removals never follow it either.
-    loc = Location(root)
+    loc = open_root(root)
     with pytest.raises(gs.StorageError, match="symbolic link"):
-        loc.remove(f"saves/{old_id}", tree=True)
+        loc.delete(f"saves/{old_id}", tree=True)
     with pytest.raises(gs.StorageError, match="symbolic link"):
-        loc.listing("saves")
+        loc.list_dir("saves")
     assert _tree(outside) == before
 
 
@@ -566,7 +566,7 @@ def test_a_dangling_symlink_planted_as_the_lock_creates_nothing_outside(tmp_path
 
 
 def test_a_digit_before_a_colon_is_no_drive_letter():
-    from globalshard.metadata import check_relative_path
+    from globalshard.format.metadata import check_relative_path
 
     assert check_relative_path("1:x/0") is None
     assert check_relative_path("C:x/0") is not None and check_relative_path("z:/0") is not None
@@ -579,7 +579,7 @@ def test_lone_surrogates_in_trainer_state_values_are_refused_both_ways(tmp_path)
     with pytest.raises(gs.TrainerStateError, match="not valid Unicode"):
         gs.save(_one(), tmp_path / "b", trainer_state={"list": ["ok", "\udfff"]})
     # A file written by another writer with an escaped lone surrogate is refused on read.
-    from globalshard.metadata import TrainerStateRef, parse_trainer_state
+    from globalshard.format.metadata import TrainerStateRef, parse_trainer_state
 
     data = b'{"name": "\\ud800"}'
     ref = TrainerStateRef(len(data), __import__("hashlib").sha256(data).hexdigest(), "trainer_state.json")

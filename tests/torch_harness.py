@@ -354,9 +354,9 @@ def _sabotage(path: str) -> None:
     """Make this rank's writes fail for real: just before it writes, a plain
     file is put where its first array directory must go, so TensorStore's
     write fails on the filesystem."""
-    import globalshard.storage as storage
+    from globalshard.io import LocalEngine, TensorStoreEngine
 
-    original = storage.Location.write_arrays
+    original = TensorStoreEngine.write
 
     def write_arrays(self: Any, items: Any, stats: Any = None) -> None:
         for p, *_ in items[:1]:
@@ -365,7 +365,7 @@ def _sabotage(path: str) -> None:
                 f.write("in the way")
         original(self, items, stats)
 
-    storage.Location.write_arrays = write_arrays  # type: ignore[method-assign]
+    TensorStoreEngine.write = LocalEngine.write = write_arrays  # type: ignore[method-assign]
 
 
 def load_job(rank: int, *, topo: dict[str, int], dtype: str, path: str, expect_dir: str, master: bool = False,

@@ -25,12 +25,6 @@ group membership by key), ``rng`` (every rank's RNG states), ``extra_state``
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import json
-import os
-import re
-import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,11 +33,9 @@ import torch
 from torch import nn
 
 import globalshard as gs
-from globalshard import api as gs_api
 from globalshard import planner as gs_planner
 from globalshard.comm import Comm, SingleProcessComm, run_collectively
 from globalshard.errors import LayoutError, MetadataError, MismatchError, format_problems
-from globalshard.storage import Location
 from globalshard_torch import extra_state
 from globalshard_torch.comm import default_comm
 from globalshard_torch.extra_state import finish as extra_state_finish
@@ -578,139 +570,28 @@ def _check_groups(optimizer: torch.optim.Optimizer, saved: dict[str, Any] | None
 
 # --------------------------------------------------------------------------- manager
 
-_ITER = re.compile(r"iter_(\d{7,})")
+class CheckpointManager(gs.CheckpointManager):
+    """:class:`globalshard.CheckpointManager` for torch models: :meth:`save`
+    runs :func:`save_checkpoint` and :meth:`load_latest` :func:`load_checkpoint`;
+    the communicator defaults to torch.distributed's when it is initialised.
 
-
-class CheckpointManager:
-    """``iter_0000100``-style checkpoints under one local root directory.
-
-    ``latest`` (a small JSON file, replaced atomically after each commit)
-    names the checkpoint saved last, whatever its step (a run that rewinds to
-    an earlier step resumes from there). :meth:`latest` trusts it when it
-    names a complete checkpoint and nothing was committed after it was
-    written; otherwise (a crash between a commit and the pointer, a missing
-    or stale pointer) it takes the most recently committed complete
-    checkpoint. ``keep_last`` keeps the checkpoint just saved and the
-    ``keep_last - 1`` complete ones with the highest steps among the others;
-    a save never deletes what it has just written.
+    ``root`` is a local directory or any kvstore (``kvstore=`` as for
+    :func:`globalshard.save`).
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None, comm: Comm | None = None):
-        # TODO(limitation): the manager works on local directories only; the
-        # core save/load accept any kvstore.
-        self.root = os.path.abspath(os.fspath(root))
-        if keep_last is not None and keep_last < 1:
-            raise ValueError("keep_last must be at least 1")
-        self.keep_last = keep_last
-        self._comm = comm
+    def comm(self) -> Comm | None:
+        return self._comm if self._comm is not None else default_comm()
 
-    def path(self, step: int) -> str:
-        return os.path.join(self.root, f"iter_{step:07d}")
-
-    def _rank(self) -> int:
-        comm = self._comm if self._comm is not None else default_comm()
-        return comm.rank if comm is not None else 0
-
-    def save(self, step: int, **kwargs: Any) -> str:
+    def save(self, step: int, **kwargs: Any) -> Any:  # type: ignore[override]
         """:func:`save_checkpoint` into ``iter_<step>``, then move the pointer and prune."""
         trainer_state = dict(kwargs.pop("trainer_state", None) or {})
         trainer_state.setdefault("step", step)
-        return self.save_with(step, lambda path: save_checkpoint(path, trainer_state=trainer_state, comm=self._comm,
-                                                                 **kwargs))
+        return self.save_with(step, lambda path: save_checkpoint(path, trainer_state=trainer_state,
+                                                                 comm=self.comm(), **kwargs))
 
-    def save_with(self, step: int, save: Any) -> str:
-        """Run ``save(path)`` (any function that saves a checkpoint there on
-        every rank, e.g. ``globalshard.save``), then move the pointer and prune.
-        Returns the checkpoint's path."""
-        if step < 0:
-            raise ValueError(f"step must be non-negative, got {step}")
-        path = self.path(step)
-        save(path)
-        if self._rank() == 0:
-            self._write_pointer(step)
-            self._prune(keep=path)
-            self._remove_leftovers()
-        comm = self._comm if self._comm is not None else default_comm()
-        if comm is not None:
-            comm.barrier()
-        return path
-
-    def _write_pointer(self, step: int) -> None:
-        # Atomic: a temporary file (".latest.tmp-<hex>"), fsync, rename, fsync of the directory.
-        pointer = {"step": step, "path": os.path.basename(self.path(step))}
-        Location(self.root).write_file("latest", json.dumps(pointer).encode("utf-8"))
-
-    def complete(self) -> list[tuple[int, str]]:
-        """(step, path) of every complete checkpoint, oldest first."""
-        out = []
-        for name in os.listdir(self.root) if os.path.isdir(self.root) else []:
-            m = _ITER.fullmatch(name)
-            if m and _is_complete(os.path.join(self.root, name)):
-                out.append((int(m.group(1)), os.path.join(self.root, name)))
-        return sorted(out)
-
-    def latest(self) -> tuple[int, str] | None:
-        """(step, path) of the checkpoint saved last, or None."""
-        done = self.complete()
-        if not done:
-            return None
-        committed = {path: _commit_time(path) for _, path in done}
-        try:
-            pointer_file = os.path.join(self.root, "latest")
-            with open(pointer_file) as f:
-                pointer = json.load(f)
-            candidate = os.path.join(self.root, pointer["path"])
-            if _ITER.fullmatch(pointer["path"]) and candidate in committed \
-                    and max(committed.values()) <= os.stat(pointer_file).st_mtime_ns:
-                return int(pointer["step"]), candidate
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-        return max(done, key=lambda sp: (committed[sp[1]], sp[0]))
-
-    def load_latest(self, **kwargs: Any) -> LoadResult | None:
+    def load_latest(self, **kwargs: Any) -> LoadResult | None:  # type: ignore[override]
         """:func:`load_checkpoint` from :meth:`latest`; None when there is none."""
         found = self.latest()
         if found is None:
             return None
-        return load_checkpoint(found[1], comm=self._comm, **kwargs)
-
-    def _prune(self, keep: str) -> None:
-        if self.keep_last is None:
-            return
-        others = [path for _, path in sorted(self.complete(), reverse=True) if path != keep]
-        for path in others[self.keep_last - 1:]:
-            try:
-                large = gs.read_metadata(path).stored_bytes() >= gs_api.BACKGROUND_DELETE_BYTES
-            except gs.GlobalShardError:  # complete a moment ago: gone or replaced meanwhile
-                continue
-            # Un-publish before deleting: a crash mid-delete leaves no half checkpoint.
-            os.unlink(os.path.join(path, "metadata.json"))
-            if large:  # as a save deletes what it replaced: after the call returns
-                gs_api.delete_in_background(path, functools.partial(shutil.rmtree, path, ignore_errors=True))
-            else:
-                shutil.rmtree(path, ignore_errors=True)
-
-    def _remove_leftovers(self) -> None:
-        # Pointer files of managers killed between writing and renaming them.
-        for name in os.listdir(self.root):
-            if name.startswith(_POINTER_TMP):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self.root, name))
-
-
-_POINTER_TMP = ".latest.tmp-"  # what Location.write_file names its temporary file
-
-
-def _commit_time(path: str) -> int:
-    try:
-        return os.stat(os.path.join(path, "metadata.json")).st_mtime_ns
-    except OSError:
-        return 0
-
-
-def _is_complete(path: str) -> bool:
-    try:
-        gs.read_metadata(path)
-        return True
-    except gs.GlobalShardError:
-        return False
+        return load_checkpoint(found[1], comm=self.comm(), **kwargs)

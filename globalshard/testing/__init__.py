@@ -7,4 +7,6 @@ other implementations of the format, as ``zarr.testing`` is for zarr.
 * :mod:`globalshard.testing.comm`: a real communicator between threads of one
   process (``ThreadGroup``, ``ThreadComm``, ``run_ranks``), for multi-rank
   saves and loads without processes.
+* :mod:`globalshard.testing.store`: ``StoreTests``, the tests every
+  :class:`~globalshard.store.base.Store` passes (needs ``pytest``).
 """

@@ -32,8 +32,9 @@ from typing import Any
 import numpy as np
 
 import globalshard as gs
-from globalshard import planner, storage
+from globalshard import planner
 from globalshard.dtypes import numpy_dtype
+from globalshard.format import paths, zarr
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -168,14 +169,14 @@ def main(out: str = HERE) -> None:
         path = os.path.join(out, name)
         shutil.rmtree(path, ignore_errors=True)
         options, chunk_bytes, pack_bytes = OPTIONS.get(name, ({}, None, None))
-        saved = storage.CHUNK_BYTES, planner.PACK_BYTES
-        storage.CHUNK_BYTES = chunk_bytes or saved[0]
+        saved = zarr.CHUNK_BYTES, planner.PACK_BYTES
+        zarr.CHUNK_BYTES = chunk_bytes or saved[0]
         planner.PACK_BYTES = pack_bytes or saved[1]
         try:
             gs.save(state, path, trainer_state=trainer, **options)
         finally:
-            storage.CHUNK_BYTES, planner.PACK_BYTES = saved
-        os.remove(os.path.join(path, storage.LOCK_FILE))  # the writers' lock: not part of the vector
+            zarr.CHUNK_BYTES, planner.PACK_BYTES = saved
+        os.remove(os.path.join(path, paths.LOCK_FILE))  # the writers' lock: not part of the vector
         with open(os.path.join(path, "expected.json"), "w") as f:
             json.dump(expected_json(g), f, indent=1, sort_keys=True)
             f.write("\n")

@@ -29,7 +29,7 @@ import sys
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import crc32c
 import numpy as np
@@ -37,9 +37,9 @@ import numpy as np
 from globalshard.dtypes import cast_into, numpy_dtype
 from globalshard.geometry import Box
 
-__all__ = ["ArrayFile", "parse", "read_packs", "zarr_json", "write_array", "write_pack", "Reader"]
+__all__ = ["ArrayFile", "parse", "read_packs", "write_array", "write_pack", "Reader"]
 
-def _workers() -> int:
+def workers() -> int:
     """Threads doing local reads and writes (I/O and checksums release the GIL):
     ``GLOBALSHARD_IO_THREADS`` if set; else 4 shared among the ranks of this
     host when the launcher says how many there are (torchrun's
@@ -55,10 +55,6 @@ def _workers() -> int:
         return int(own)
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
     return max(1, 4 // int(local)) if local.isdigit() and int(local) > 0 else 4
-
-
-#: Threads doing local reads and writes, see :func:`_workers`.
-WORKERS = _workers()
 
 #: Bytes of chunks one task writes before it returns (its granularity).
 TASK_BYTES = 8 << 20
@@ -78,40 +74,6 @@ _FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 
 def _crc(data: Any, value: int = 0) -> int:
     return int(crc32c.crc32c(data, value))
-
-
-def _bytes_codec(itemsize: int) -> dict[str, Any]:
-    return {"name": "bytes"} if itemsize == 1 else {"name": "bytes", "configuration": {"endian": "little"}}
-
-
-def _fill_value(dtype: str) -> Any:
-    if dtype == "bool":
-        return False
-    if dtype.startswith("complex"):
-        return [0.0, 0.0]
-    if dtype.startswith(("int", "uint")):
-        return 0
-    return 0.0
-
-
-def zarr_json(dtype: str, shape: tuple[int, ...], inner: tuple[int, ...] | None,
-              attributes: dict[str, Any]) -> dict[str, Any]:
-    """The zarr.json of a stored region: one chunk of the whole region, or
-    (``inner`` given) one shard of it split into ``inner`` chunks."""
-    plain = [_bytes_codec(numpy_dtype(dtype).itemsize), {"name": "crc32c"}]
-    if inner is None:
-        grid, codecs = list(shape), plain
-    else:
-        grid = [-(-s // c) * c for s, c in zip(shape, inner)]
-        codecs = [{"name": "sharding_indexed", "configuration": {
-            "chunk_shape": list(inner), "codecs": plain, "index_location": "end",
-            "index_codecs": [_bytes_codec(8), {"name": "crc32c"}]}}]
-    return {
-        "zarr_format": 3, "node_type": "array", "shape": list(shape), "data_type": dtype,
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": grid}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-        "fill_value": _fill_value(dtype), "codecs": codecs, "attributes": attributes,
-    }
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -213,7 +175,7 @@ def parse(directory: str, doc: Any) -> ArrayFile | None:
 def write_array(directory: str, array: np.ndarray, doc: dict[str, Any],
                 pool: concurrent.futures.Executor, *, fsync: bool = True,
                 mkdirs: bool = True) -> list[concurrent.futures.Future[Any]]:
-    """Start writing one stored region (``doc`` from :func:`zarr_json`) into a new
+    """Start writing one stored region (``doc`` from :func:`globalshard.format.zarr.zarr_json`) into a new
     directory (created unless ``mkdirs=False``: the caller did); the futures end
     when every file is written and (``fsync``) fsynced. The caller makes the
     directories durable (or calls :func:`syncfs`)."""
@@ -257,7 +219,7 @@ _MAX_PIECES = 500
 
 def write_pack(directory: str, members: Sequence[tuple[int, np.ndarray]], doc: dict[str, Any],
                pool: concurrent.futures.Executor, *, fsync: bool = True) -> list[concurrent.futures.Future[Any]]:
-    """Start writing a pack (spec section 5.1; ``doc`` from :func:`zarr_json`
+    """Start writing a pack (spec section 5.1; ``doc`` from :func:`globalshard.format.zarr.zarr_json`
     for a ``uint8`` array of one axis) straight from its members'
     bytes, each ``(byte_offset, contiguous uint8 array)``, without assembling
     it: each chunk is one ``pwritev`` of the member pieces it holds, zeros
@@ -469,7 +431,7 @@ def _pwritev(fd: int, buffers: list[Any], offset: int) -> None:
     _vectored(os.pwritev, fd, buffers, offset, None)
 
 
-def _vectored(call: Any, fd: int, buffers: list[Any], offset: int, where: str | None) -> None:
+def _vectored(call: Any, fd: int, buffers: list[Any], offset: int, where: Where | str | None) -> None:
     """``os.pwritev`` or ``os.preadv`` of all of ``buffers`` at ``offset``, resumed
     after short transfers; a read that meets the end of the file (``where``
     names it) is a ChunkError."""
@@ -480,7 +442,7 @@ def _vectored(call: Any, fd: int, buffers: list[Any], offset: int, where: str | 
     done = 0  # views[:done] are complete
     while True:
         if n == 0 and where is not None:
-            raise ChunkError(f"{where}: the file ends before the chunk does (truncated?)")
+            raise ChunkError(where, "the file ends before the chunk does (truncated?)")
         offset += n
         while done < len(views) and n >= len(views[done]):
             n -= len(views[done])
@@ -504,8 +466,25 @@ class _Destination:
     target_box: Box
 
 
+class Where(NamedTuple):
+    """A chunk's place: its file and, inside a shard, its inner chunk index."""
+
+    path: str
+    chunk: tuple[int, ...] | None = None
+
+    def __str__(self) -> str:
+        return self.path if self.chunk is None else f"{self.path} (inner chunk {list(self.chunk)})"
+
+
 class ChunkError(Exception):
-    """A chunk that is missing, truncated or fails its checksum (message names the file)."""
+    """A chunk that is missing, truncated, damaged or unreadable, as data:
+    ``path`` (its file), ``chunk`` (its inner chunk index inside a shard, or
+    None for the whole file) and ``why``; ``str()`` says all three."""
+
+    def __init__(self, where: Where | str, why: str) -> None:
+        where = where if isinstance(where, Where) else Where(where)
+        self.path, self.chunk, self.why = where.path, where.chunk, why
+        super().__init__(f"{where}: {why}")
 
 
 class Reader:
@@ -514,7 +493,7 @@ class Reader:
     def __init__(self, pool: concurrent.futures.Executor) -> None:
         self._pool = pool
 
-    def read(self, requests: Iterable[tuple[ArrayFile, Box, np.ndarray | None, Box]]) -> tuple[int, list[str]]:
+    def read(self, requests: Iterable[tuple[ArrayFile, Box, np.ndarray | None, Box]]) -> tuple[int, list[ChunkError]]:
         """Fill ``target[target_box]`` from ``stored_box`` of each array (a None
         target: only read and verify). Returns ``(bytes of chunks read,
         problems)``; each problem names the file and the chunk."""
@@ -550,7 +529,7 @@ class Reader:
                 size += len(part) * nbytes
         return _gathered([self._pool.submit(_read_units, task) for task in tasks if task])
 
-    def verify(self, layout: ArrayFile) -> tuple[int, list[str]]:
+    def verify(self, layout: ArrayFile) -> tuple[int, list[ChunkError]]:
         """Read and check every chunk of an array; ``(bytes read, problems)``."""
         box = Box._trusted((0,) * len(layout.shape), layout.shape)
         return self.read([(layout, box, None, box)])
@@ -558,7 +537,7 @@ class Reader:
 
 def read_packs(pool: concurrent.futures.Executor,
                packs: Iterable[tuple[ArrayFile, Sequence[tuple[int, np.ndarray]]]],
-               nbytes: int) -> tuple[int, list[str]]:
+               nbytes: int) -> tuple[int, list[ChunkError]]:
     """Fill the members of packs (spec section 5.1): for each 1-d uint8 array,
     ``(byte_offset, buffer)`` pairs whose buffers (contiguous uint8) take
     that many bytes from that offset. Each chunk holding any of them is read
@@ -626,10 +605,11 @@ def _first(item: tuple[int, Any]) -> int:
 def _task_bytes(total: int) -> int:
     """Bytes of one read task: the load's bytes over twice the threads, within :data:`READ_TASK_BYTES`."""
     low, high = READ_TASK_BYTES
-    return min(high, max(low, total // (2 * WORKERS)))
+    return min(high, max(low, total // (2 * workers())))
 
 
-def _gathered(futures: Sequence[concurrent.futures.Future[tuple[int, list[str]]]]) -> tuple[int, list[str]]:
+def _gathered(futures: Sequence[concurrent.futures.Future[tuple[int, list[ChunkError]]]],
+              ) -> tuple[int, list[ChunkError]]:
     """The summed ``(bytes read, problems)`` of read tasks, once all have ended."""
     total, problems = 0, []
     for f in futures:
@@ -639,7 +619,7 @@ def _gathered(futures: Sequence[concurrent.futures.Future[tuple[int, list[str]]]
     return total, problems
 
 
-def _read_pack_task(units: Sequence[tuple[ArrayFile, int, list[tuple[int, Any]]]]) -> tuple[int, list[str]]:
+def _read_pack_task(units: Sequence[tuple[ArrayFile, int, list[tuple[int, Any]]]]) -> tuple[int, list[ChunkError]]:
     """Read chunks of packs, each ``(layout, chunk index, [(byte offset, view)])``,
     consecutive chunks of one file by one ``preadv``. A chunk of more than
     :data:`_MAX_PIECES` pieces (IOV_MAX is 1024) is read whole into scratch
@@ -648,7 +628,7 @@ def _read_pack_task(units: Sequence[tuple[ArrayFile, int, list[tuple[int, Any]]]
     fd, opened, size, index, path = -1, None, 0, None, ""
     failed: set[tuple[ArrayFile, int]] = set()  # files that would not open: said once
     # (where, buffers, crc, copies after the check) of chunks back to back in the file
-    run: list[tuple[str, list[Any], bytearray, list[tuple[Any, Any]]]] = []
+    run: list[tuple[Where, list[Any], bytearray, list[tuple[Any, Any]]]] = []
     run_start = run_end = 0
     buffers = 0
 
@@ -680,7 +660,7 @@ def _read_pack_task(units: Sequence[tuple[ArrayFile, int, list[tuple[int, Any]]]
                     try:
                         fd = os.open(path, _FLAGS)
                     except FileNotFoundError:
-                        raise ChunkError(f"{path}: the chunk file is missing") from None
+                        raise ChunkError(path, "the chunk file is missing") from None
                     size = os.fstat(fd).st_size
                     index = _shard_index(fd, path, layout, size) if layout.inner is not None else None
                     failed.discard((layout, outer))
@@ -697,16 +677,16 @@ def _read_pack_task(units: Sequence[tuple[ArrayFile, int, list[tuple[int, Any]]]
                 total += chunk
             except ChunkError as e:
                 run = []
-                problems.append(str(e))
+                problems.append(e)
             except OSError as e:
                 run = []
-                problems.append(f"{e.filename or path}: {e.strerror or e}")
+                problems.append(ChunkError(e.filename or path, e.strerror or str(e)))
         try:
             flush()
         except ChunkError as e:
-            problems.append(str(e))
+            problems.append(e)
         except OSError as e:
-            problems.append(f"{e.filename or path}: {e.strerror or e}")
+            problems.append(ChunkError(e.filename or path, e.strerror or str(e)))
     finally:
         if fd >= 0:
             os.close(fd)
@@ -739,35 +719,35 @@ def _pack_chunk_buffers(start: int, chunk: int, pieces: list[tuple[int, Any]]) -
     return bufs, []
 
 
-def _read_units(units: Sequence[tuple[ArrayFile, tuple[int, ...], Any]]) -> tuple[int, list[str]]:
+def _read_units(units: Sequence[tuple[ArrayFile, tuple[int, ...], Any]]) -> tuple[int, list[ChunkError]]:
     """Read each file's chunks; a problem in one file does not stop the others."""
     total, problems = 0, []
     for layout, outer, chunks in units:
         try:
             total += _read_file_chunks(layout, outer, chunks)
         except ChunkError as e:
-            problems.append(str(e))
+            problems.append(e)
         except OSError as e:
-            problems.append(f"{e.filename or layout.file_of(outer)}: {e.strerror or e}")
+            problems.append(ChunkError(e.filename or layout.file_of(outer), e.strerror or str(e)))
     return total, problems
 
 
 def _stored_chunk(path: str, index: list[list[int]] | None, position: int, label: list[int], size: int, nbytes: int,
-                  what: str) -> tuple[int, int, str]:
+                  what: str) -> tuple[int, int, Where]:
     """Where a chunk of ``nbytes`` (``what``: its shape and dtype) lies in its
     file, checked: ``(offset, length, where)`` from entry ``position`` of a
     shard's index (``label``: the inner chunk index), or the whole file."""
     if index is not None:
         offset, length = index[position]
-        where = f"{path} (inner chunk {label})"
+        where = Where(path, tuple(label))
         if offset == _EMPTY and length == _EMPTY:
-            raise ChunkError(f"{where}: the chunk is missing from the shard")
+            raise ChunkError(where, "the chunk is missing from the shard")
         if offset + length > size:
-            raise ChunkError(f"{where}: the shard index points past the end of the file (truncated?)")
+            raise ChunkError(where, "the shard index points past the end of the file (truncated?)")
     else:
-        offset, length, where = 0, size, path
+        offset, length, where = 0, size, Where(path)
     if length != nbytes + 4:
-        raise ChunkError(f"{where}: {length} bytes stored, a chunk of {what} takes {nbytes + 4} with its checksum")
+        raise ChunkError(where, f"{length} bytes stored, a chunk of {what} takes {nbytes + 4} with its checksum")
     return offset, length, where
 
 
@@ -777,10 +757,10 @@ def _shard_index(fd: int, path: str, layout: ArrayFile, size: int) -> list[list[
     count = math.prod(o // i for o, i in zip(layout.outer, layout.inner))
     nbytes = count * 16 + 4
     if size < nbytes:
-        raise ChunkError(f"{path}: {size} bytes, too short for a shard index of {count} chunks (truncated?)")
+        raise ChunkError(path, f"{size} bytes, too short for a shard index of {count} chunks (truncated?)")
     raw = os.pread(fd, nbytes, size - nbytes)
     if len(raw) != nbytes or _crc(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
-        raise ChunkError(f"{path}: the shard index fails its crc32c checksum (damaged file)")
+        raise ChunkError(path, "the shard index fails its crc32c checksum (damaged file)")
     return np.frombuffer(raw, dtype="<u8", count=count * 2).reshape(count, 2).tolist()
 
 
@@ -790,7 +770,7 @@ def _read_file_chunks(layout: ArrayFile, outer: tuple[int, ...],
     try:
         fd = os.open(path, _FLAGS)
     except FileNotFoundError:
-        raise ChunkError(f"{path}: the chunk file is missing") from None
+        raise ChunkError(path, "the chunk file is missing") from None
     try:
         size = os.fstat(fd).st_size
         itemsize = numpy_dtype(layout.dtype).itemsize
@@ -803,7 +783,7 @@ def _read_file_chunks(layout: ArrayFile, outer: tuple[int, ...],
         # Chunks that land whole in their target and lie back to back in the file
         # are read by one preadv (each chunk's bytes, then its checksum): fewer
         # system calls and GIL hand-overs than one preadv per 1 MiB chunk.
-        run: list[tuple[str, np.ndarray]] = []
+        run: list[tuple[Where, np.ndarray]] = []
         run_start = run_end = 0
         for chunk_index, dests in chunks:
             local = tuple(i - o * n for i, o, n in zip(chunk_index, outer, per_outer))
@@ -843,14 +823,14 @@ def _whole_chunk_view(dests: list[_Destination], chunk_index: tuple[int, ...], c
     return _direct_view(dests[0], lo, chunk, dtype)
 
 
-def _read_run(fd: int, run: list[tuple[str, np.ndarray]], offset: int) -> None:
+def _read_run(fd: int, run: list[tuple[Where, np.ndarray]], offset: int) -> None:
     """Read chunks stored back to back from ``offset`` straight into their
     targets, each checked (see :func:`_read_checked`)."""
     if run:
         _read_checked(fd, [(where, [data], bytearray(4)) for where, data in run], offset)
 
 
-def _read_checked(fd: int, run: list[tuple[str, list[Any], bytearray]], offset: int) -> None:
+def _read_checked(fd: int, run: list[tuple[Where, list[Any], bytearray]], offset: int) -> None:
     """Read chunks stored back to back from ``offset``, each ``(where, the
     buffers its bytes fill, a 4-byte buffer for its stored crc32c)``, and
     check each one's crc32c (a failure names that chunk).
@@ -882,20 +862,20 @@ def _read_checked(fd: int, run: list[tuple[str, list[Any], bytearray]], offset: 
         _check(where, bufs, crc)
 
 
-def _check(where: str, bufs: list[Any], crc: bytearray) -> None:
+def _check(where: Where | str, bufs: list[Any], crc: bytearray) -> None:
     """A chunk's bytes (``bufs``, in order) against its stored crc32c."""
     value = 0
     for b in bufs:
         value = crc32c.crc32c(b, value)
     if value != int.from_bytes(crc, "little"):
-        raise ChunkError(f"{where}: the chunk fails its crc32c checksum (damaged file)")
+        raise ChunkError(where, "the chunk fails its crc32c checksum (damaged file)")
 
 
 #: ``os.RWF_NOWAIT`` where the platform has it, else 0 (every read blocks).
 _NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)
 
 
-def _read_one(fd: int, where: str, offset: int, nbytes: int, chunk_index: tuple[int, ...],
+def _read_one(fd: int, where: Where | str, offset: int, nbytes: int, chunk_index: tuple[int, ...],
               chunk: tuple[int, ...], dtype: np.dtype[Any], shape: tuple[int, ...],
               dests: list[_Destination]) -> None:
     lo = tuple(i * c for i, c in zip(chunk_index, chunk))
@@ -939,12 +919,13 @@ def _direct_view(dest: _Destination, lo: tuple[int, ...], chunk: tuple[int, ...]
     return out.reshape(-1).view(np.uint8)
 
 
-def _preadv_exact(fd: int, buffers: list[Any], offset: int, where: str) -> None:
+def _preadv_exact(fd: int, buffers: list[Any], offset: int, where: Where | str) -> None:
     _vectored(os.preadv, fd, buffers, offset, where)
 
 
-def make_pool() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="globalshard-io")
+def make_pool(threads: int | None = None) -> concurrent.futures.ThreadPoolExecutor:
+    """A pool of ``threads`` I/O threads (default: :func:`workers`, read now)."""
+    return concurrent.futures.ThreadPoolExecutor(threads or workers(), thread_name_prefix="globalshard-io")
 
 
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
@@ -952,7 +933,8 @@ _POOL_LOCK = threading.Lock()
 
 
 def pool() -> concurrent.futures.ThreadPoolExecutor:
-    """The process's I/O threads (created on first use, after any fork)."""
+    """The process's I/O threads (created on first use, after any fork, with
+    :func:`workers` threads read from the environment then)."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:

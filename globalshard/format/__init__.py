@@ -1,0 +1,30 @@
+"""Everything ``spec/FORMAT.md`` defines, and nothing that does I/O.
+
+* :mod:`~globalshard.format.paths`: names at a root (files, saves, the lock,
+  temporary names, save ids, array and pack paths).
+* :mod:`~globalshard.format.metadata`: metadata.json and trainer_state.json,
+  the strict parser and the writer.
+* :mod:`~globalshard.format.zarr`: stored arrays: the zarr.json writer, chunk
+  shapes, the checksum rule, array and pack attributes, packed bytes.
+"""
+
+from globalshard.format.metadata import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MAX_FILE_BYTES,
+    READABLE_VERSIONS,
+    Metadata,
+    StoredRegion,
+    TensorMetadata,
+    TrainerStateRef,
+    check_relative_path,
+    dump_trainer_state,
+    parse_metadata,
+    parse_trainer_state,
+)
+from globalshard.format.paths import METADATA_FILE, TRAINER_STATE_FILE, is_save_id, new_save_id
+
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MAX_FILE_BYTES", "METADATA_FILE", "READABLE_VERSIONS",
+           "TRAINER_STATE_FILE", "Metadata", "StoredRegion", "TensorMetadata", "TrainerStateRef",
+           "check_relative_path", "dump_trainer_state", "is_save_id", "new_save_id", "parse_metadata",
+           "parse_trainer_state"]

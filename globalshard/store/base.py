@@ -1,0 +1,104 @@
+"""The bytes under one checkpoint root (spec sections 2, 2.1 and 2.2).
+
+:class:`Store` is the seam between the format and where its bytes live: a
+local directory (:class:`~globalshard.store.local.LocalStore`) or any
+TensorStore kvstore (:class:`~globalshard.store.kvstore.KvStore`). Everything
+above it (saving, loading, the manager) is written once against it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, runtime_checkable
+
+import tensorstore as ts
+
+__all__ = ["CONTEXT", "Stamp", "Store", "error_text"]
+
+#: Identifies one version of a file for :meth:`Store.commit`: a storage
+#: generation, or the bytes themselves on a filesystem.
+Stamp = Any
+
+# One context for the process: the memory kvstore persists across calls, and
+# the chunk cache is off (every byte is read once, straight into its target).
+CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+
+
+@runtime_checkable
+class Store(Protocol):
+    """The small files and the namespace under one checkpoint root.
+
+    Every method names files by their path relative to the root (``/``
+    separated). Errors are :class:`~globalshard.errors.StorageError` naming the
+    file; a commit that lost a race is a
+    :class:`~globalshard.errors.ConcurrentSaveError`.
+    """
+
+    #: Whether writers exclude each other with :meth:`lock` (a filesystem):
+    #: a save directory no commit lists is then a leftover whatever its age,
+    #: and temporary files of atomic replacement can be left by a crash.
+    locks: bool
+
+    def describe(self, name: str) -> str:
+        """``name`` as a message shows it (a full path where there is one)."""
+        ...
+
+    def read(self, name: str) -> bytes | None:
+        """The bytes of a regular file, or None if there is none (bounded by
+        :data:`~globalshard.format.metadata.MAX_FILE_BYTES`)."""
+        ...
+
+    def read_stamped(self, name: str) -> tuple[bytes | None, Stamp]:
+        """:meth:`read`, with the :data:`Stamp` a later :meth:`commit` checks."""
+        ...
+
+    def write(self, name: str, data: bytes) -> None:
+        """Write a file: it appears whole or not at all."""
+        ...
+
+    def commit(self, name: str, data: bytes, stamp: Stamp) -> None:
+        """Replace ``name`` with ``data`` only if it is still the version
+        ``stamp`` names: the commit of a save (spec section 2.2)."""
+        ...
+
+    def lock(self) -> AbstractContextManager[None]:
+        """Hold the writers' lock of the root for a save (nothing where
+        commits are conditional instead)."""
+        ...
+
+    def delete(self, name: str, *, tree: bool = False) -> None:
+        """Delete a file (or, with ``tree``, everything under a prefix), if present."""
+        ...
+
+    def delete_empty_parents(self, paths: Sequence[str]) -> None:
+        """Delete the directories above ``paths`` that are now empty, never the root."""
+        ...
+
+    def list_dir(self, prefix: str = "") -> list[str]:
+        """Names directly below the root (or below ``prefix/``), sorted."""
+        ...
+
+    def linked_component(self, name: str) -> str | None:
+        """The first component of ``name`` that is a symbolic link, or None."""
+        ...
+
+    def escaping(self, paths: Sequence[str]) -> list[str]:
+        """Problems of stored paths that leave the root or are not regular files."""
+        ...
+
+    def kvstore(self, path: str = "") -> dict[str, Any]:
+        """The TensorStore kvstore spec of ``path`` below the root (a directory)."""
+        ...
+
+    def child(self, path: str = "") -> Any:
+        """``path`` below the root as a caller names a root (a directory, or a
+        kvstore spec): what ``open_root`` and ``globalshard.save`` accept."""
+        ...
+
+
+def error_text(e: BaseException) -> str:
+    """An exception's message without the spec TensorStore appends to it."""
+    text = str(e)
+    cut = text.find(" [tensorstore_spec=")
+    return text[:cut] if cut > 0 else text

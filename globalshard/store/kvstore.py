@@ -1,0 +1,123 @@
+"""A checkpoint root in any TensorStore kvstore: object stores, memory,
+OCDBT. Commits are conditional writes; there is no lock."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import tensorstore as ts
+
+from globalshard.errors import ConcurrentSaveError, GlobalShardError, StorageError
+from globalshard.format.metadata import MAX_FILE_BYTES
+from globalshard.store.base import CONTEXT, Stamp, error_text
+
+__all__ = ["KvStore"]
+
+
+class KvStore:
+    """A checkpoint root that is a TensorStore kvstore ``spec`` (a JSON dict
+    whose ``path``, if any, ends with ``/``)."""
+
+    locks = False
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self._kv: Any = None
+
+    def __str__(self) -> str:
+        return ts.KvStore.Spec(self.spec).to_json().get("path", "") or str(self.spec)
+
+    def __repr__(self) -> str:
+        return f"KvStore({self.spec!r})"
+
+    def describe(self, name: str) -> str:
+        return f"{name} in {self.spec}"
+
+    def kvstore(self, path: str = "") -> dict[str, Any]:
+        spec = dict(self.spec)
+        spec["path"] = spec.get("path", "") + (path + "/" if path else "")
+        return spec
+
+    def child(self, path: str = "") -> dict[str, Any]:
+        return self.kvstore(path)
+
+    def _kvs(self) -> Any:
+        if self._kv is None:
+            try:
+                self._kv = ts.KvStore.open(self.spec, context=CONTEXT).result()
+            except Exception as e:
+                raise StorageError(f"cannot open {self.spec}: {error_text(e)}") from None
+        return self._kv
+
+    def read(self, name: str) -> bytes | None:
+        return self.read_stamped(name)[0]
+
+    def read_stamped(self, name: str) -> tuple[bytes | None, Stamp]:
+        """The bytes (bounded by ``MAX_FILE_BYTES``) and the storage generation."""
+        try:
+            r = self._kvs().read(name).result()
+        except (OSError, ValueError) as e:
+            raise StorageError(f"cannot read {self.describe(name)}: {error_text(e)}") from None
+        if r.state == "missing":
+            return None, r.stamp.generation
+        if len(r.value) > MAX_FILE_BYTES:
+            raise StorageError(f"{self.describe(name)} holds {len(r.value)} bytes, more than the "
+                               f"{MAX_FILE_BYTES} this library reads")
+        return bytes(r.value), r.stamp.generation
+
+    def write(self, name: str, data: bytes) -> None:
+        """One write, which TensorStore's kvstores apply atomically."""
+        try:
+            self._kvs().write(name, data).result()
+        except (OSError, ValueError) as e:
+            raise StorageError(f"cannot write {self.describe(name)}: {error_text(e)}") from None
+
+    def commit(self, name: str, data: bytes, stamp: Stamp) -> None:
+        """One conditional write (``if_equal=stamp``).
+
+        Raises:
+            ConcurrentSaveError: another save replaced ``name`` in between.
+            StorageError: the write failed (nothing was replaced).
+        """
+        try:
+            gen = self._kvs().write(name, data, if_equal=stamp).result()
+        except (OSError, ValueError) as e:
+            if isinstance(e, GlobalShardError):
+                raise
+            raise StorageError(f"cannot write {self.describe(name)}: {error_text(e)}") from None
+        if not gen.generation:
+            raise ConcurrentSaveError(
+                f"{self.describe(name)} changed while this save was running: another save committed to "
+                f"{self} first; this save is not committed and the other's checkpoint stands")
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        yield  # the commit is conditional instead
+
+    def delete(self, name: str, *, tree: bool = False) -> None:
+        end = name + ("0" if tree else "\x00")
+        start = name + "/" if tree else name
+        try:
+            self._kvs().delete_range(ts.KvStore.KeyRange(start, end)).result()
+        except (OSError, ValueError) as e:
+            raise StorageError(f"cannot remove {self.describe(name)}: {error_text(e)}") from None
+
+    def delete_empty_parents(self, paths: Sequence[str]) -> None:
+        return None  # a kvstore has no directories
+
+    def list_dir(self, prefix: str = "") -> list[str]:
+        start = prefix + "/" if prefix else ""
+        rng = ts.KvStore.KeyRange(start, prefix + "0" if prefix else "")
+        try:
+            keys = self._kvs().list(rng, strip_prefix_length=len(start)).result()
+        except (OSError, ValueError) as e:
+            raise StorageError(f"cannot list {self.describe(prefix)}: {error_text(e)}") from None
+        return sorted({k.decode("utf-8", "replace").split("/")[0] for k in keys})
+
+    def linked_component(self, name: str) -> str | None:
+        return None
+
+    def escaping(self, paths: Sequence[str]) -> list[str]:
+        return []

@@ -1,0 +1,110 @@
+"""Tests every :class:`~globalshard.store.base.Store` must pass, as zarr's
+``zarr.testing.store.StoreTests``: subclass :class:`StoreTests` in a test
+module and give it a ``store`` fixture (a fresh, empty root per test)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import tensorstore as ts
+
+from globalshard.errors import ConcurrentSaveError
+from globalshard.store.base import CONTEXT, Store
+
+__all__ = ["StoreTests"]
+
+
+class StoreTests:
+    """The contract of :class:`~globalshard.store.base.Store` (spec sections 2, 2.1, 2.2)."""
+
+    @pytest.fixture
+    def store(self) -> Store:
+        raise NotImplementedError("a subclass provides a fresh, empty store")
+
+    def test_it_is_a_store(self, store: Store) -> None:
+        assert isinstance(store, Store)
+
+    def test_a_missing_file_reads_as_none(self, store: Store) -> None:
+        assert store.read("metadata.json") is None
+        assert store.read_stamped("metadata.json")[0] is None
+
+    def test_a_write_reads_back_whole_and_replaces_what_was_there(self, store: Store) -> None:
+        store.write("a/b/file", b"first")
+        assert store.read("a/b/file") == b"first"
+        store.write("a/b/file", b"second, longer")
+        assert store.read("a/b/file") == b"second, longer"
+
+    def test_a_commit_on_the_version_read_replaces_it(self, store: Store) -> None:
+        _, stamp = store.read_stamped("metadata.json")
+        store.commit("metadata.json", b"one", stamp)
+        data, stamp = store.read_stamped("metadata.json")
+        assert data == b"one"
+        store.commit("metadata.json", b"two", stamp)
+        assert store.read("metadata.json") == b"two"
+
+    def test_a_commit_on_a_version_replaced_meanwhile_is_refused(self, store: Store) -> None:
+        store.write("metadata.json", b"one")
+        _, stamp = store.read_stamped("metadata.json")
+        store.write("metadata.json", b"theirs")  # another save committed in between
+        with pytest.raises(ConcurrentSaveError, match="metadata.json"):
+            store.commit("metadata.json", b"mine", stamp)
+        assert store.read("metadata.json") == b"theirs"
+
+    def test_a_commit_where_none_was_is_refused_once_one_appeared(self, store: Store) -> None:
+        _, stamp = store.read_stamped("metadata.json")
+        store.write("metadata.json", b"theirs")
+        with pytest.raises(ConcurrentSaveError):
+            store.commit("metadata.json", b"mine", stamp)
+        assert store.read("metadata.json") == b"theirs"
+
+    def test_listing_names_the_entries_directly_below(self, store: Store) -> None:
+        assert store.list_dir() == []
+        for name in ("metadata.json", "saves/x/arrays/a/zarr.json", "saves/x/arrays/b/c/0", "saves/y/t.json"):
+            store.write(name, b"-")
+        assert [n for n in store.list_dir() if not n.startswith(".")] == ["metadata.json", "saves"]
+        assert store.list_dir("saves") == ["x", "y"]
+        assert store.list_dir("saves/x/arrays") == ["a", "b"]
+        assert store.list_dir("nothing") == []
+
+    def test_delete_removes_a_file_or_a_tree_and_nothing_else(self, store: Store) -> None:
+        for name in ("keep", "saves/x/a", "saves/x/b/c", "saves/xy/a"):
+            store.write(name, b"-")
+        store.delete("keep-not-there")  # absent: nothing happens
+        store.delete("saves/x", tree=True)
+        assert store.read("saves/x/a") is None and store.read("saves/x/b/c") is None
+        assert store.read("saves/xy/a") == b"-" and store.read("keep") == b"-"  # a prefix of a name is not a tree
+        store.delete("keep")
+        assert store.read("keep") is None
+        store.delete_empty_parents(["saves/x/a"])  # whatever is left of it goes; the root stays
+        assert store.read("saves/xy/a") == b"-"
+
+    def test_the_lock_can_be_held_and_taken_again(self, store: Store) -> None:
+        with store.lock():
+            store.write("metadata.json", b"x")
+        with store.lock():
+            assert store.read("metadata.json") == b"x"
+
+    def test_paths_written_through_the_store_are_contained(self, store: Store) -> None:
+        store.write("saves/x/arrays/a/zarr.json", b"{}")
+        assert store.escaping(["saves/x/arrays/a"]) == []
+        assert store.linked_component("saves/x/arrays/a") is None
+
+    def test_the_kvstore_of_a_path_holds_what_the_store_wrote_there(self, store: Store) -> None:
+        store.write("saves/x/data", b"abc")
+        kv = ts.KvStore.open(store.kvstore("saves/x"), context=CONTEXT).result()
+        assert kv.read("data").result().value == b"abc"
+        array: Any = ts.open({"driver": "zarr3", "kvstore": store.kvstore("saves/x/arr")}, create=True,
+                             dtype=ts.uint8, shape=[3], context=CONTEXT).result()
+        array.write(np.arange(3, dtype=np.uint8)).result()
+        assert "arr" in store.list_dir("saves/x")
+
+    def test_describe_names_the_file(self, store: Store) -> None:
+        assert "metadata.json" in store.describe("metadata.json")
+
+    def test_a_child_names_a_root_below_this_one(self, store: Store) -> None:
+        from globalshard.store import open_root
+
+        store.write("iter_1/metadata.json", b"{}")
+        assert open_root(store.child("iter_1")).read("metadata.json") == b"{}"

@@ -1,0 +1,71 @@
+"""Every Store passes the same tests (globalshard.testing.store.StoreTests);
+the engine is chosen when a save or load starts, never at import."""
+
+import os
+import uuid
+
+import numpy as np
+import pytest
+
+import globalshard as gs
+from globalshard.io import LocalEngine, TensorStoreEngine, engine_name, open_engine
+from globalshard.store import KvStore, LocalStore, open_root
+from globalshard.testing.store import StoreTests
+
+
+class TestLocalStore(StoreTests):
+    @pytest.fixture
+    def store(self, tmp_path):
+        return LocalStore(tmp_path / "root")
+
+
+class TestMemoryKvStore(StoreTests):
+    @pytest.fixture
+    def store(self):
+        return open_root(f"memory://store-tests-{uuid.uuid4().hex}/")
+
+
+def test_open_root_picks_the_store_from_what_the_caller_names(tmp_path):
+    assert isinstance(open_root(tmp_path), LocalStore)
+    assert isinstance(open_root(str(tmp_path)), LocalStore)
+    assert isinstance(open_root(f"file://{tmp_path}/"), LocalStore)  # a file kvstore is a directory
+    assert isinstance(open_root({"driver": "file", "path": str(tmp_path)}), LocalStore)
+    assert isinstance(open_root("memory://x/"), KvStore)
+    inside = open_root("run/step1", kvstore="memory://base/")
+    assert isinstance(inside, KvStore) and inside.spec["path"] == "base/run/step1/"
+    store = open_root(tmp_path)
+    assert open_root(store) is store
+    with pytest.raises(gs.StorageError, match="relative inside it"):
+        open_root("../escape", kvstore="memory://base/")
+    with pytest.raises(gs.StorageError, match="not a checkpoint location"):
+        open_root("nonsense-driver://x")
+
+
+def test_the_engine_follows_the_environment_when_a_save_starts(tmp_path, monkeypatch):
+    local, kv = open_root(tmp_path), open_root("memory://engines/")
+    monkeypatch.delenv("GLOBALSHARD_IO", raising=False)
+    monkeypatch.delenv("GLOBALSHARD_LOCAL_IO", raising=False)
+    assert type(open_engine(local)) is LocalEngine and type(open_engine(kv)) is TensorStoreEngine
+    monkeypatch.setenv("GLOBALSHARD_IO", "tensorstore")  # read now, not at import
+    assert type(open_engine(local)) is TensorStoreEngine
+    assert type(open_engine(local, io="localio")) is LocalEngine  # passed in wins
+    monkeypatch.delenv("GLOBALSHARD_IO")
+    monkeypatch.setenv("GLOBALSHARD_LOCAL_IO", "tensorstore")  # the old name still works
+    assert engine_name() == "tensorstore"
+    monkeypatch.setenv("GLOBALSHARD_LOCAL_IO", "direct")
+    assert engine_name() == "localio"
+    monkeypatch.setenv("GLOBALSHARD_IO", "mmap")
+    with pytest.raises(ValueError, match="GLOBALSHARD_IO"):
+        gs.save({"w": gs.ShardedTensor.from_offset("w", np.ones(2), global_shape=(2,), global_offset=(0,))},
+                tmp_path / "c")
+    assert not os.path.exists(tmp_path / "c" / "metadata.json")
+
+
+@pytest.mark.parametrize("io", ["localio", "tensorstore"])
+def test_either_engine_writes_what_the_other_reads(tmp_path, monkeypatch, io):
+    other = {"localio": "tensorstore", "tensorstore": "localio"}[io]
+    w = np.arange(24, dtype=np.float32).reshape(4, 6)
+    monkeypatch.setenv("GLOBALSHARD_IO", io)
+    gs.save({"w": gs.ShardedTensor.from_offset("w", w, global_shape=(4, 6), global_offset=(0, 0))}, tmp_path)
+    monkeypatch.setenv("GLOBALSHARD_IO", other)
+    assert np.array_equal(gs.read_array(tmp_path, "w"), w)
