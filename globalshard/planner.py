@@ -288,10 +288,10 @@ class SavePlanner:
         dirs = array_dirs(sorted(by_key))
         prefix = arrays_prefix(save_id)
         # How many of each group's ranks hold each of its shards as the main replica.
-        mains = [(g.replicas == 0).sum(axis=0).tolist() for g in groups]
+        main_counts = [(g.replicas == 0).sum(axis=0).tolist() for g in groups]
         for key in sorted(by_key):
             entries = by_key[key]
-            entry = _whole_from_one(key, groups, entries, mains, prefix + dirs[key], candidates) \
+            entry = _whole_from_one(key, groups, entries, main_counts, prefix + dirs[key], candidates) \
                 if len(entries) == 1 else None
             if entry is None:
                 entry = self._plan_key(key, groups, entries, prefix + dirs[key], problems, candidates)
@@ -335,19 +335,19 @@ class SavePlanner:
         copies = False
         for g, s in entries:
             group = groups[g]
-            mains = group.ranks[group.replicas[:, s] == 0]
+            main_ranks = group.ranks[group.replicas[:, s] == 0]
             for r_idx, region in enumerate(group.shards[s].regions):
                 box = region.global_box
                 if 0 in box.shape:
                     continue
                 by_box.setdefault(box, []).append((g, s, r_idx))
-                if len(mains):
-                    main.append((box, int(mains[0])))
-                if len(mains) > 1:
+                if len(main_ranks):
+                    main.append((box, int(main_ranks[0])))
+                if len(main_ranks) > 1:
                     copies = True
-                    more = f" (and {len(mains) - 2} more ranks)" if len(mains) > 2 else ""
-                    problems.append(f"{key!r}: main replicas overlap: rank {int(mains[0])} holds {box} and rank "
-                                    f"{int(mains[1])} holds {box}{more} (if these are copies, give all but one a "
+                    more = f" (and {len(main_ranks) - 2} more ranks)" if len(main_ranks) > 2 else ""
+                    problems.append(f"{key!r}: main replicas overlap: rank {int(main_ranks[0])} holds {box} and rank "
+                                    f"{int(main_ranks[1])} holds {box}{more} (if these are copies, give all but one a "
                                     "replica_id > 0)")
         bounds = Box.full(first.global_shape)
         gaps, overlaps = cover_problems(bounds, [b for b, _ in main])
@@ -377,14 +377,14 @@ class SavePlanner:
         return TensorMetadata(first.dtype, first.global_shape, tuple(regions))
 
 
-def _whole_from_one(key: str, groups: Sequence[RankGroup], entries: list[tuple[int, int]], mains: list[list[int]],
+def _whole_from_one(key: str, groups: Sequence[RankGroup], entries: list[tuple[int, int]], main_counts: list[list[int]],
                     directory: str, candidates: dict[tuple[str, Box], list[_Holder]]) -> TensorMetadata | None:
     """A key that one shard holds whole, with one main replica, planned in few
     steps (what :meth:`SavePlanner._plan_key` would find); None for any other
     key, valid or not."""
     (g, s), = entries
     info = groups[g].shards[s]
-    if len(info.regions) != 1 or mains[g][s] != 1:
+    if len(info.regions) != 1 or main_counts[g][s] != 1:
         return None
     box = info.regions[0].global_box
     if box.shape != info.global_shape or any(box.offset) or 0 in box.shape:

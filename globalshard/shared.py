@@ -149,8 +149,8 @@ def require_exchange(comm: Comm) -> Exchange:
     return comm
 
 
-def read_shared(comm: Comm, plan: LoadPlan, datas: Sequence[np.ndarray], read: Any, stats: Any) -> None:
-    """Fill ``datas`` as ``read(plan, datas, stats)`` would, reading each piece
+def read_shared(comm: Comm, plan: LoadPlan, targets: Sequence[np.ndarray], read: Any, stats: Any) -> None:
+    """Fill ``targets`` as ``read(plan, targets, stats)`` would, reading each piece
     that several ranks need once. Collective: every rank calls it, with its own
     plan (``read`` executes a load plan, e.g. ``Location.read_opened`` bound to
     the opened arrays).
@@ -184,18 +184,18 @@ def read_shared(comm: Comm, plan: LoadPlan, datas: Sequence[np.ndarray], read: A
 
         def read_window(n: int = n, window: list[SharedRead] = window, staged: dict[int, np.ndarray] = staged) -> None:
             if n == 0:
-                read(LoadPlan(tuple(unshared), plan.arrays, plan.packs), datas, stats)
-            targets: list[TargetPlan] = []
+                read(LoadPlan(tuple(unshared), plan.arrays, plan.packs), targets, stats)
+            mine: list[TargetPlan] = []
             buffers: list[np.ndarray] = []
             for i, p in enumerate(window):
                 if rank in p.needers:
                     staged[i] = np.empty(p.box.shape, numpy_dtype(p.dtype))
                 if p.owner == rank:
-                    targets.append(TargetPlan(len(buffers), "", p.dtype,
-                                              (ReadItem(p.path, p.box, Box.full(p.box.shape), p.byte_offset),), ()))
+                    mine.append(TargetPlan(len(buffers), "", p.dtype,
+                                            (ReadItem(p.path, p.box, Box.full(p.box.shape), p.byte_offset),), ()))
                     buffers.append(staged[i])
-            if targets:
-                read(LoadPlan(tuple(targets), plan.arrays, plan.packs), buffers, stats)
+            if mine:
+                read(LoadPlan(tuple(mine), plan.arrays, plan.packs), buffers, stats)
 
         run_collectively(comm, "load: shared reads", read_window)
         sends = [(peer, i, staged[i]) for i, p in enumerate(window) if p.owner == rank
@@ -211,7 +211,7 @@ def read_shared(comm: Comm, plan: LoadPlan, datas: Sequence[np.ndarray], read: A
             p = window[i]
             for target, target_box in where[(p.path, p.byte_offset, p.read)]:
                 shift = tuple(a + b - c for a, b, c in zip(target_box.offset, p.box.offset, p.read.offset))
-                cast_into(Box(shift, p.box.shape).view(datas[target]), buf)
+                cast_into(Box(shift, p.box.shape).view(targets[target]), buf)
     if stats is not None:
         stats.bytes_needed += received
         stats.bytes_received += received
