@@ -49,25 +49,25 @@ def engine(name, chunk_bytes=None):
 
 
 @given(checkpoints(), st.sampled_from(ENGINES), st.sampled_from(ENGINES), st.sampled_from([2, 8, 24, 1 << 20]),
-       st.sampled_from([localio.READ_TASK_BYTES, (1, 1), (16, 64)]))
+       st.sampled_from([localio.files.READ_TASK_BYTES, (1, 1), (16, 64)]))
 def test_property_either_engine_reads_what_either_wrote(tensors, writer, reader, chunk_bytes, read_tasks):
     # Tiny chunk limits shard even these small arrays into many inner chunks,
     # with partial chunks at every edge; tiny read tasks split each file's
     # chunks over many tasks (one chunk each at (1, 1)).
     directory = tempfile.mkdtemp()
-    saved = localio.READ_TASK_BYTES
+    saved = localio.files.READ_TASK_BYTES
     try:
         state, targets = shards_of(tensors)
         with engine(writer, chunk_bytes):
             gs.save(state, directory)
-        localio.READ_TASK_BYTES = read_tasks
+        localio.files.READ_TASK_BYTES = read_tasks
         with engine(reader):
             gs.load(targets, directory)
             problems, _ = gs.Checkpoint(directory).verify()
             assert problems == []
             assert_loaded(tensors, targets, directory)
     finally:
-        localio.READ_TASK_BYTES = saved
+        localio.files.READ_TASK_BYTES = saved
         shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -260,7 +260,7 @@ def nowait_answers(answers):
     asked = []
 
     def scripted(fd, buffers, offset, flags=0):
-        if not flags & localio._NOWAIT:
+        if not flags & localio.read._NOWAIT:
             return real(fd, buffers, offset, flags)
         answer = next(script, "ok")
         asked.append(answer)
@@ -277,7 +277,7 @@ def nowait_answers(answers):
         yield asked
 
 
-@pytest.mark.skipif(not localio._NOWAIT, reason="no RWF_NOWAIT here")
+@pytest.mark.skipif(not localio.read._NOWAIT, reason="no RWF_NOWAIT here")
 @given(answers=NOWAIT_ANSWERS, damaged=st.none() | st.integers(0, 63))
 def test_chunks_read_without_waiting_or_after_it_land_whole_and_checked(rows, answers, damaged):
     """Each non-blocking read (RWF_NOWAIT) of a run gets a scripted answer
@@ -303,7 +303,7 @@ def test_chunks_read_without_waiting_or_after_it_land_whole_and_checked(rows, an
             flip_byte(chunk_file(damaged), damaged % 32 * (4096 + 4) + 7)
 
 
-@pytest.mark.skipif(not localio._NOWAIT, reason="no RWF_NOWAIT here")
+@pytest.mark.skipif(not localio.read._NOWAIT, reason="no RWF_NOWAIT here")
 def test_files_in_and_out_of_the_page_cache_load_whole(tmp_path):
     # The kernel's own answers: one file dropped from the page cache, the other
     # kept. Whether a non-blocking read meets the dropped file's pages missing
@@ -368,9 +368,9 @@ def test_io_threads_follow_the_environment():
 
 def test_each_sharded_file_starts_its_writeback_before_its_fsync(tmp_path, monkeypatch):
     events = []
-    real_start, real_close = localio._start_writeback, localio._sync_close
-    monkeypatch.setattr(localio, "_start_writeback", lambda fd: events.append(("start", fd)) or real_start(fd))
-    monkeypatch.setattr(localio, "_sync_close",
+    real_start, real_close = localio.write._start_writeback, localio.write._sync_close
+    monkeypatch.setattr(localio.write, "_start_writeback", lambda fd: events.append(("start", fd)) or real_start(fd))
+    monkeypatch.setattr(localio.write, "_sync_close",
                         lambda fd, fsync: events.append(("fsync", fd)) or real_close(fd, fsync))
     with engine("localio", 4 * 64):  # three arrays, each a shard file of many inner chunks
         gs.save({f"w{i}": gs.ShardedTensor.from_offset(f"w{i}", np.full((40, 64), i, np.float32),
@@ -410,13 +410,13 @@ def test_vectored_resumes_short_transfers(sizes, limit, offset):
         fd = os.open(path, os.O_RDWR | os.O_CREAT)
         try:
             with mock.patch.object(os, "pwritev", limited(real_write)):
-                localio._pwritev(fd, [p.copy() for p in np.split(data, np.cumsum(sizes)[:-1])], offset)
+                localio.files._pwritev(fd, [p.copy() for p in np.split(data, np.cumsum(sizes)[:-1])], offset)
             assert os.pread(fd, len(data) + 1, offset) == data.tobytes()
             into = [np.full(n, 7, np.uint8) for n in sizes]
             with mock.patch.object(os, "preadv", limited(real_read)):
-                localio._preadv_exact(fd, into, offset, "f (chunk [0])")
+                localio.files._preadv_exact(fd, into, offset, "f (chunk [0])")
                 assert b"".join(b.tobytes() for b in into) == data.tobytes()
                 with pytest.raises(localio.ChunkError, match=r"f \(chunk \[0\]\): the file ends"):
-                    localio._preadv_exact(fd, [np.empty(len(data) + 1, np.uint8)], offset, "f (chunk [0])")
+                    localio.files._preadv_exact(fd, [np.empty(len(data) + 1, np.uint8)], offset, "f (chunk [0])")
         finally:
             os.close(fd)

@@ -176,7 +176,7 @@ def test_a_load_failing_while_it_prepares_packs_leaves_no_read_running(tmp_path)
                                                    global_offset=(0,)) for i in range(40)}  # 20 MiB: 2 packs
     gs.save(state, tmp_path, pack_below=1 << 20)
     futures, calls = [], []
-    real_task, real_whole, real_pool = localio._read_pack_task, io_read._whole_region_bytes, localio.pool()
+    real_task, real_whole, real_pool = localio.packs._read_pack_task, io_read._whole_region_bytes, localio.pool()
 
     def slow_task(units):
         time.sleep(0.3)
@@ -195,7 +195,7 @@ def test_a_load_failing_while_it_prepares_packs_leaves_no_read_running(tmp_path)
 
     targets = {k: gs.ShardedTensor.from_offset(k, np.zeros_like(t.data), global_shape=t.global_shape,
                                                global_offset=(0,)) for k, t in state.items()}
-    with mock.patch.object(localio, "_read_pack_task", slow_task), \
+    with mock.patch.object(localio.packs, "_read_pack_task", slow_task), \
             mock.patch.object(localio, "pool", lambda: Recording()), \
             mock.patch.object(io_read, "_whole_region_bytes", failing), \
             pytest.raises(RuntimeError, match="placing failed"):
@@ -341,7 +341,7 @@ def packed64(tmp_path_factory):
         return _packed(tmp_path_factory.mktemp("packed64"))
 
 
-@pytest.mark.skipif(not localio._NOWAIT, reason="no RWF_NOWAIT here")
+@pytest.mark.skipif(not localio.read._NOWAIT, reason="no RWF_NOWAIT here")
 @given(answers=NOWAIT_ANSWERS, damaged=st.none() | st.integers(0, 1 << 20))
 def test_pack_chunks_read_without_waiting_or_after_it_land_whole_and_checked(packed64, answers, damaged):
     """As for arrays (test_localio): whatever the kernel answers each
