@@ -26,10 +26,8 @@ def engine_name(io: str | None = None) -> str:
         ValueError: not an engine name.
     """
     if io is None:
-        io = os.environ.get("GLOBALSHARD_IO")
-        if io is None:
-            io = {"direct": "localio"}.get(os.environ.get("GLOBALSHARD_LOCAL_IO", "localio"),
-                                           os.environ.get("GLOBALSHARD_LOCAL_IO", "localio"))
+        io = os.environ.get("GLOBALSHARD_IO") or os.environ.get("GLOBALSHARD_LOCAL_IO", "localio")
+        io = "localio" if io == "direct" else io
     if io not in ENGINES:
         raise ValueError(f"the array engine must be one of {', '.join(ENGINES)}, not {io!r} "
                          "(io=, or GLOBALSHARD_IO)")

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from globalshard.errors import MetadataError, StorageError, format_problems
+from globalshard.errors import StorageError, format_problems
 from globalshard.format.zarr import Expect, attribute_problem, le_bytes, zarr_json
 from globalshard.io import localio
 from globalshard.io.base import PACK_WINDOW_BYTES, ArrayItem, PackItem, wait_ready
@@ -37,14 +37,11 @@ class LocalEngine(TensorStoreEngine):
     def __init__(self, store: LocalStore) -> None:
         super().__init__(store)
 
-    def verify(self, path: str, dtype: str, shape: tuple[int, ...] | None, want: Expect) -> int:
-        """:meth:`TensorStoreEngine.verify`, through localio where it serves the array."""
-        problems = self.store.escaping([path])
-        if problems:
-            raise MetadataError(format_problems("checkpoint paths escape the checkpoint", problems))
+    def _verify_contained(self, path: str, dtype: str, shape: tuple[int, ...] | None, want: Expect) -> int:
+        """Through localio where it serves the array, else through TensorStore."""
         layout = self._open_local(path, dtype, shape, want)
         if layout is None:
-            return super().verify(path, dtype, shape, want)
+            return super()._verify_contained(path, dtype, shape, want)
         nbytes, damaged = localio.Reader(localio.pool()).verify(layout)
         if damaged:
             raise StorageError(format_problems(f"{self.store.describe(path)} is damaged", [str(e) for e in damaged]))

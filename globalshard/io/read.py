@@ -211,32 +211,20 @@ def _naming_members(store: Store, problem: ChunkError | str, opened: OpenedPlan,
     for path, members in window.items():
         layout = opened.files.get(path)
         if isinstance(problem, ChunkError):
-            if layout is None or not _holds(layout, problem.path):
+            if layout is None or not problem.path.startswith(layout.directory.rstrip(os.sep) + os.sep):
                 continue
         elif store.describe(path) not in problem and path not in problem:
             continue
         regions = sorted((b, packs[path][b]) for b, _ in members)
-        if isinstance(problem, ChunkError) and problem.chunk is not None and layout is not None:
+        one_file = layout is not None and layout.outer[0] >= layout.shape[0]  # the chunk index is the pack's
+        if isinstance(problem, ChunkError) and problem.chunk is not None and layout is not None and one_file:
             size = layout.chunk[0]
-            lo = problem.chunk[0] * size + (_outer_of(layout, problem.path) * layout.outer[0])
+            lo = problem.chunk[0] * size
             regions = [(b, r) for b, r in regions if b < lo + size and b + r.nbytes > lo]
         names = ", ".join(f"{r.key!r} {r.box}" for _, r in regions[:5])
         more = f" and {len(regions) - 5} more" if len(regions) > 5 else ""
         return f"{problem} (packed regions it holds: {names}{more})"
     return str(problem)
-
-
-def _holds(layout: ArrayFile, file: str) -> bool:
-    """Whether ``file`` is one of a stored array's chunk files."""
-    return os.path.dirname(file).startswith(layout.directory.rstrip(os.sep) + os.sep) or \
-        os.path.dirname(file) == layout.directory
-
-
-def _outer_of(layout: ArrayFile, file: str) -> int:
-    """The outer chunk index of a 1-d array's chunk file (``c/3`` or ``c.3``)."""
-    name = os.path.relpath(file, layout.directory).replace(os.sep, "/")
-    last = name.replace(layout.separator, "/").rsplit("/", 1)[-1]
-    return int(last) if last.isdigit() else 0
 
 
 def _whole_region_bytes(uses: list[tuple[np.ndarray, Box, Box]], region: PackedRegion) -> np.ndarray | None:

@@ -207,6 +207,10 @@ class TensorStoreEngine:
         problems = self.store.escaping([path])
         if problems:
             raise MetadataError(format_problems("checkpoint paths escape the checkpoint", problems))
+        return self._verify_contained(path, dtype, shape, want)
+
+    def _verify_contained(self, path: str, dtype: str, shape: tuple[int, ...] | None, want: Expect) -> int:
+        """:meth:`verify` of an array whose path :meth:`Store.escaping` accepted."""
         try:
             store = self._open_array(path, dtype, shape).result()
         except Exception as e:

@@ -17,7 +17,7 @@ from globalshard.store.local import LocalStore
 __all__ = ["KvStore", "LocalStore", "Stamp", "Store", "open_root"]
 
 
-def open_root(where: Any, kvstore: Any = None) -> LocalStore | KvStore:
+def open_root(where: Any, kvstore: Any = None) -> Store:
     """The store of a checkpoint root.
 
     Args:
@@ -34,7 +34,7 @@ def open_root(where: Any, kvstore: Any = None) -> LocalStore | KvStore:
     Raises:
         StorageError: ``where`` names no root.
     """
-    if isinstance(where, (LocalStore, KvStore)) and kvstore is None:
+    if isinstance(where, Store) and kvstore is None:
         return where
     if isinstance(where, (str, os.PathLike)) and not os.fspath(where):
         raise StorageError("the checkpoint path is empty (use '.' for the current directory)")
