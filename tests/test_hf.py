@@ -140,7 +140,7 @@ def test_export_converts_floats_to_bf16_and_keeps_integers(tmp_path):
 
 
 def test_export_in_windows_smaller_than_a_tensor(tmp_path, monkeypatch):
-    import globalshard.hf as hfmod
+    import globalshard.hf.exporting as hfmod
 
     monkeypatch.setattr(hfmod, "WINDOW_BYTES", 100)
     value = np.arange(50 * 7, dtype=np.float32).reshape(50, 7)
@@ -298,7 +298,7 @@ def test_safetensors_headers_are_checked_as_strictly_as_the_safetensors_package(
 
 
 def test_an_adapter_is_merged_into_the_tensor_it_adapts_window_by_window(tmp_path, monkeypatch):
-    import globalshard.hf as hfmod
+    import globalshard.hf.exporting as hfmod
 
     monkeypatch.setattr(hfmod, "WINDOW_BYTES", 700)  # windows of a few rows, each merged with its rows of B
     hf = hf_model(seed=3)
@@ -370,7 +370,7 @@ def test_rotary_rows_go_to_halves_on_export_and_back_on_any_read(tmp_path_factor
     save_global(values, path / "ckpt")
     mapping = NameMapping(ROTARY)
     monkey_window = data.draw(st.sampled_from([None, 8 * cols]))
-    import globalshard.hf as hfmod
+    import globalshard.hf.exporting as hfmod
 
     old, hfmod.WINDOW_BYTES = hfmod.WINDOW_BYTES, monkey_window or hfmod.WINDOW_BYTES
     try:

@@ -1,0 +1,72 @@
+"""Hugging Face safetensors, both ways, through a name mapping.
+
+* :func:`export`: a checkpoint's global tensors into safetensors files of
+  bounded size plus ``model.safetensors.index.json``; fused layouts (global
+  ``[Q; K; V]``, ``[gate; up]``) split into the names a Hugging Face model
+  uses. Each tensor is read and written in windows of rows, so memory stays
+  at one window whatever the model's size.
+* :class:`SafetensorsSource`: any global box of any checkpoint key, read from
+  a Hugging Face safetensors directory by file offsets (the same mapping in
+  reverse), for loaders that fill a parallel layout straight from it.
+
+The safetensors format (an 8-byte little-endian header length, a JSON header
+of ``dtype``, ``shape`` and ``data_offsets`` per tensor, then the raw
+little-endian bytes) is simple and fixed; it is written here by streaming
+because the ``safetensors`` package needs whole tensors in memory, and read
+here by offsets because its numpy API has no bfloat16. The tests check both
+directions against the ``safetensors`` package itself.
+
+A mapping file (JSON; ``globalshard/mappings/`` ships ``llama`` for the
+demo's model, ``megatron_gpt`` for Megatron-Core's GPTModel and
+``torchtitan_llama3``, each to Hugging Face's ``LlamaForCausalLM``)::
+
+    {"params": {"heads": 32, "kv_heads": 8, "rope_theta": 500000.0},
+     "tensors": [
+       {"key": "layers.{layer}.attn.qkv.weight", "split": {"axis": 0, "parts": [
+           {"name": "model.layers.{layer}.self_attn.q_proj.weight", "size": "heads", "rotary": "heads"},
+           {"name": "model.layers.{layer}.self_attn.k_proj.weight", "size": "kv_heads", "rotary": "kv_heads"},
+           {"name": "model.layers.{layer}.self_attn.v_proj.weight", "size": "kv_heads"}]},
+        "lora": {"A": "layers.{layer}.attn.qkv_lora_A", "B": "layers.{layer}.attn.qkv_lora_B", "scale": 1}},
+       {"key": "final_norm", "name": "model.norm.weight"}],
+     "skip": ["optimizer\\\\..*"],
+     "config": {"model_type": "llama", "num_attention_heads": {"$param": "heads"},
+                "hidden_size": {"$shape": "model.norm.weight", "axis": 0}}}
+
+``{field}`` in a key matches one dot-free name part (``{layer}``: digits)
+and is substituted into the names. A split's part sizes are proportions
+(numbers or ``params`` names) of the axis. Every checkpoint key must match
+a rule or a ``skip`` pattern: nothing is left out silently.
+
+* ``lora``: the checkpoint holds a low-rank adapter of the tensor, ``W +
+  scale * B @ A`` (``B`` of shape ``[rows, r]``, ``A`` of ``[r, cols]``);
+  export writes the merged tensor and reports ``A`` and ``B`` as merged. An
+  adapter no rule merges matches no rule: an error naming it, never a
+  silent drop of what training learned.
+* ``rotary`` (on a name or a split part): the tensor's rows are, per head of
+  that many heads, in the interleaved rotary order (pairs ``2i, 2i + 1``, as
+  Meta's Llama and torchtitan rotate them); Hugging Face rotates halves
+  (``i, i + head_dim / 2``). Export permutes the rows of each head, and
+  reading back permutes them back, as torchtitan's own state dict adapter
+  and Hugging Face's conversion script do.
+* ``groups`` (on a split of axis 0): the axis is that many equal blocks,
+  each holding every part's share in order (``q1 q2 k1 v1 | q3 q4 k2 v2``,
+  as Megatron-Core's ``linear_qkv`` and torchtitan's fused ``wqkv`` lay out
+  grouped-query attention); a part's tensor is its rows of every block.
+  Part sizes are proportions of the whole axis, as without groups.
+* ``config``: written as ``config.json`` beside the files. Values are JSON,
+  or one of ``{"$param": name}``, ``{"$shape": hf_name, "axis": i}``
+  (``"divide": param`` divides it), ``{"$count": hf_name_with_{layer}}``
+  (how many layers have it), ``{"$present": hf_name}``, ``{"$absent":
+  hf_name}``, ``{"$dtype": hf_name}`` (its exported dtype, for
+  ``torch_dtype``). Without it no ``config.json`` is written (nor removed).
+
+``params`` are numbers; sizes, heads and layer counts must be positive
+integers.
+"""
+
+from globalshard.hf.exporting import WINDOW_BYTES, export
+from globalshard.hf.naming import MAPPINGS_DIR, DamagedFileError, ExportError, HfTensor, NameMapping, parse_size
+from globalshard.hf.safetensors_file import SAFETENSORS_DTYPES, SafetensorsSource, read_header
+
+__all__ = ["NameMapping", "export", "SafetensorsSource", "parse_size", "SAFETENSORS_DTYPES", "ExportError",
+           "DamagedFileError", "HfTensor", "read_header", "MAPPINGS_DIR", "WINDOW_BYTES"]

@@ -1,0 +1,177 @@
+"""Export: a checkpoint's global tensors as Hugging Face safetensors files.
+
+Each tensor is read and written in windows of :data:`WINDOW_BYTES`, so
+memory stays at one window whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from globalshard.checkpoint import Checkpoint
+from globalshard.dtypes import canonical_name, numpy_dtype
+from globalshard.geometry import Box
+from globalshard.hf.naming import ExportError, HfTensor, NameMapping, _hf_shapes, _to_halves
+from globalshard.hf.safetensors_file import SAFETENSORS_DTYPES
+
+#: Bytes of one tensor read and written at a time by :func:`export`.
+WINDOW_BYTES = 64 << 20
+
+
+def export(checkpoint: str | Checkpoint, out: str, *, mapping: NameMapping | None = None, dtype: str | None = None,
+           max_shard_size: int = 5 * 10**9, progress: Callable[[int], None] | None = None,
+           kvstore: Any = None) -> dict[str, Any]:
+    """Write the checkpoint's tensors as Hugging Face safetensors in ``out``.
+
+    ``dtype`` converts floating-point tensors (integers and bools keep
+    theirs); a narrowing conversion is what was asked for, so it is allowed.
+    Files hold at most ``max_shard_size`` bytes of tensors (a larger tensor
+    gets a file of its own). ``progress(nbytes)`` follows the reads. A
+    mapping with a ``config`` also writes ``config.json``. What an earlier
+    export left in ``out`` (``model*.safetensors`` files this export does
+    not write, the index, and ``config.json`` when this export writes one)
+    is replaced once the new files are in place, so that no reader picks a
+    stale ``model.safetensors`` over the new index; nothing else in ``out``
+    is touched.
+
+    Returns:
+        The index written to ``model.safetensors.index.json``, plus
+        ``"skipped"``: the checkpoint keys the mapping's ``skip`` left out,
+        ``"merged"``: the adapter keys merged into the tensors they adapt,
+        and ``"config"``: the ``config.json`` written, or None.
+    """
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint, kvstore=kvstore)
+    tensors = ckpt.metadata.tensors
+    mapping = mapping or NameMapping.identity()
+    pieces, skipped = mapping.pieces({k: t.global_shape for k, t in tensors.items()})
+    out_dtype = {}
+    for p in pieces:
+        stored = tensors[p.key].dtype
+        want = canonical_name(np.dtype(numpy_dtype(dtype))) if dtype and _is_float(stored) else stored
+        if want not in SAFETENSORS_DTYPES:
+            raise ExportError(f"{p.key!r}: safetensors has no {want} (choose another with --dtype)")
+        if p.lora is not None and not _is_float(stored):
+            raise ExportError(f"{p.key!r}: an adapter merges into floating-point tensors only, not {stored}")
+        out_dtype[p.name] = want
+    config = mapping.hf_config(pieces, out_dtype)
+    # Files of bounded size, in the order the mapping lists the tensors (a tensor: its pieces, in order).
+    by_name: dict[str, list[HfTensor]] = {}
+    for p in pieces:
+        by_name.setdefault(p.name, []).append(p)
+    files: list[list[HfTensor]] = [[]]
+    size = 0
+    for name, members in by_name.items():
+        n = sum(p.box.volume for p in members) * numpy_dtype(out_dtype[name]).itemsize
+        if files[-1] and size + n > max_shard_size:
+            files.append([])
+            size = 0
+        files[-1] += members
+        size += n
+    os.makedirs(out, exist_ok=True)
+    names = (["model.safetensors"] if len(files) == 1 else
+             [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
+    weight_map: dict[str, str] = {}
+    total = 0
+    for name, members in zip(names, files):
+        total += _write_file(ckpt, os.path.join(out, name), members, out_dtype, progress)
+        weight_map |= {p.name: name for p in members}
+    index = {"metadata": {"total_size": total, "format": "pt", "source": "globalshard",
+                          "save_id": ckpt.metadata.save_id},
+             "weight_map": dict(sorted(weight_map.items()))}
+    if config is not None:
+        _write_atomically(os.path.join(out, "config.json"), json.dumps(config, indent=2).encode("utf-8"))
+    _write_atomically(os.path.join(out, "model.safetensors.index.json"),
+                      json.dumps(index, indent=2).encode("utf-8"))
+    for stale in sorted(os.listdir(out)):
+        if _EXPORTED.fullmatch(stale) and stale not in names:
+            os.unlink(os.path.join(out, stale))
+    merged = sorted({key for p in pieces if p.lora is not None for key in p.lora[:2]})
+    return {**index, "skipped": skipped, "merged": merged, "config": config}
+
+
+#: The files an export writes (and so may replace): one file, or numbered shards.
+_EXPORTED = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+
+
+def _is_float(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat"))
+
+
+def _windows(ckpt: Checkpoint, p: HfTensor) -> Iterator[tuple[Box, np.ndarray]]:
+    """The piece's values in Hugging Face's order, a window of rows at a time,
+    with its adapter merged and its rotary rows in halves."""
+    stored = numpy_dtype(ckpt.metadata.tensors[p.key].dtype)
+    if p.rotary is None and p.lora is None:
+        for window in p.box.row_windows(stored.itemsize, WINDOW_BYTES):
+            yield window, ckpt.read_array(p.key, window)
+        return
+    rows = p.box.shape[0]
+    unit = rows // p.rotary if p.rotary else 1  # whole heads per window
+    row_bytes = math.prod(p.box.shape[1:]) * stored.itemsize
+    step = max(1, WINDOW_BYTES // max(1, row_bytes * unit)) * unit
+    a = ckpt.read_array(p.lora[0], Box.full(ckpt.metadata.tensors[p.lora[0]].global_shape)) if p.lora else None
+    for r0 in range(0, rows, step):
+        n = min(step, rows - r0)
+        window = Box((p.box.offset[0] + r0, *p.box.offset[1:]), (n, *p.box.shape[1:]))
+        buf = ckpt.read_array(p.key, window)
+        if p.lora is not None and a is not None:
+            _, b_key, scale = p.lora
+            rank = a.shape[0]
+            b = ckpt.read_array(b_key, Box((window.offset[0], 0), (n, rank)))
+            cols = slice(window.offset[1], window.offset[1] + window.shape[1])
+            merged = buf.astype(np.float64) + scale * (b.astype(np.float64) @ a[:, cols].astype(np.float64))
+            buf = merged.astype(buf.dtype)
+        if p.rotary is not None:
+            buf = _to_halves(buf, n // unit)
+        yield window, buf
+
+
+def _write_file(ckpt: Checkpoint, path: str, pieces: Sequence[HfTensor], out_dtype: Mapping[str, str],
+                progress: Callable[[int], None] | None) -> int:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in _hf_shapes(pieces).items():  # a tensor's pieces are consecutive, in order
+        n = math.prod(shape) * numpy_dtype(out_dtype[name]).itemsize
+        header[name] = {"dtype": SAFETENSORS_DTYPES[out_dtype[name]], "shape": list(shape),
+                        "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little") + raw)
+            for p in pieces:
+                stored = ckpt.metadata.tensors[p.key].dtype
+                for window, buf in _windows(ckpt, p):
+                    if out_dtype[p.name] != stored:
+                        buf = buf.astype(numpy_dtype(out_dtype[p.name]))
+                    if buf.size:  # little-endian bytes, written from the array itself (no copy)
+                        f.write(np.ascontiguousarray(buf.astype(buf.dtype.newbyteorder("<"), copy=False))
+                                .reshape(-1).view(np.uint8).data)
+                    if progress is not None:
+                        progress(window.volume * numpy_dtype(stored).itemsize)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return offset
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+

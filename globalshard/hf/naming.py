@@ -1,0 +1,369 @@
+"""Name mappings: which checkpoint keys become which Hugging Face tensors.
+
+:class:`NameMapping` parses a mapping file (its format is in
+:mod:`globalshard.hf`) and cuts a checkpoint's keys into :class:`HfTensor`
+pieces: a name, the global box of the key it holds, its rotary order and
+the adapter merged into it. Pure: no file is read but the mapping itself.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from globalshard.errors import GlobalShardError, StorageError
+from globalshard.geometry import Box
+from globalshard.layout import is_padding_key
+
+MAPPINGS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "mappings")
+
+
+class ExportError(GlobalShardError, ValueError):
+    """A mapping, a dtype or a safetensors file that cannot be used as asked."""
+
+
+class DamagedFileError(ExportError, StorageError):
+    """A safetensors file whose header or data is damaged or inconsistent
+    (a :class:`~globalshard.errors.StorageError`, as any damaged data)."""
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"`` -> 5_000_000_000; ``"512MiB"``, ``"100kB"``, plain bytes.
+
+    >>> parse_size("5GB"), parse_size("2MiB"), parse_size("1000")
+    (5000000000, 2097152, 1000)
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKMGT]?i?B?)\s*", text)
+    if not m:
+        raise ExportError(f"not a size: {text!r} (examples: 5GB, 500MB, 2GiB)")
+    unit = m.group(2).upper().rstrip("B")
+    scale = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+             "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+# --------------------------------------------------------------------------- mapping
+
+
+@dataclass(frozen=True)
+class _Part:
+    name: str
+    size: int
+    rotary: int | None = None  # heads whose rows are in the interleaved rotary order
+
+
+@dataclass(frozen=True)
+class _Lora:
+    a: str
+    b: str
+    scale: float
+
+
+@dataclass(frozen=True)
+class _Rule:
+    pattern: re.Pattern[str]
+    key: str
+    name: str | None
+    axis: int
+    parts: tuple[_Part, ...]
+    rotary: int | None = None
+    lora: _Lora | None = None
+    groups: int = 1
+
+
+@dataclass(frozen=True)
+class HfTensor:
+    """A Hugging Face tensor: ``box`` of checkpoint key ``key``.
+
+    ``rotary``: the box's rows are, per head of that many, in the
+    interleaved rotary order, and the Hugging Face tensor has them in
+    halves. ``lora``: the keys of the adapter merged into it and its scale.
+    ``at``: where the box starts in the Hugging Face tensor's first axis
+    (a grouped split makes one tensor of several boxes, in order).
+    """
+
+    name: str
+    key: str
+    box: Box
+    rotary: int | None = None
+    lora: tuple[str, str, float] | None = None
+    at: int = 0
+
+
+class NameMapping:
+    """Checkpoint keys <-> Hugging Face names (module docstring).
+
+    Renames and splits only: no values change.
+    """
+
+    def __init__(self, doc: Any, *, params: Mapping[str, float] | None = None, where: str = "mapping") -> None:
+        if not isinstance(doc, dict):
+            raise ExportError(f"{where}: a mapping is a JSON object")
+        self.params = {str(k): v for k, v in dict(doc.get("params") or {}).items()} | dict(params or {})
+        for k, v in self.params.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ExportError(f"{where}: params.{k} must be a number, got {v!r}")
+        self.where = where
+        self.rules: list[_Rule] = []
+        for i, t in enumerate(doc.get("tensors") or []):
+            at = f"{where}: tensors[{i}]"
+            if not isinstance(t, dict) or not isinstance(t.get("key"), str):
+                raise ExportError(f"{at}: needs a string 'key'")
+            rotary = self._count(t, "rotary", at)
+            lora = self._lora(t.get("lora"), f"{at}.lora")
+            split = t.get("split")
+            if split is None:
+                if not isinstance(t.get("name"), str):
+                    raise ExportError(f"{at}: needs a string 'name' or a 'split'")
+                self.rules.append(_Rule(_compile(t["key"], at), t["key"], t["name"], 0, (), rotary, lora))
+                continue
+            if not isinstance(split, dict) or not isinstance(split.get("parts"), list) or not split["parts"]:
+                raise ExportError(f"{at}.split: needs a non-empty 'parts' list")
+            axis = split.get("axis", 0)
+            if isinstance(axis, bool) or not isinstance(axis, int) or axis < 0:
+                raise ExportError(f"{at}.split.axis: a non-negative integer, got {axis!r}")
+            groups = self._count(split, "groups", f"{at}.split", default=1)
+            if groups > 1 and axis != 0:
+                raise ExportError(f"{at}.split: groups split axis 0 only")
+            parts = []
+            for j, p in enumerate(split["parts"]):
+                if not isinstance(p, dict) or not isinstance(p.get("name"), str):
+                    raise ExportError(f"{at}.split.parts[{j}]: needs a string 'name'")
+                size = self._count(p, "size", f"{at}.split.parts[{j}]", default=1)
+                parts.append(_Part(p["name"], size, self._count(p, "rotary", f"{at}.split.parts[{j}]")))
+            for j, part in enumerate(parts):
+                if part.rotary is not None and part.rotary % groups:
+                    raise ExportError(f"{at}.split.parts[{j}].rotary: {part.rotary} heads in {groups} groups")
+            self.rules.append(_Rule(_compile(t["key"], at), t["key"], None, axis, tuple(parts), rotary, lora,
+                                    groups))
+        self.skip = [re.compile(p) for p in doc.get("skip") or []]
+        config = doc.get("config")
+        if config is not None and not isinstance(config, dict):
+            raise ExportError(f"{where}: config must be a JSON object")
+        self.config: dict[str, Any] | None = config
+
+    def _param(self, value: Any, at: str) -> Any:
+        """``value``, or the params entry it names."""
+        if not isinstance(value, str):
+            return value
+        if value not in self.params:
+            raise ExportError(f"{at}: {value!r} is not in params {sorted(self.params)} "
+                              f"(set it with --param {value}=...)")
+        return self.params[value]
+
+    def _count(self, doc: Mapping[str, Any], field: str, at: str, default: int | None = None) -> Any:
+        """``doc[field]``: a positive integer, or the name of a params entry holding one."""
+        value = self._param(doc.get(field, default), f"{at}.{field}")
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ExportError(f"{at}.{field}: a positive integer or the name of one in params, got {value!r}")
+        return value
+
+    def _lora(self, doc: Any, at: str) -> _Lora | None:
+        if doc is None:
+            return None
+        if not isinstance(doc, dict) or not isinstance(doc.get("A"), str) or not isinstance(doc.get("B"), str):
+            raise ExportError(f"{at}: needs string key patterns 'A' and 'B'")
+        scale = self._param(doc.get("scale", 1), f"{at}.scale")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise ExportError(f"{at}.scale: a number or the name of one in params, got {scale!r}")
+        return _Lora(doc["A"], doc["B"], float(scale))
+
+    @classmethod
+    def load(cls, path: str, params: Mapping[str, float] | None = None) -> NameMapping:
+        """A mapping file, or the name of a shipped one (``"llama"``)."""
+        if not os.path.exists(path) and re.fullmatch(r"[a-z0-9_-]+", path):
+            path = os.path.join(MAPPINGS_DIR, f"{path}.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                doc = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ExportError(f"cannot read the mapping {path}: {e}") from None
+        return cls(doc, params=params, where=path)
+
+    @classmethod
+    def identity(cls) -> NameMapping:
+        return cls({"tensors": [{"key": "{name}", "name": "{name}"}]})
+
+    def pieces(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple[list[HfTensor], list[str]]:
+        """Every Hugging Face tensor of the checkpoint keys with these global
+        shapes, and the keys skipped. Raises naming every key no rule maps.
+        The adapters merged into a tensor are in its pieces' ``lora``."""
+        pieces: list[HfTensor] = []
+        skipped: list[str] = []
+        unmapped: list[str] = []
+        problems: list[str] = []
+        merged = self._merged(shapes)
+        for key in sorted(shapes):
+            shape = shapes[key]
+            if is_padding_key(key):  # rows a training layout padded: not part of the model (spec section 1)
+                skipped.append(key)
+                continue
+            if key in merged:
+                continue
+            for rule in self.rules:
+                m = rule.pattern.fullmatch(key)
+                if m is None:
+                    continue
+                fields = m.groupdict()
+                lora = None
+                if rule.lora is not None:
+                    a, b = rule.lora.a.format(**fields), rule.lora.b.format(**fields)
+                    if a in shapes and b in shapes:
+                        lora = (a, b, rule.lora.scale)
+                        problems += _lora_problems(key, shape, a, shapes[a], b, shapes[b])
+                    elif a in shapes or b in shapes:
+                        problems.append(f"{key!r}: the checkpoint has only one of its adapter's {a!r} and {b!r}")
+                if rule.name is not None:
+                    pieces.append(HfTensor(rule.name.format(**fields), key, Box.full(shape), rule.rotary, lora))
+                    problems += _rotary_problems(pieces[-1])
+                    break
+                if rule.axis >= len(shape):
+                    problems.append(f"{key!r}: split on axis {rule.axis} of a {len(shape)}-d tensor")
+                    break
+                total, units = shape[rule.axis], sum(p.size for p in rule.parts)
+                sizes = [total // units * p.size for p in rule.parts]
+                if total % units or any(n % rule.groups for n in sizes):
+                    problems.append(f"{key!r}: axis {rule.axis} of {total} does not split in proportions "
+                                    f"{[p.size for p in rule.parts]}"
+                                    f"{f' in {rule.groups} groups' if rule.groups > 1 else ''}")
+                    break
+                block, start = total // rule.groups, 0
+                for p, n in zip(rule.parts, sizes):
+                    rows = n // rule.groups
+                    heads = p.rotary // rule.groups if p.rotary is not None else None
+                    for g in range(rule.groups):  # a part of a grouped split: its rows of every group
+                        offset = tuple(g * block + start if a == rule.axis else 0 for a in range(len(shape)))
+                        size = tuple(rows if a == rule.axis else s for a, s in enumerate(shape))
+                        pieces.append(HfTensor(p.name.format(**fields), key, Box(offset, size), heads, lora, g * rows))
+                        problems += _rotary_problems(pieces[-1])
+                    start += rows
+                break
+            else:
+                if any(s.fullmatch(key) for s in self.skip):
+                    skipped.append(key)
+                else:
+                    unmapped.append(key)
+        if unmapped:
+            problems.append(f"{len(unmapped)} keys match no rule and no 'skip' pattern: "
+                            f"{unmapped[:8]}{' ...' if len(unmapped) > 8 else ''}")
+        names = [p.name for p in pieces if p.at == 0]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            problems.append(f"several tensors map to the same names: {dupes[:8]}")
+        if problems:
+            raise ExportError("the mapping does not fit the checkpoint:\n" + "\n".join(f"  - {p}" for p in problems))
+        return pieces, skipped
+
+    def _merged(self, shapes: Mapping[str, tuple[int, ...]]) -> set[str]:
+        """The adapter keys some rule merges into a tensor of the checkpoint."""
+        out: set[str] = set()
+        for key in shapes:
+            for rule in self.rules:
+                m = rule.pattern.fullmatch(key)
+                if m is not None:
+                    if rule.lora is not None:
+                        fields = m.groupdict()
+                        out |= {rule.lora.a.format(**fields), rule.lora.b.format(**fields)} & set(shapes)
+                    break
+        return out
+
+    def hf_config(self, pieces: Sequence[HfTensor], out_dtype: Mapping[str, str]) -> dict[str, Any] | None:
+        """The ``config.json`` the mapping describes for these tensors, or None."""
+        if self.config is None:
+            return None
+        shapes = _hf_shapes(pieces)
+
+        def value(v: Any, at: str) -> Any:
+            if isinstance(v, list):
+                return [value(x, f"{at}[{i}]") for i, x in enumerate(v)]
+            if not isinstance(v, dict):
+                return v
+            directive = [k for k in v if k.startswith("$")]
+            if not directive:
+                return {k: value(x, f"{at}.{k}") for k, x in v.items()}
+            kind, arg = directive[0], v[directive[0]]
+            if kind == "$param":
+                return self._param(arg, f"{self.where}: {at} needs params.{arg}")
+            if kind in ("$present", "$absent"):
+                return (arg in shapes) == (kind == "$present")
+            if kind == "$count":
+                pattern = _compile(arg, at)
+                return len({n for n in shapes if pattern.fullmatch(n)})
+            if arg not in shapes:
+                raise ExportError(f"{self.where}: {at} reads {arg!r}, which the export does not write")
+            if kind == "$dtype":
+                return out_dtype[arg]
+            if kind == "$shape":
+                n = shapes[arg][int(v.get("axis", 0))]
+                if "divide" in v:
+                    d = self._count(v, "divide", at)
+                    if n % d:
+                        raise ExportError(f"{self.where}: {at}: {n} does not divide by {d}")
+                    n //= d
+                return n
+            raise ExportError(f"{self.where}: {at}: unknown directive {kind!r}")
+
+        return {k: value(v, f"config.{k}") for k, v in self.config.items()}
+
+
+def _hf_shapes(pieces: Sequence[HfTensor]) -> dict[str, tuple[int, ...]]:
+    """Each Hugging Face tensor's shape: its pieces' boxes one after the other on axis 0."""
+    out: dict[str, tuple[int, ...]] = {}
+    for p in pieces:
+        have = out.get(p.name)
+        out[p.name] = p.box.shape if have is None else (have[0] + p.box.shape[0], *have[1:])
+    return out
+
+
+def _lora_problems(key: str, shape: tuple[int, ...], a: str, a_shape: tuple[int, ...], b: str,
+                   b_shape: tuple[int, ...]) -> list[str]:
+    if len(shape) != 2 or len(a_shape) != 2 or len(b_shape) != 2 or b_shape[0] != shape[0] \
+            or a_shape[1] != shape[1] or a_shape[0] != b_shape[1]:
+        return [f"{key!r} {list(shape)}: its adapter {b!r} {list(b_shape)} @ {a!r} {list(a_shape)} "
+                "does not have its shape"]
+    return []
+
+
+def _rotary_problems(p: HfTensor) -> list[str]:
+    if p.rotary is None:
+        return []
+    rows = p.box.shape[0] if p.box.shape else 0
+    if rows % (2 * p.rotary):
+        return [f"{p.name!r} ({p.key!r}): {rows} rows are not {p.rotary} heads of an even head size"]
+    return []
+
+
+def _to_halves(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Rows of whole heads from the interleaved rotary order to halves."""
+    n = rows.shape[0]
+    return rows.reshape(heads, n // heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _from_halves(rows: np.ndarray, heads: int) -> np.ndarray:
+    n = rows.shape[0]
+    return rows.reshape(heads, 2, n // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _compile(key: str, where: str) -> re.Pattern[str]:
+    out, last = [], 0
+    for m in re.finditer(r"\{(\w+)\}", key):
+        out.append(re.escape(key[last:m.start()]))
+        field = m.group(1)
+        out.append(rf"(?P<{field}>\d+)" if field == "layer" else
+                   rf"(?P<{field}>.+)" if field == "name" else rf"(?P<{field}>[^.]+)")
+        last = m.end()
+    out.append(re.escape(key[last:]))
+    try:
+        return re.compile("".join(out))
+    except re.error as e:
+        raise ExportError(f"{where}: bad key pattern {key!r}: {e}") from None
+

@@ -1,0 +1,215 @@
+"""Safetensors files: their dtype names, a strict header parser, and
+:class:`SafetensorsSource`, which reads any global box of a checkpoint key
+from a Hugging Face directory by file offsets (a mapping in reverse).
+
+The format (an 8-byte little-endian header length, a JSON header of
+``dtype``, ``shape`` and ``data_offsets`` per tensor, then the raw
+little-endian bytes) is read here by offsets because the ``safetensors``
+package's numpy API has no bfloat16.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from globalshard.dtypes import numpy_dtype
+from globalshard.errors import MismatchError
+from globalshard.geometry import Box
+from globalshard.hf.naming import DamagedFileError, ExportError, HfTensor, NameMapping, _compile, _from_halves
+
+#: Our dtype names and safetensors' (which has no fnuz float8 types).
+# TODO(limitation): float8_e4m3fnuz, float8_e5m2fnuz and complex128 have no safetensors
+# name: exporting them needs --dtype.
+SAFETENSORS_DTYPES = {
+    "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16", "float16": "F16",
+    "bfloat16": "BF16", "int32": "I32", "uint32": "U32", "float32": "F32", "float64": "F64", "int64": "I64",
+    "uint64": "U64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "complex64": "C64",
+}
+_FROM_SAFETENSORS = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class _Entry:
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+
+
+def read_header(path: str) -> dict[str, _Entry]:
+    """The tensors of one safetensors file, checked as strictly as the
+    safetensors package checks them: a UTF-8 JSON object header, known
+    dtypes, sizes matching dtype and shape, and byte ranges that, in order,
+    are disjoint and cover the data area exactly.
+
+    Raises:
+        DamagedFileError: naming the file and the tensor.
+    """
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or n > min(size - 8, 100 << 20):
+                raise DamagedFileError(f"{path}: header length {n} does not fit the file of {size} bytes")
+            header = json.loads(f.read(n).decode("utf-8"))
+    except DamagedFileError:
+        raise
+    except (OSError, ValueError) as e:
+        raise DamagedFileError(f"{path}: not a safetensors file ({e})") from None
+    if not isinstance(header, dict):
+        raise DamagedFileError(f"{path}: the header is not a JSON object")
+    out, spans = {}, []
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _FROM_SAFETENSORS[t["dtype"]]
+            shape = tuple(int(s) for s in t["shape"])
+            begin, end = (int(v) for v in t["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise DamagedFileError(f"{path}: tensor {name!r} has an unusable entry {t!r}") from None
+        if min(shape, default=0) < 0 or begin < 0 or end - begin != math.prod(shape) * numpy_dtype(dtype).itemsize:
+            raise DamagedFileError(f"{path}: tensor {name!r}: offsets {begin}..{end} do not hold {dtype} "
+                                   f"{list(shape)}")
+        spans.append((begin, end, name))
+        out[name] = _Entry(path, dtype, shape, 8 + n + begin)
+    at = 0
+    for begin, end, name in sorted(spans):
+        if begin != at:
+            raise DamagedFileError(f"{path}: tensor {name!r} starts at byte {begin} of the data, where the tensors "
+                                   f"before it end at {at} ({'overlapping' if begin < at else 'a gap'})")
+        at = end
+    if 8 + n + at != size:
+        raise DamagedFileError(f"{path}: the tensors end at byte {8 + n + at}, the file at {size} "
+                               "(truncated, or bytes no tensor holds)")
+    return out
+
+
+class SafetensorsSource:
+    """A Hugging Face safetensors directory (``model.safetensors`` or an index),
+    read through a mapping in reverse: :meth:`read` gives any global box of
+    a checkpoint key, reading only the bytes of the rows it covers."""
+
+    def __init__(self, directory: str, mapping: NameMapping | None = None) -> None:
+        self.directory = directory
+        index = os.path.join(directory, "model.safetensors.index.json")
+        if os.path.exists(index):
+            try:
+                with open(index, encoding="utf-8") as f:
+                    files = sorted(set(json.load(f)["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ExportError(f"{index}: not a safetensors index ({e})") from None
+        else:
+            files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+        if not files:
+            raise ExportError(f"{directory}: no .safetensors files")
+        self.entries: dict[str, _Entry] = {}
+        for name in files:
+            if os.path.basename(name) != name:
+                raise ExportError(f"{index}: file name {name!r} is not inside the directory")
+            self.entries |= read_header(os.path.join(directory, name))
+        self.mapping = mapping or NameMapping.identity()
+        self.keys = self._invert()
+
+    def _invert(self) -> dict[str, tuple[str, tuple[int, ...], list[HfTensor]]]:
+        """Checkpoint key -> (dtype, global shape, its pieces), from the names present.
+
+        A name may back several keys: rules for alternative layouts of one
+        tensor (torchtitan's ``wq`` of its state dict and its fused ``wqkv``
+        parameter) each read it; a model asks for the keys it has."""
+        out: dict[str, tuple[str, tuple[int, ...], list[HfTensor]]] = {}
+        for rule in self.mapping.rules:
+            targets = [rule.name] if rule.name is not None else [p.name for p in rule.parts]
+            first = _compile(targets[0], "mapping")
+            for name in sorted(self.entries):
+                m = first.fullmatch(name)
+                if m is None:
+                    continue
+                fields = m.groupdict()
+                key = _fill(rule.key, fields)
+                names = [_fill(t, fields) for t in targets]
+                missing = [n for n in names if n not in self.entries]
+                if missing:
+                    raise ExportError(f"{key!r}: {self.directory} lacks {missing} (needed with {name!r})")
+                entries = [self.entries[n] for n in names]
+                if len({e.dtype for e in entries}) != 1:
+                    raise ExportError(f"{key!r}: {names} have different dtypes")
+                axis, groups = rule.axis, rule.groups
+                shape = list(entries[0].shape)
+                if rule.name is None:
+                    shape[axis] = sum(e.shape[axis] for e in entries)
+                rotary = [rule.rotary] if rule.name is not None else [p.rotary for p in rule.parts]
+                for n, e, heads in zip(names, entries, rotary):
+                    if heads is not None and (not e.shape or e.shape[0] % (2 * heads)):
+                        raise ExportError(f"{n!r}: {list(e.shape)} is not {heads} rotary heads of an even size")
+                    if groups > 1 and (not e.shape or e.shape[axis] % groups):
+                        raise ExportError(f"{n!r}: {list(e.shape)} does not split into {groups} groups")
+                pieces, start = [], 0
+                block = shape[axis] // groups if shape else 0
+                for n, e, heads in zip(names, entries, rotary):
+                    rows = e.shape[axis] // groups if e.shape else 0
+                    for g in range(groups):
+                        offset = tuple(g * block + start if a == axis else 0 for a in range(len(e.shape)))
+                        size = tuple(rows if a == axis else s for a, s in enumerate(e.shape))
+                        pieces.append(HfTensor(n, key, Box(offset, size), None if heads is None else heads // groups,
+                                            None, g * rows))
+                    start += rows if rule.name is None else 0
+                out[key] = (entries[0].dtype, tuple(shape), pieces)
+        return out
+
+    def read(self, key: str, box: Box, out: np.ndarray) -> int:
+        """Fill ``out`` (shape ``box.shape``) with ``box`` of ``key``; returns bytes read."""
+        if key not in self.keys:
+            raise MismatchError(f"{key!r}: not in {self.directory} under the mapping "
+                                f"({len(self.keys)} keys found)")
+        _, _, pieces = self.keys[key]
+        nbytes = 0
+        for p in pieces:
+            part = p.box.intersect(box)
+            if part is None or part.volume == 0:
+                continue
+            e = self.entries[p.name]
+            shift = [a - b for a, b in zip(part.offset, p.box.offset)]
+            local = Box((shift[0] + p.at, *shift[1:]) if shift else (), part.shape)
+            values = _read_rows(e, local) if p.rotary is None else _read_rotary(e, local, p.box.shape[0] // p.rotary)
+            dst = out[tuple(slice(a - b, a - b + s) for a, b, s in zip(part.offset, box.offset, part.shape))]
+            dst[...] = values if values.dtype == out.dtype else values.astype(out.dtype)
+            nbytes += values.nbytes
+        return nbytes
+
+
+def _fill(template: str, fields: Mapping[str, str]) -> str:
+    return template.format(**fields)
+
+
+def _read_rotary(e: _Entry, box: Box, unit: int) -> np.ndarray:
+    """``box`` of a tensor stored with its rotary rows in halves (``unit`` rows
+    a head), in the interleaved order: the whole heads it spans are read and
+    permuted back."""
+    first, last = box.offset[0] // unit, -(-(box.offset[0] + box.shape[0]) // unit)
+    rows = _read_rows(e, Box((first * unit, *(0 for _ in e.shape[1:])), ((last - first) * unit, *e.shape[1:])))
+    rows = _from_halves(rows, last - first)
+    r0 = box.offset[0] - first * unit
+    return rows[(slice(r0, r0 + box.shape[0]), *(slice(o, o + s) for o, s in zip(box.offset[1:], box.shape[1:])))]
+
+
+def _read_rows(e: _Entry, box: Box) -> np.ndarray:
+    """``box`` of a stored tensor: the rows it spans are read, then sliced."""
+    dtype = numpy_dtype(e.dtype).newbyteorder("<")
+    if not e.shape:
+        with open(e.file, "rb") as f:
+            return np.frombuffer(os.pread(f.fileno(), dtype.itemsize, e.start), dtype).reshape(())
+    row = math.prod(e.shape[1:]) * dtype.itemsize
+    first, count = box.offset[0], box.shape[0]
+    with open(e.file, "rb") as f:
+        raw = os.pread(f.fileno(), row * count, e.start + row * first)
+    if len(raw) != row * count:
+        raise DamagedFileError(f"{e.file}: ends inside a tensor (truncated?)")
+    rows = np.frombuffer(raw, dtype).reshape((count, *e.shape[1:]))
+    return rows[(slice(None), *(slice(o, o + s) for o, s in zip(box.offset[1:], box.shape[1:])))]
