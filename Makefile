@@ -46,8 +46,8 @@ RELIABILITY := build/reliability
 reliability: $(STAMP)
 	mkdir -p $(RELIABILITY) && rm -f $(RELIABILITY)/report.json
 	GLOBALSHARD_CRASH_POINTS=50 GLOBALSHARD_RACE_TRIALS=20 GLOBALSHARD_RELIABILITY_REPORT=$(CURDIR)/$(RELIABILITY)/report.json \
-		$(PY) -m pytest -q -p no:cacheprovider tests/test_crash.py tests/test_corruption.py tests/test_trust.py -k "sigkill or damage or racing"
-	$(PY) tests/fuzz_metadata.py --inputs 100000 > $(RELIABILITY)/fuzz.json
+		$(PY) -m pytest -q -p no:cacheprovider tests/campaigns/test_crash.py tests/campaigns/test_corruption.py tests/checkpoint/test_trust.py -k "sigkill or damage or racing"
+	$(PY) tests/campaigns/fuzz_metadata.py --inputs 100000 > $(RELIABILITY)/fuzz.json
 	cat $(RELIABILITY)/report.json $(RELIABILITY)/fuzz.json
 
 $(VENV)/.bench-installed: $(STAMP)

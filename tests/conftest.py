@@ -5,6 +5,7 @@ import sys
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -75,3 +76,50 @@ def pytest_collection_modifyitems(config, items):
         fixtures = [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
         if any(_spawns_gloo(fn, module, spawners, helpers) for fn in [getattr(item, "function", None), *fixtures]):
             item.add_marker(pytest.mark.gloo)
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A moto S3 server on 127.0.0.1 with a bucket ``ckpt``: (kvstore spec, boto3 client, server log path)."""
+    import socket
+    import subprocess
+    import time
+
+    import boto3
+
+    env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+               AWS_DEFAULT_REGION="us-east-1")
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+    os.environ.update({k: env[k] for k in saved})
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    log_path = tmp_path_factory.mktemp("moto") / "server.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the moto S3 server did not start") from None
+                time.sleep(0.1)
+        client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}")
+        client.create_bucket(Bucket="ckpt")
+        spec = {"driver": "s3", "bucket": "ckpt", "endpoint": f"http://127.0.0.1:{port}",
+                "aws_region": "us-east-1", "aws_credentials": {"type": "environment"}}
+        yield spec, client, log_path
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -6,7 +6,7 @@ The example holds the layouts the format exists for, saved from simulated
 ranks of one process: a bfloat16 embedding with vocabulary padding at TP=3,
 a fused QKV weight with grouped-query attention at TP=2, a fused SwiGLU
 gate/up weight at TP=2, a norm weight replicated on both TP ranks, a 0-d
-scalar and a zero-size tensor. tests/test_spec.py checks that the committed
+scalar and a zero-size tensor. tests/format/test_spec.py checks that the committed
 copy still loads, and that saving the same state again writes the same
 metadata.json byte for byte.
 """

@@ -5,7 +5,7 @@
 Each vector is a directory holding a checkpoint (metadata.json, saves/) and
 ``expected.json``: for every key its dtype, global shape and the raw
 little-endian bytes of the global array in C order (hex), which any reader
-in any language can compare with. tests/test_vectors.py reads every vector
+in any language can compare with. tests/format/test_vectors.py reads every vector
 with the library and with spec/reference_reader.py.
 
 | vector | what it covers |

@@ -2,7 +2,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from repo import ROOT as REPO_ROOT
+
+ROOT = Path(REPO_ROOT)
 
 
 def test_numpy_demo(tmp_path):

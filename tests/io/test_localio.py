@@ -22,7 +22,7 @@ import pytest
 import tensorstore as ts
 from hypothesis import given
 from hypothesis import strategies as st
-from test_property_roundtrip import assert_loaded, checkpoints, shards_of
+from roundtrip import assert_loaded, checkpoints, shards_of
 
 import globalshard as gs
 from globalshard.format import zarr

@@ -5,8 +5,10 @@ import re
 import subprocess
 import sys
 
-README = os.path.join(os.path.dirname(__file__), "..", "README.md")
-CLI_DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "cli.md")
+from repo import ROOT
+
+README = os.path.join(ROOT, "README.md")
+CLI_DOC = os.path.join(ROOT, "docs", "cli.md")
 
 
 def test_readme_example_runs(tmp_path):

@@ -17,6 +17,7 @@ import pytest
 import saver
 from hypothesis import given
 from hypothesis import strategies as st
+from repo import TESTS
 
 import globalshard as gs
 from globalshard import ShardedTensor
@@ -24,7 +25,7 @@ from globalshard.format.metadata import MAX_FILE_BYTES
 from globalshard.store import open_root
 from globalshard.testing.comm import ThreadComm, run_ranks
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = TESTS  # saver.py
 
 
 def shard(key, data, offset, gshape, **kw):

@@ -1,7 +1,7 @@
 """Shared reads: bytes several ranks need are read once, verified, and sent.
 
-Ranks are threads with a real point-to-point exchange (tests/threadcomm.py);
-the gloo version is in test_torch_distributed.py.
+Ranks are threads with a real point-to-point exchange (globalshard.testing.comm);
+the gloo version is in tests/torch_adapter/test_torch_distributed.py.
 """
 
 import os

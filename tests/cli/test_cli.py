@@ -5,10 +5,11 @@ import subprocess
 import sys
 
 import numpy as np
+from repo import SPEC
 
 import globalshard as gs
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "spec", "examples", "checkpoint")
+EXAMPLE = os.path.join(SPEC, "examples", "checkpoint")
 
 
 def run(*args):

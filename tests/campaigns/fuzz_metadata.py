@@ -30,7 +30,7 @@ from globalshard.format.metadata import TrainerStateRef, parse_metadata, parse_t
 from globalshard.geometry import Box, Region
 from globalshard.planner import LoadPlanner, ShardInfo
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "spec", "examples")
+EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "spec", "examples")
 #: An input slower than this is a failure (the issue's bound: no hang over 2 s).
 SLOW_SECONDS = 2.0
 

@@ -20,11 +20,11 @@ import sys
 
 import pytest
 import saver
-from test_s3 import s3  # noqa: F401  (the moto S3 server fixture)
+from repo import TESTS
 
 import globalshard as gs
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = TESTS  # saver.py
 POINTS = int(os.environ.get("GLOBALSHARD_CRASH_POINTS", "8"))
 FULL = POINTS >= 50  # the documented campaign: 50 points per case, not a CI sample
 REPORT = os.environ.get("GLOBALSHARD_RELIABILITY_REPORT")
@@ -141,7 +141,7 @@ def test_sigkill_of_one_rank_of_a_gloo_save(tmp_path):
     _record("local, one rank of a 2-rank gloo save", tried, survived, killed)
 
 
-def test_sigkill_during_an_s3_overwrite(s3):  # noqa: F811
+def test_sigkill_during_an_s3_overwrite(s3):
     spec, _client, _ = s3
     spec_json = json.dumps(spec)
     env = dict(os.environ)

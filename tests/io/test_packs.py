@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from repo import SPEC
+from roundtrip import _bits_equal, assert_loaded, checkpoints, shards_of
 from test_localio import ENGINES, NOWAIT_ANSWERS, engine, flip_byte, nowait_answers
-from test_property_roundtrip import _bits_equal, assert_loaded, checkpoints, shards_of
 
 import globalshard as gs
 from globalshard import planner
@@ -28,10 +29,10 @@ from globalshard.io import localio
 from globalshard.io import read as io_read
 from globalshard.testing.comm import run_ranks
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "spec"))
+sys.path.insert(0, SPEC)
 import reference_reader
 
-SCHEMA = os.path.join(os.path.dirname(__file__), "..", "spec", "metadata.schema.json")
+SCHEMA = os.path.join(SPEC, "metadata.schema.json")
 
 
 @contextlib.contextmanager

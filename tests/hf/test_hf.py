@@ -17,13 +17,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from repo import EXAMPLES
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import globalshard as gs
 from globalshard.hf import ExportError, NameMapping, SafetensorsSource, export
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+sys.path.insert(0, EXAMPLES)
 import gpt_trainer as demo
 
 import globalshard_torch as gt

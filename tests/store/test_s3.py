@@ -1,60 +1,15 @@
 """A checkpoint on S3: a real S3-compatible server (moto) on 127.0.0.1, reached
 through TensorStore's s3 kvstore driver."""
 
-import os
-import socket
-import subprocess
-import sys
 import time
 import uuid
 
-import boto3
 import numpy as np
 import pytest
 
 import globalshard as gs
 from globalshard.store import open_root
 from globalshard.testing.store import StoreTests
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-               AWS_DEFAULT_REGION="us-east-1")
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
-    os.environ.update({k: env[k] for k in saved})
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    log_path = tmp_path_factory.mktemp("moto") / "server.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("the moto S3 server did not start") from None
-                time.sleep(0.1)
-        client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}")
-        client.create_bucket(Bucket="ckpt")
-        spec = {"driver": "s3", "bucket": "ckpt", "endpoint": f"http://127.0.0.1:{port}",
-                "aws_region": "us-east-1", "aws_credentials": {"type": "environment"}}
-        yield spec, client, log_path
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def shards(full, tp, fill=True):

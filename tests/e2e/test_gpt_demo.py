@@ -12,11 +12,11 @@ topology nothing is reordered and the resume must be bit-exact.
 
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
+from repo import EXAMPLES
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+sys.path.insert(0, EXAMPLES)
 
 import gpt_demo
 import gpt_trainer

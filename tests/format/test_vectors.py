@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from repo import SPEC
 
 import globalshard as gs
 from globalshard.dtypes import numpy_dtype
 
-SPEC = os.path.join(os.path.dirname(__file__), "..", "spec")
 VECTORS = os.path.join(SPEC, "vectors")
 NAMES = sorted(d for d in os.listdir(VECTORS) if os.path.isdir(os.path.join(VECTORS, d)))
 

@@ -9,10 +9,10 @@ import os
 import jsonschema
 import numpy as np
 import pytest
+from repo import SPEC
 
 import globalshard as gs
 
-SPEC = os.path.join(os.path.dirname(__file__), "..", "spec")
 EXAMPLES = os.path.join(SPEC, "examples")
 
 

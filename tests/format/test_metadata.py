@@ -7,6 +7,7 @@ import os
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from repo import SPEC
 
 from globalshard import SUPPORTED_DTYPES, Box, MetadataError, StoredRegion, TensorMetadata, geometry
 from globalshard.dtypes import numpy_dtype
@@ -20,7 +21,7 @@ from globalshard.format.metadata import (
 )
 from globalshard.testing.strategies import grid_boxes, shapes
 
-EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "spec", "examples")
+EXAMPLES = os.path.join(SPEC, "examples")
 
 
 def _example() -> dict:
