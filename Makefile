@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# pytest workers (pytest-xdist): the suite waits on fsync and on gloo ranks as much as it computes.
+TEST_WORKERS ?= 2
 
 .PHONY: test test-frameworks demo examples bench deep-test reliability clean
 
@@ -14,7 +16,7 @@ $(STAMP): pyproject.toml requirements/ci.txt
 test: $(STAMP)
 	$(VENV)/bin/ruff check globalshard backends tests examples bench spec
 	$(VENV)/bin/mypy globalshard backends/globalshard_torch backends/globalshard_jax
-	$(PY) -m pytest --ignore=tests/frameworks
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --ignore=tests/frameworks
 
 # The real frameworks as oracles (Megatron-Core, torchtitan, transformers), on CPU over gloo.
 FRAMEWORKS := $(VENV)/.frameworks-installed
