@@ -25,8 +25,9 @@ from globalshard.errors import (
     MissingKeyError,
     StorageError,
 )
-from globalshard.format.metadata import Metadata, gc_paused, parse_metadata, parse_trainer_state
+from globalshard.format.metadata import Metadata, gc_paused, parse_metadata
 from globalshard.format.paths import METADATA_FILE
+from globalshard.format.trainer_state import parse_trainer_state
 from globalshard.format.zarr import Expect, PackExpect, array_attributes
 from globalshard.geometry import Box, Region
 from globalshard.io import ArrayEngine, IOStats, OpenedPlan, open_engine

@@ -15,8 +15,9 @@ import numpy as np
 from globalshard.checkpoint import cleanup
 from globalshard.comm import Comm, SingleProcessComm, distinct_values, run_collectively
 from globalshard.errors import CheckpointExistsError, LayoutError, MetadataError, StorageError
-from globalshard.format.metadata import Metadata, TrainerStateRef, dump_trainer_state, gc_paused, parse_metadata
+from globalshard.format.metadata import Metadata, gc_paused, parse_metadata
 from globalshard.format.paths import METADATA_FILE, SAVES_DIR, TRAINER_STATE_FILE, is_ours, new_save_id, save_dir
+from globalshard.format.trainer_state import TrainerStateRef, dump_trainer_state
 from globalshard.format.zarr import array_attributes, pack_attributes
 from globalshard.io import ArrayEngine, ArrayItem, IOStats, PackItem, open_engine
 from globalshard.io.base import item_bytes

@@ -1,4 +1,4 @@
-"""metadata.json and trainer_state.json: the model, the strict parser, the writer.
+"""metadata.json: the model, the strict parser, the writer.
 
 ``spec/FORMAT.md`` is the normative description; this module follows it. The
 parser trusts nothing: every field is type-checked, every integer must be a
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import hashlib
 import itertools
 import json
 import math
@@ -22,8 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from globalshard.dtypes import SUPPORTED_DTYPES, numpy_dtype
-from globalshard.errors import LayoutError, MetadataError, TrainerStateError, format_problems
+from globalshard.errors import LayoutError, MetadataError, format_problems
 from globalshard.format.paths import HEX_DIGITS, METADATA_FILE, TRAINER_STATE_FILE, is_save_id
+from globalshard.format.strict_json import is_unicode, json_type, loads, member_path, short
+from globalshard.format.trainer_state import MAX_DEPTH, TrainerStateRef, dump_trainer_state, parse_trainer_state
 from globalshard.geometry import Box, cover_problems
 
 __all__ = [
@@ -54,12 +55,8 @@ _RESERVED = frozenset({METADATA_FILE, TRAINER_STATE_FILE})
 _MAX_INT = 2**63 - 1
 #: TensorStore's limit on the rank of an array.
 MAX_RANK = 32
-#: Nesting depth of trainer-state JSON, on save and on load.
-MAX_DEPTH = 100
 #: The largest metadata.json or trainer state this library reads.
 MAX_FILE_BYTES = 256 << 20
-_FLOAT_TAG = "$float"
-_NON_FINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 
 @contextlib.contextmanager
@@ -100,16 +97,6 @@ class TensorMetadata:
     dtype: str
     global_shape: tuple[int, ...]
     regions: tuple[StoredRegion, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class TrainerStateRef:
-    """Where the trainer state lives, with its size and SHA-256, so a stale or
-    edited copy is caught. Version 1 checkpoints keep it at trainer_state.json."""
-
-    nbytes: int
-    sha256: str
-    path: str = TRAINER_STATE_FILE
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,53 +164,6 @@ def _region_json(r: StoredRegion) -> dict[str, Any]:
     return out
 
 
-# --------------------------------------------------------------------------- JSON
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):  # some key repeats: name the first
-        seen: set[str] = set()
-        for k, _ in pairs:
-            if k in seen:
-                raise ValueError(f"duplicate object key {k!r}")
-            seen.add(k)
-    return out
-
-
-def _no_negative_zero(text: str) -> int:
-    if text == "-0":
-        raise ValueError("-0 is not an integer of this format (write 0)")
-    return int(text)
-
-
-#: Where an integer -0 could be: the text holds none if this finds nothing.
-_MAYBE_NEGATIVE_ZERO = re.compile(r"-0(?![.\deE])")
-
-
-def _loads(data: bytes | str, what: str, *, strict_integers: bool = False) -> Any:
-    try:
-        text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data
-        # Each integer goes through Python only when the text may hold a -0.
-        check = strict_integers and _MAYBE_NEGATIVE_ZERO.search(text) is not None
-        return json.loads(text, object_pairs_hook=_unique_object, parse_constant=_reject_constant,
-                          parse_int=_no_negative_zero if check else None)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise MetadataError(f"{what}: not a valid JSON document: {e}") from None
-
-
-def _is_unicode(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 #: A drive letter (``C:``), which would make a path absolute on Windows.
 _DRIVE = re.compile(r"[A-Za-z]:")
 
@@ -242,7 +182,7 @@ def check_relative_path(path: Any) -> str | None:
         return f"must be a string, got {type(path).__name__}"
     if not path or len(path) > 4096:
         return "must be a non-empty string of at most 4096 characters"
-    if not _is_unicode(path):
+    if not is_unicode(path):
         return f"{path!r} is not valid Unicode (a lone surrogate)"
     if path.startswith("/") or _DRIVE.match(path):
         return f"{path!r} is absolute; paths are relative to the checkpoint"
@@ -274,7 +214,7 @@ class _Parser:
     def obj(self, value: Any, where: str, required: tuple[str, ...],
             optional: tuple[str, ...] = ()) -> dict[str, Any] | None:
         if not isinstance(value, dict):
-            self.bad(where, f"must be an object, got {_json_type(value)}")
+            self.bad(where, f"must be an object, got {json_type(value)}")
             return None
         for k in required:
             if k not in value:
@@ -286,7 +226,7 @@ class _Parser:
 
     def uint(self, value: Any, where: str) -> int | None:
         if type(value) is not int:
-            self.bad(where, f"must be a non-negative integer, got {_json_type(value)} {_short(value)}")
+            self.bad(where, f"must be a non-negative integer, got {json_type(value)} {short(value)}")
             return None
         if not 0 <= value <= _MAX_INT:
             self.bad(where, f"{value} is outside [0, 2**63 - 1]")
@@ -301,7 +241,7 @@ class _Parser:
             else:
                 return tuple(value)
         if not isinstance(value, list):
-            self.bad(where, f"must be an array of integers, got {_json_type(value)}")
+            self.bad(where, f"must be an array of integers, got {json_type(value)}")
             return None
         out = [self.uint(v, f"{where}[{i}]") for i, v in enumerate(value)]
         if any(v is None for v in out):
@@ -310,31 +250,6 @@ class _Parser:
             self.bad(where, f"has {len(out)} entries, expected {length}")
             return None
         return tuple(v for v in out if v is not None)
-
-
-def _json_type(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "boolean"
-    if isinstance(v, int):
-        return "integer"
-    if isinstance(v, float):
-        return "number"
-    if isinstance(v, str):
-        return "string"
-    if isinstance(v, list):
-        return "array"
-    return "object"
-
-
-def _short(v: Any) -> str:
-    text = json.dumps(v) if not isinstance(v, float) or math.isfinite(v) else repr(v)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _path(parent: str, key: str) -> str:
-    return f"{parent}[{json.dumps(key)}]"
 
 
 def parse_metadata(data: bytes | str, *, source: str = METADATA_FILE, fast: bool = True) -> Metadata:
@@ -352,7 +267,7 @@ def parse_metadata(data: bytes | str, *, source: str = METADATA_FILE, fast: bool
 
 
 def _parse_metadata(data: bytes | str, source: str, fast: bool) -> Metadata:
-    doc = _loads(data, source, strict_integers=True)
+    doc = loads(data, source, strict_integers=True)
     p = _Parser()
     version = doc.get("version") if isinstance(doc, dict) else None
     known = type(version) is int and version in READABLE_VERSIONS
@@ -362,9 +277,9 @@ def _parse_metadata(data: bytes | str, source: str, fast: bool) -> Metadata:
     if top is None:
         raise MetadataError(format_problems(f"{source} is not a globalshard metadata document", p.problems))
     if top.get("format") != FORMAT_NAME:
-        p.bad("$.format", f"must be {FORMAT_NAME!r}, got {_short(top.get('format'))}")
+        p.bad("$.format", f"must be {FORMAT_NAME!r}, got {short(top.get('format'))}")
     if not known:
-        p.bad("$.version", f"unsupported format version {_short(version)}; this library reads versions "
+        p.bad("$.version", f"unsupported format version {short(version)}; this library reads versions "
                            f"{', '.join(map(str, READABLE_VERSIONS))}")
     if p.problems:
         raise MetadataError(format_problems(f"{source} is not a globalshard metadata document", p.problems))
@@ -373,25 +288,25 @@ def _parse_metadata(data: bytes | str, source: str, fast: bool) -> Metadata:
     if version >= 2:
         save_id = top.get("save_id")
         if not is_save_id(save_id):
-            p.bad("$.save_id", f"must be 32 lowercase hex digits, got {_short(save_id)}")
+            p.bad("$.save_id", f"must be 32 lowercase hex digits, got {short(save_id)}")
 
     tensors: dict[str, TensorMetadata] = {}
     raw_tensors = top.get("tensors")
     if not isinstance(raw_tensors, dict):
-        p.bad("$.tensors", f"must be an object, got {_json_type(raw_tensors)}")
+        p.bad("$.tensors", f"must be an object, got {json_type(raw_tensors)}")
         raw_tensors = {}
     all_paths: dict[str, str | _RegionAt] = {}
     # pack path -> (byte_offset, end, JSON path) of its members
     packs: dict[str, list[tuple[int, int, str | _RegionAt]]] = {}
     for key, raw in raw_tensors.items():
         if not key:
-            p.bad(_path("$.tensors", key), "a checkpoint key may not be empty")
-        elif not _is_unicode(key):
-            p.bad(_path("$.tensors", key), "a checkpoint key must be valid Unicode (it holds a lone surrogate)")
+            p.bad(member_path("$.tensors", key), "a checkpoint key may not be empty")
+        elif not is_unicode(key):
+            p.bad(member_path("$.tensors", key), "a checkpoint key must be valid Unicode (it holds a lone surrogate)")
             continue
         t = _whole_tensor(p, key, raw, all_paths, packs, version) if fast else None
         if t is None:
-            t = _parse_tensor(p, raw, _path("$.tensors", key), all_paths, packs, version)
+            t = _parse_tensor(p, raw, member_path("$.tensors", key), all_paths, packs, version)
         if t is not None:
             tensors[key] = t
 
@@ -441,7 +356,7 @@ class _RegionAt:
         self.key = key
 
     def __str__(self) -> str:
-        return f"{_path('$.tensors', self.key)}.regions[0]"
+        return f"{member_path('$.tensors', self.key)}.regions[0]"
 
     def __format__(self, spec: str) -> str:
         return format(str(self), spec)
@@ -509,7 +424,7 @@ def _parse_tensor(p: _Parser, raw: Any, where: str, all_paths: dict[str, str | _
     dtype = o.get("dtype")
     itemsize = None
     if not isinstance(dtype, str) or dtype not in SUPPORTED_DTYPES:
-        p.bad(f"{where}.dtype", f"unknown dtype {_short(dtype)}; known: {', '.join(SUPPORTED_DTYPES)}")
+        p.bad(f"{where}.dtype", f"unknown dtype {short(dtype)}; known: {', '.join(SUPPORTED_DTYPES)}")
     else:
         itemsize = numpy_dtype(dtype).itemsize
     raw_shape = o.get("global_shape")
@@ -522,7 +437,7 @@ def _parse_tensor(p: _Parser, raw: Any, where: str, all_paths: dict[str, str | _
         return None
     raw_regions = o.get("regions")
     if not isinstance(raw_regions, list):
-        p.bad(f"{where}.regions", f"must be an array, got {_json_type(raw_regions)}")
+        p.bad(f"{where}.regions", f"must be an array, got {json_type(raw_regions)}")
         return None
     if gshape is None:
         return None
@@ -606,109 +521,3 @@ def _check_nesting(p: _Parser, all_paths: dict[str, str | _RegionAt]) -> None:
             if parent in all_paths:
                 p.bad(f"{where}.path", f"{path!r} lies inside {parent!r} ({all_paths[parent]})")
                 break
-
-
-# --------------------------------------------------------------------------- trainer state
-
-
-def _encode_json_value(value: Any, where: str, depth: int, problems: list[str]) -> Any:
-    """``value`` as exact JSON: non-finite floats tagged (spec section 4); what
-    JSON would give back as something else is a problem naming its path."""
-    if depth > MAX_DEPTH:
-        problems.append(f"{where}: nested more than {MAX_DEPTH} deep")
-        return None
-    if isinstance(value, str):
-        if not _is_unicode(value):
-            problems.append(f"{where}: {_short(value)} is not valid Unicode (a lone surrogate)")
-        return value
-    if value is None or isinstance(value, (bool, int)):
-        return value
-    if isinstance(value, float):
-        if math.isfinite(value):
-            return value
-        return {_FLOAT_TAG: "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
-    if isinstance(value, list):
-        return [_encode_json_value(v, f"{where}[{i}]", depth + 1, problems) for i, v in enumerate(value)]
-    if isinstance(value, dict):
-        if set(value) == {_FLOAT_TAG}:
-            problems.append(f"{where}: an object whose only member is {_FLOAT_TAG!r} is reserved for "
-                            "non-finite floats")
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, str):
-                problems.append(f"{where}: key {k!r} is a {type(k).__name__}; JSON keys are strings")
-                continue
-            if not _is_unicode(k):
-                problems.append(f"{where}: key {k!r} is not valid Unicode")
-                continue
-            out[k] = _encode_json_value(v, _path(where, k), depth + 1, problems)
-        return out
-    hint = " (use a list)" if isinstance(value, tuple) else ""
-    problems.append(f"{where}: {type(value).__name__} is not a JSON type{hint}")
-    return None
-
-
-def _decode_json_value(value: Any, depth: int = 0) -> Any:
-    if depth > MAX_DEPTH:
-        raise MetadataError(f"{TRAINER_STATE_FILE}: nested more than {MAX_DEPTH} deep")
-    if isinstance(value, str):
-        if not _is_unicode(value):
-            raise MetadataError(f"{TRAINER_STATE_FILE}: {_short(value)} is not valid Unicode (a lone surrogate)")
-        return value
-    if isinstance(value, list):
-        return [_decode_json_value(v, depth + 1) for v in value]
-    if isinstance(value, dict):
-        if len(value) == 1 and _FLOAT_TAG in value:
-            tag = value[_FLOAT_TAG]
-            if not isinstance(tag, str) or tag not in _NON_FINITE:
-                raise MetadataError(f"{TRAINER_STATE_FILE}: {_FLOAT_TAG!r} must be one of "
-                                    f"{sorted(_NON_FINITE)}, got {_short(tag)}")
-            return _NON_FINITE[tag]
-        bad = [k for k in value if not _is_unicode(k)]
-        if bad:
-            raise MetadataError(f"{TRAINER_STATE_FILE}: key {_short(bad[0])} is not valid Unicode (a lone surrogate)")
-        return {k: _decode_json_value(v, depth + 1) for k, v in value.items()}
-    return value
-
-
-def dump_trainer_state(state: Any, path: str = TRAINER_STATE_FILE) -> tuple[bytes, TrainerStateRef]:
-    """The bytes of the trainer state file for ``state`` and their reference.
-
-    Only what JSON round-trips exactly is accepted: dicts with string keys,
-    lists, strings, floats, ints, booleans and None. Non-finite floats are
-    written as ``{"$float": "inf"}`` (spec section 4). A tuple, a numpy scalar
-    or an int key would come back as something else, so each is an error
-    naming its JSON path; so is nesting deeper than ``MAX_DEPTH``.
-
-    Raises:
-        TrainerStateError: (a MetadataError and a TypeError) ``state`` is not a
-        dict of exact JSON values.
-    """
-    if not isinstance(state, dict):
-        raise TrainerStateError(f"trainer_state must be a dict, got {type(state).__name__}")
-    problems: list[str] = []
-    encoded = _encode_json_value(state, "$", 0, problems)
-    if problems:
-        raise TrainerStateError(format_problems("trainer_state cannot be stored as JSON exactly", problems))
-    data = (json.dumps(encoded, indent=1, allow_nan=False) + "\n").encode("utf-8")
-    return data, TrainerStateRef(len(data), hashlib.sha256(data).hexdigest(), path)
-
-
-def parse_trainer_state(data: bytes, ref: TrainerStateRef) -> dict[str, Any]:
-    """Check the trainer state against its reference in metadata.json and parse it."""
-    if len(data) != ref.nbytes or hashlib.sha256(data).hexdigest() != ref.sha256:
-        raise MetadataError(
-            f"{ref.path} does not match the size and SHA-256 recorded in "
-            f"{METADATA_FILE} ({len(data)} bytes, expected {ref.nbytes}): it was modified, "
-            "truncated, or belongs to another save"
-        )
-    doc = _loads(data, ref.path)
-    if not isinstance(doc, dict):
-        raise MetadataError(f"{ref.path}: $ must be an object, got {_json_type(doc)}")
-    try:
-        out = _decode_json_value(doc)
-    except RecursionError:
-        raise MetadataError(f"{ref.path}: nested more than {MAX_DEPTH} deep") from None
-    if not isinstance(out, dict):
-        raise MetadataError(f"{ref.path}: $ must be an object, got a tagged {_json_type(out)}")
-    return out
