@@ -210,8 +210,8 @@ class Checkpoint:
         does any rank write a target byte.
         """
         # The cyclic GC is paused (see gc_paused): a load makes objects per
-        # tensor and per chunk, none in a cycle; 10,000 small tensors set off
-        # 2 full collections and 18 of the middle generation, 0.13 s of a 1 s load.
+        # tensor and per chunk, none in a cycle, and enough of them to set off
+        # full collections of the trainer's whole heap.
         with gc_paused():
             return self._load(state, comm, allow_lossy_cast, stats, shared_reads)
 

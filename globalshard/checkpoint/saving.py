@@ -170,7 +170,7 @@ def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]]
         if comm.rank == 0:
             # TODO(limitation): an earlier save's deletion holds the lock until it ends, so
             # a save (async too) to the path of the save before it blocks until that
-            # save's replaced checkpoint is deleted (512 MiB: +0.2-0.27 s blocked).
+            # save's replaced checkpoint is deleted.
             cleanup.wait_for_cleanup()
             save_id = new_save_id()
             if trainer_state is not None:

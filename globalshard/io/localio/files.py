@@ -20,11 +20,9 @@ def workers() -> int:
     """Threads doing local reads and writes (I/O and checksums release the GIL):
     ``GLOBALSHARD_IO_THREADS`` if set; else 4 shared among the ranks of this
     host when the launcher says how many there are (torchrun's
-    ``LOCAL_WORLD_SIZE``), at least one each; else 4.
-
-    Four processes saving 1 GiB on this 2-core machine with 4 threads each
-    wrote at 0.57 GB/s (median of 6) against 0.80 GB/s with one thread each;
-    loads by 2 processes ran the same with 2 or 4 threads each."""
+    ``LOCAL_WORLD_SIZE``), at least one each; else 4. Shared, because ranks
+    of one host each running 4 threads contend for the same cores and disk
+    and save slower than with one thread each."""
     own = os.environ.get("GLOBALSHARD_IO_THREADS")
     if own is not None:
         if not own.isdigit() or int(own) < 1:
@@ -40,10 +38,8 @@ TASK_BYTES = 8 << 20
 
 #: Bytes of chunks one read task reads: the load's bytes over twice the
 #: threads, within these bounds. Cold, one large read lets the kernel read
-#: ahead while it copies (a new descriptor per small task does not): a 2-process
-#: TP4->2 load of 1 GiB, 6 alternating runs, took 1.04 s cold / 0.28 s warm in
-#: 8 MiB tasks and 0.89 / 0.24 s in 64 MiB tasks; the same bytes read raw took
-#: 0.76 / 0.12 s.
+#: ahead while it copies (a new descriptor per small task does not), so large
+#: tasks load faster, warm and cold.
 READ_TASK_BYTES = (8 << 20, 64 << 20)
 
 

@@ -208,10 +208,8 @@ def _read_checked(fd: int, run: list[tuple[Where, list[Any], bytearray]], offset
     (``RWF_NOWAIT``) and checked while they are still in the CPU's cache; from
     the first that is not, the rest of the run is one blocking preadv, which
     the kernel reads ahead as one request. A checksum over a chunk just read
-    runs at twice the speed of one over a chunk read 64 MiB earlier (19.5
-    against 9 GB/s here): a 2-process TP4->2 warm load of 1 GiB took 71-75
-    instead of 90-94 ms of user CPU per rank (wall time unchanged: the
-    kernel's copy dominates); cold loads read as before."""
+    runs at about twice the speed of one over a chunk that has left the CPU's
+    cache, which saves CPU time on warm loads; cold loads read as before."""
     first = 0
     if _NOWAIT:
         for where, bufs, crc in run:

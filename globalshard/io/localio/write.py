@@ -208,13 +208,10 @@ _SYNC_FILE_RANGE = _libc("sync_file_range", ctypes.c_int, ctypes.c_longlong, cty
 def _start_writeback(fd: int) -> None:
     """Start writing a finished file's dirty pages to the disk without waiting
     (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``); its fsync, queued
-    behind the other files' writes, then has less left to wait for. Saving 2
-    GiB from 4 processes (3 alternating runs): 3.4-3.7 s without, 2.5-2.9 s
-    with; 1 GiB the same (0.8-0.9 s), where the kernel had not yet throttled
-    the writers. Durability still comes from the fsync, or from the one
-    syncfs of a save of many files, which otherwise started all of the
-    writeback at the end: 10,000 small tensors in 114 packs (1.8 GB) saved in
-    2.9-3.8 s without, 1.6-2.3 s with (the same bytes in 8 tensors: 1.0-1.3 s)."""
+    behind the other files' writes, then has less left to wait for once the
+    kernel throttles the writers. Durability still comes from the fsync, or
+    from the one syncfs of a save of many files, which would otherwise start
+    all of the writeback at the end."""
     if _SYNC_FILE_RANGE is not None:
         _SYNC_FILE_RANGE(fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE; an error is the fsync's to report
 
