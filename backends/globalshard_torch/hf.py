@@ -37,6 +37,10 @@ def load_hf(directory: str, model: nn.Module | Sequence[nn.Module], layout: Para
 
     Args:
         directory: ``model.safetensors`` or ``model.safetensors.index.json`` with its files.
+        model: this rank's model, or its virtual-pipeline chunks in local order,
+            filled in place.
+        layout: this rank's place; local layer indices become global ones.
+        rules: how non-DTensor tensors are cut (None: a model of DTensors only).
         mapping: a :class:`~globalshard.hf.NameMapping`, a mapping file or a shipped
             mapping's name (``"llama"``); None: the names are the checkpoint keys.
         params: values for the mapping's ``params`` (``{"heads": 32, "kv_heads": 8}``).

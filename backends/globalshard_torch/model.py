@@ -210,6 +210,8 @@ def model_entries(
         chunks: the model, or its virtual-pipeline chunks in local order.
         layout: this rank's place; local layer indices become global ones.
         rules: how non-DTensor tensors are cut; every such name must match one.
+        layer_pattern: where a name holds its local layer number (the regex's
+            second group), renumbered to the global one.
 
     Raises:
         LayoutError: listing every tensor no rule matches or that a rule cannot place.

@@ -367,10 +367,10 @@ def _axis(axis: int, shape: tuple[int, ...]) -> int:
 
 
 class ShardingRules:
-    """Ordered ``(regex, rule)`` pairs; a name takes the first rule whose regex
+    r"""Ordered ``(regex, rule)`` pairs; a name takes the first rule whose regex
     matches it entirely. A name that no rule matches is an error, never a guess.
 
-    >>> rules = ShardingRules([(r"embedding\\.weight", VocabParallel(1003)), (r".*norm.*", Replicated())])
+    >>> rules = ShardingRules([(r"embedding\.weight", VocabParallel(1003)), (r".*norm.*", Replicated())])
     >>> rules.resolve("final_norm.weight")
     ('final_norm.weight', Replicated(), False)
     """

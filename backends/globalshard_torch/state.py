@@ -20,8 +20,10 @@ _PAIRS, _TYPE = "$pairs", "$type"
 
 
 def jsonable(value: Any, where: str = "$") -> Any:
-    """``value`` with tuples as lists, 0-d tensors as numbers, and dicts with
-    non-string keys (int, float, bool, None) as tagged lists of pairs, so that
+    """``value`` with JSON's types only.
+
+    Tuples become lists, 0-d tensors numbers, and dicts with
+    non-string keys (int, float, bool, None) tagged lists of pairs, so that
     :func:`from_jsonable` gives them back; anything else JSON cannot hold
     exactly is an error naming its path. (Non-finite floats are the core's
     to encode.)"""

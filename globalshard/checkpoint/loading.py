@@ -353,11 +353,14 @@ def read_array(
     For consumers that are not trainers: export, inspection, other frameworks.
 
     Args:
+        path: the checkpoint, as for :func:`load`.
         key: the checkpoint key.
         box: a :class:`Box` of global indices, or a tuple of slices; the whole
             tensor if None.
         dtype: the dtype of the result (default: the stored dtype); a lossy
             conversion needs ``allow_lossy_cast=True``.
+        allow_lossy_cast: allow a ``dtype`` that cannot hold every stored value.
+        kvstore: a TensorStore kvstore spec holding the checkpoint at ``path``.
     """
     store = open_root(path, kvstore)
     return _read_array(store, _read_metadata(store), key, box, dtype, allow_lossy_cast)

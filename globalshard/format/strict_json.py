@@ -51,7 +51,7 @@ def loads(data: bytes | str, what: str, *, strict_integers: bool = False) -> Any
 
 
 def is_unicode(text: str) -> bool:
-    """Whether ``text`` holds no lone surrogate (JSON's ``\\ud800`` escapes decode to one)."""
+    r"""Whether ``text`` holds no lone surrogate (JSON's ``\ud800`` escapes decode to one)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

@@ -1,4 +1,4 @@
-"""Hugging Face safetensors, both ways, through a name mapping.
+r"""Hugging Face safetensors, both ways, through a name mapping.
 
 * :func:`export`: a checkpoint's global tensors into safetensors files of
   bounded size plus ``model.safetensors.index.json``; fused layouts (global
@@ -28,7 +28,7 @@ demo's model, ``megatron_gpt`` for Megatron-Core's GPTModel and
            {"name": "model.layers.{layer}.self_attn.v_proj.weight", "size": "kv_heads"}]},
         "lora": {"A": "layers.{layer}.attn.qkv_lora_A", "B": "layers.{layer}.attn.qkv_lora_B", "scale": 1}},
        {"key": "final_norm", "name": "model.norm.weight"}],
-     "skip": ["optimizer\\\\..*"],
+     "skip": ["optimizer\\..*"],
      "config": {"model_type": "llama", "num_attention_heads": {"$param": "heads"},
                 "hidden_size": {"$shape": "model.norm.weight", "axis": 0}}}
 

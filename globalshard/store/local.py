@@ -315,7 +315,7 @@ def _is_regular(path: str) -> bool:
 
 
 def sync_dir(directory: str) -> None:
-    """fsync a directory: its new entries are durable only then."""
+    """Fsync a directory: its new entries are durable only then."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
