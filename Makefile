@@ -42,21 +42,22 @@ examples: $(STAMP)
 	$(PY) examples/numpy_demo.py
 	$(PY) examples/torch_resume.py
 
-# The full reliability campaign behind docs/reliability.md's table (about 15 minutes):
+# The full reliability campaign behind docs/reliability.md (about 25 minutes on 2 cores):
 # kills at 50+ points per case, every corruption, racing saves, 100,000 fuzz inputs.
 RELIABILITY := build/reliability
 reliability: $(STAMP)
-	mkdir -p $(RELIABILITY) && rm -f $(RELIABILITY)/report.json
+	$(PY) bench/pages.py start reliability
 	GLOBALSHARD_CRASH_POINTS=50 GLOBALSHARD_RACE_TRIALS=20 GLOBALSHARD_RELIABILITY_REPORT=$(CURDIR)/$(RELIABILITY)/report.json \
 		$(PY) -m pytest -q -p no:cacheprovider tests/campaigns/test_crash.py tests/campaigns/test_corruption.py tests/checkpoint/test_trust.py -k "sigkill or damage or racing"
 	$(PY) tests/campaigns/fuzz_metadata.py --inputs 100000 > $(RELIABILITY)/fuzz.json
-	cat $(RELIABILITY)/report.json $(RELIABILITY)/fuzz.json
+	$(PY) bench/pages.py reliability
 
 $(VENV)/.bench-installed: $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/ci.txt -e '.[test,torch,jax,bench]'
 	touch $@
 
 bench: $(VENV)/.bench-installed
+	$(PY) bench/pages.py start benchmarks
 	$(PY) bench/run.py
 	$(PY) bench/zero_memory.py
 	$(PY) bench/io_memory.py
@@ -65,6 +66,7 @@ bench: $(VENV)/.bench-installed
 	$(PY) bench/small_tensors.py
 	$(PY) bench/export_memory.py 2
 	$(PY) bench/summary.py
+	$(PY) bench/pages.py benchmarks
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .hypothesis
