@@ -396,6 +396,40 @@ def _whole_from_one(key: str, groups: Sequence[RankGroup], entries: list[tuple[i
 
 # TODO(limitation): packing is opt-in (pack_below=0 by default): readers of the format
 # written before spec section 5.1 refuse a packed checkpoint, so it is not the default.
+def rebased(plan: SavePlan, save_id: str) -> SavePlan:
+    """``plan`` for a save of the same structure under another ``save_id``:
+    every path of the plan's save moved to ``save_id``'s directory, nothing
+    else changed (a plan is a pure function of the ranks' shard lists, so a
+    repeated save of the same lists has the same plan but for its id).
+
+    Raises:
+        LayoutError: ``save_id`` is not 32 lowercase hex digits.
+    """
+    if not is_save_id(save_id):
+        raise LayoutError(f"save_id must be 32 lowercase hex digits, got {save_id!r}")
+    old = plan.metadata.save_id
+    assert old is not None
+    if old == save_id:
+        return plan
+    before, after = save_dir(old) + "/", save_dir(save_id) + "/"
+    cut = len(before)
+    moved: dict[str, str] = {}
+
+    def move(path: str) -> str:
+        new = moved.get(path)
+        if new is None:
+            new = moved[path] = after + path[cut:]
+        return new
+
+    tensors = {key: TensorMetadata(t.dtype, t.global_shape,
+                                   tuple(StoredRegion(r.box, move(r.path), r.nbytes, r.byte_offset)
+                                         for r in t.regions))
+               for key, t in plan.metadata.tensors.items()}
+    writes = tuple(dataclasses.replace(w, path=move(w.path)) for w in plan.writes)
+    metadata = dataclasses.replace(plan.metadata, tensors=tensors, save_id=save_id)
+    return SavePlan(metadata, writes, plan.world_size)
+
+
 def check_pack_below(pack_below: Any) -> int:
     """``pack_below``, checked: regions of fewer bytes are packed (0: none);
     at most :data:`PACK_BYTES`, the size of one pack.

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from globalshard.checkpoint import cleanup
+from globalshard.checkpoint.plan_cache import PLANS, PlanCache
 from globalshard.comm import Comm, SingleProcessComm, distinct_values, run_collectively
 from globalshard.errors import CheckpointExistsError, LayoutError, MetadataError, StorageError
 from globalshard.format.metadata import Metadata, gc_paused, parse_metadata
@@ -71,6 +72,9 @@ def save(
     fails on any rank, every rank raises, nothing is committed and the
     previous checkpoint at ``path`` (if any) is untouched. Two saves racing on
     one path: one commits, the other raises :class:`ConcurrentSaveError`.
+    Ranks of a save whose structure (keys, shapes, dtypes, regions, replica
+    ids, ranks, ``pack_below``) matches a recent save of theirs reuse its plan
+    rather than exchange their shard lists and plan again.
 
     Args:
         state: local names -> :class:`ShardedTensor` (a ShardedStateDict or dict).
@@ -163,10 +167,12 @@ def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]]
     coordinator = _Coordinator()
 
     digest, schema, replicas = describe_shards(infos) if comm.world_size > 1 else ("", [], [])
+    held_plans = PLANS.held() if comm.world_size > 1 else {}
 
     def describe() -> dict[str, Any]:
         # Everything checkable is checked before anything on storage changes.
-        out: dict[str, Any] = {"digest": digest, "replicas": replicas, "pack_below": pack_below}
+        out: dict[str, Any] = {"digest": digest, "replicas": replicas, "pack_below": pack_below,
+                               "plans": list(held_plans)}
         if comm.rank == 0:
             # TODO(limitation): an earlier save's deletion holds the lock until it ends, so
             # a save (async too) to the path of the save before it blocks until that
@@ -194,15 +200,24 @@ def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]]
     if len(packing) > 1:  # the plan must be the same on every rank
         raise LayoutError(f"ranks passed different pack_below values: {sorted(packing)}; pass the same on every rank")
     digests = [g["digest"] for g in gathered]
-    if comm.world_size == 1:
-        groups = group_ranks([infos])
-    else:
-        schemas = distinct_values(comm, "save: planning", digests, schema)
-        groups = group_descriptions(digests, schemas, [g["replicas"] for g in gathered])
-    # TODO(limitation): every rank plans the whole save (identically, from the distinct
-    # lists); a planner rank scattering each rank's part is measured, not built.
-    plan = SavePlanner().plan_groups(groups, comm.world_size, save_id=save_id,
-                                     pack_below=pack_below)  # pure: same verdict everywhere
+    plan = None
+    if comm.world_size > 1:
+        # A save of the structure of a recent one reuses its plan, when every rank holds it.
+        key = PlanCache.key(digests, [g["replicas"] for g in gathered], comm.world_size, pack_below)
+        if all(key in g["plans"] for g in gathered):
+            plan = PLANS.reuse(key, held_plans[key], save_id)
+    if plan is None:
+        if comm.world_size == 1:
+            groups = group_ranks([infos])
+        else:
+            schemas = distinct_values(comm, "save: planning", digests, schema)
+            groups = group_descriptions(digests, schemas, [g["replicas"] for g in gathered])
+        # TODO(limitation): every rank plans the whole save (identically, from the distinct
+        # lists); a planner rank scattering each rank's part is measured, not built.
+        plan = SavePlanner().plan_groups(groups, comm.world_size, save_id=save_id,
+                                         pack_below=pack_below)  # pure: same verdict everywhere
+        if comm.world_size > 1:
+            PLANS.put(key, plan)
     items: list[ArrayItem | PackItem] = []
     packs: dict[str, list[tuple[WriteItem, np.ndarray, Callable[[], None] | None]]] = {}
     for w in plan.for_rank(comm.rank):
