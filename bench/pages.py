@@ -236,6 +236,13 @@ def section_planning(d: Data) -> str:
         f"once. In the first case {plans[0]['ranks_writing']:,} of 1,024 ranks write (max/mean bytes per rank "
         f"{num(plans[0]['writer_bytes_max_over_mean'])}): data-parallel replicas share the writing.",
     ]
+    r = rep.get("replan")
+    if r:
+        lines += ["", f"A repeated save of the same structure (keys, shapes, dtypes, regions, replica ids) at "
+                  f"{r['ranks']:,} simulated ranks x {r['tensors']:,} tensors, the real `plan_save` of one rank with "
+                  f"the others' messages simulated: {num(r['plan_s'])} s to plan the first save (from the "
+                  f"distinct lists), then {num(r['replan_s'], 3)} s to check the digests and reuse the plan "
+                  f"(median of {r['repeats']})."]
     cov = rep.get("coverage")
     if cov:
         lines += ["", f"The coverage check (sweep line) on {cov['boxes']:,} boxes: {cov['sweep_s'] * 1e3:.1f} ms, "

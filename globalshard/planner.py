@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -394,8 +394,6 @@ def _whole_from_one(key: str, groups: Sequence[RankGroup], entries: list[tuple[i
                           (StoredRegion(box, f"{directory}/0", box.volume * numpy_dtype(info.dtype).itemsize),))
 
 
-# TODO(limitation): packing is opt-in (pack_below=0 by default): readers of the format
-# written before spec section 5.1 refuse a packed checkpoint, so it is not the default.
 def rebased(plan: SavePlan, save_id: str) -> SavePlan:
     """``plan`` for a save of the same structure under another ``save_id``:
     every path of the plan's save moved to ``save_id``'s directory, nothing
@@ -405,31 +403,48 @@ def rebased(plan: SavePlan, save_id: str) -> SavePlan:
     Raises:
         LayoutError: ``save_id`` is not 32 lowercase hex digits.
     """
-    if not is_save_id(save_id):
-        raise LayoutError(f"save_id must be 32 lowercase hex digits, got {save_id!r}")
     old = plan.metadata.save_id
     assert old is not None
-    if old == save_id:
-        return plan
-    before, after = save_dir(old) + "/", save_dir(save_id) + "/"
+    return SavePlan(rebased_metadata(plan.metadata, save_id), rebased_writes(plan.writes, old, save_id),
+                    plan.world_size)
+
+
+def _mover(old: str, new: str) -> Callable[[str], str]:
+    if not is_save_id(new):
+        raise LayoutError(f"save_id must be 32 lowercase hex digits, got {new!r}")
+    before, after = save_dir(old) + "/", save_dir(new) + "/"
     cut = len(before)
     moved: dict[str, str] = {}
 
     def move(path: str) -> str:
-        new = moved.get(path)
-        if new is None:
-            new = moved[path] = after + path[cut:]
-        return new
+        out = moved.get(path)
+        if out is None:
+            out = moved[path] = after + path[cut:]
+        return out
 
+    return move
+
+
+def rebased_writes(writes: Sequence[WriteItem], old: str, new: str) -> tuple[WriteItem, ...]:
+    """``writes`` of the save ``old`` with their paths under save ``new`` (see :func:`rebased`)."""
+    move = _mover(old, new)
+    return tuple(WriteItem(w.key, w.box, move(w.path), w.nbytes, w.rank, w.shard, w.region, w.byte_offset)
+                 for w in writes)
+
+
+def rebased_metadata(metadata: Metadata, new: str) -> Metadata:
+    """``metadata`` of a save with its paths under save ``new`` (see :func:`rebased`)."""
+    assert metadata.save_id is not None
+    move = _mover(metadata.save_id, new)
     tensors = {key: TensorMetadata(t.dtype, t.global_shape,
                                    tuple(StoredRegion(r.box, move(r.path), r.nbytes, r.byte_offset)
                                          for r in t.regions))
-               for key, t in plan.metadata.tensors.items()}
-    writes = tuple(dataclasses.replace(w, path=move(w.path)) for w in plan.writes)
-    metadata = dataclasses.replace(plan.metadata, tensors=tensors, save_id=save_id)
-    return SavePlan(metadata, writes, plan.world_size)
+               for key, t in metadata.tensors.items()}
+    return dataclasses.replace(metadata, tensors=tensors, save_id=new)
 
 
+# TODO(limitation): packing is opt-in (pack_below=0 by default): readers of the format
+# written before spec section 5.1 refuse a packed checkpoint, so it is not the default.
 def check_pack_below(pack_below: Any) -> int:
     """``pack_below``, checked: regions of fewer bytes are packed (0: none);
     at most :data:`PACK_BYTES`, the size of one pack.

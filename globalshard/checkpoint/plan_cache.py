@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from globalshard.comm import json_digest
-from globalshard.planner import SavePlan, rebased
+from globalshard.planner import SavePlan, WriteItem, rebased_writes
 
 __all__ = ["PLANS", "PlanCache"]
 
@@ -30,6 +30,7 @@ class PlanCache:
     def __init__(self, size: int = 2) -> None:
         self._size = size
         self._plans: dict[str, SavePlan] = {}
+        self._writes: dict[tuple[str, int], tuple[WriteItem, ...]] = {}  # (key, rank) -> that rank's writes
         self._lock = threading.Lock()
         #: How many saves reused a plan, and how many planned (for tests and benchmarks).
         self.hits = self.misses = 0
@@ -46,13 +47,21 @@ class PlanCache:
         with self._lock:
             return dict(self._plans)
 
-    def reuse(self, key: str, plan: SavePlan, save_id: str) -> SavePlan:
-        """``plan`` (held under ``key``) rebased to ``save_id``, marked the most recent."""
+    def reuse(self, key: str, plan: SavePlan, rank: int, save_id: str) -> tuple[WriteItem, ...]:
+        """Rank ``rank``'s writes of ``plan`` (held under ``key``) under ``save_id``.
+
+        ``plan`` becomes the most recent. Only rank 0 needs the whole plan's
+        metadata, at the commit (:func:`~globalshard.planner.rebased_metadata`).
+        """
         with self._lock:
             self._plans.pop(key, None)
             self._plans[key] = plan
             self.hits += 1
-        return rebased(plan, save_id)
+            mine = self._writes.get((key, rank))
+            if mine is None:
+                mine = self._writes[(key, rank)] = tuple(plan.for_rank(rank))
+        assert plan.metadata.save_id is not None
+        return rebased_writes(mine, plan.metadata.save_id, save_id)
 
     def put(self, key: str, plan: SavePlan) -> None:
         """Hold ``plan`` under ``key`` (a save that planned), dropping the least recent beyond ``size``."""
@@ -62,11 +71,13 @@ class PlanCache:
             self._plans[key] = plan
             while len(self._plans) > self._size:
                 del self._plans[next(iter(self._plans))]
+            self._writes = {k: v for k, v in self._writes.items() if k[0] in self._plans}
 
     def clear(self) -> None:
         """Forget every plan."""
         with self._lock:
             self._plans.clear()
+            self._writes.clear()
 
 
 #: The cache every save of this process uses.

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,7 +26,6 @@ from globalshard.io import ArrayEngine, ArrayItem, IOStats, PackItem, open_engin
 from globalshard.io.base import item_bytes
 from globalshard.layout import ShardedTensor
 from globalshard.planner import (
-    SavePlan,
     SavePlanner,
     ShardInfo,
     WriteItem,
@@ -32,6 +33,7 @@ from globalshard.planner import (
     describe_shards,
     group_descriptions,
     group_ranks,
+    rebased_metadata,
 )
 from globalshard.store import Store, open_root
 
@@ -152,7 +154,9 @@ class PlannedSave:
     engine: ArrayEngine
     comm: Comm
     save_id: str
-    plan: SavePlan
+    #: The metadata rank 0 commits (made when it commits: a reused plan's is
+    #: rebased then, not while the caller waits).
+    metadata: Callable[[], Metadata]
     items: list[ArrayItem | PackItem]
     coordinator: _Coordinator
 
@@ -200,13 +204,15 @@ def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]]
     if len(packing) > 1:  # the plan must be the same on every rank
         raise LayoutError(f"ranks passed different pack_below values: {sorted(packing)}; pass the same on every rank")
     digests = [g["digest"] for g in gathered]
-    plan = None
+    mine: Sequence[WriteItem] | None = None
     if comm.world_size > 1:
         # A save of the structure of a recent one reuses its plan, when every rank holds it.
         key = PlanCache.key(digests, [g["replicas"] for g in gathered], comm.world_size, pack_below)
         if all(key in g["plans"] for g in gathered):
-            plan = PLANS.reuse(key, held_plans[key], save_id)
-    if plan is None:
+            cached = held_plans[key]
+            mine = PLANS.reuse(key, cached, comm.rank, save_id)
+            metadata = functools.partial(rebased_metadata, cached.metadata, save_id)
+    if mine is None:
         if comm.world_size == 1:
             groups = group_ranks([infos])
         else:
@@ -218,9 +224,11 @@ def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]]
                                          pack_below=pack_below)  # pure: same verdict everywhere
         if comm.world_size > 1:
             PLANS.put(key, plan)
+        mine, fresh = plan.for_rank(comm.rank), plan.metadata
+        metadata = functools.partial(_same, fresh)
     items: list[ArrayItem | PackItem] = []
     packs: dict[str, list[tuple[WriteItem, np.ndarray, Callable[[], None] | None]]] = {}
-    for w in plan.for_rank(comm.rank):
+    for w in mine:
         name, tensor = entries[w.shard]
         local = tensor.regions[w.region].global_to_local(w.box)
         ready = staged.get(name) if staged else None
@@ -236,7 +244,7 @@ def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]]
         end = max((w.byte_offset or 0) + w.nbytes for w, _, _ in members)
         items.append(PackItem(path, end, tuple((w.byte_offset or 0, data, ready) for w, data, ready in members),
                               attributes))
-    return PlannedSave(store, open_engine(store), comm, save_id, plan, items, coordinator)
+    return PlannedSave(store, open_engine(store), comm, save_id, metadata, items, coordinator)
 
 
 def finish_save(planned: PlannedSave, stats: IOStats | None, held: contextlib.ExitStack) -> None:
@@ -254,8 +262,10 @@ def finish_save(planned: PlannedSave, stats: IOStats | None, held: contextlib.Ex
     def commit() -> None:
         if comm.rank == 0:
             ref = coordinator.trainer_blob[1] if coordinator.trainer_blob is not None else None
-            metadata = dataclasses.replace(planned.plan.metadata, trainer_state=ref)
-            store.commit(METADATA_FILE, metadata.dumps().encode("utf-8"), coordinator.stamp)
+            metadata = dataclasses.replace(planned.metadata(), trainer_state=ref)
+            data = metadata.dumps().encode("utf-8")
+            store.commit(METADATA_FILE, data, coordinator.stamp)
+            _remember_commit(store, data, metadata)
 
     try:
         run_collectively(comm, "save: writing", write)
@@ -274,6 +284,34 @@ def finish_save(planned: PlannedSave, stats: IOStats | None, held: contextlib.Ex
     comm.barrier()
 
 
+def _same(metadata: Metadata) -> Metadata:
+    return metadata
+
+
+#: The metadata.json this process last committed at each root (its bytes and
+#: model): a save that finds those same bytes there replaces that checkpoint,
+#: and need not parse it again in the part of rank 0's save that the caller
+#: waits for. Two entries at most.
+_COMMITTED: dict[str, tuple[bytes, Metadata]] = {}
+_COMMITTED_LOCK = threading.Lock()
+
+
+def _remember_commit(store: Store, data: bytes, metadata: Metadata) -> None:
+    with _COMMITTED_LOCK:
+        _COMMITTED.pop(repr(store), None)
+        _COMMITTED[repr(store)] = (data, metadata)
+        while len(_COMMITTED) > 2:
+            del _COMMITTED[next(iter(_COMMITTED))]
+
+
+def _parsed(store: Store, data: bytes) -> Metadata:
+    with _COMMITTED_LOCK:
+        known = _COMMITTED.get(repr(store))
+    if known is not None and known[0] == data:  # the same bytes parse to the same model
+        return known[1]
+    return parse_metadata(data, source=store.describe(METADATA_FILE))
+
+
 def _what_is_there(store: Store, overwrite: bool) -> tuple[Metadata | None, Any]:
     """The checkpoint a save would replace (and the stamp its commit checks),
     refusing what the caller did not ask to replace."""
@@ -288,7 +326,7 @@ def _what_is_there(store: Store, overwrite: bool) -> tuple[Metadata | None, Any]
             )
         return None, stamp
     try:
-        previous = parse_metadata(data, source=store.describe(METADATA_FILE))
+        previous = _parsed(store, data)
     except MetadataError as e:
         raise CheckpointExistsError(
             f"{store.describe(METADATA_FILE)} exists but is not a valid globalshard checkpoint, so a save "

@@ -141,7 +141,7 @@ def test_the_cache_holds_the_most_recent_plans_only():
     for key in "abc":
         cache.put(key, plan)
     assert sorted(cache.held()) == ["b", "c"]
-    cache.reuse("b", plan, "1" * 32)
+    cache.reuse("b", plan, 0, "1" * 32)
     cache.put("d", plan)
     assert sorted(cache.held()) == ["b", "d"]
 
@@ -165,3 +165,36 @@ def test_property_a_rebased_plan_is_the_plan_of_the_new_save_id(case, a, b):
     planner = gs.SavePlanner()
     assert rebased(planner.plan(per_rank, save_id=a, pack_below=pack_below), b) == \
         planner.plan(per_rank, save_id=b, pack_below=pack_below)
+
+
+def test_a_save_trusts_its_own_last_commit_only_while_the_bytes_are_the_same(s3):
+    """Rank 0 keeps the model of the metadata.json it committed, to find what
+    the next save replaces without parsing it; when another process has
+    committed since, the bytes differ and what that process wrote is what
+    gets replaced and deleted. (On S3, where no lock sweeps leftovers, a
+    stale model would leave the other process's arrays behind.)"""
+    import json
+    import subprocess
+    import sys
+
+    from repo import TESTS
+
+    spec, client, _ = s3
+    path = "plan-cache/run"
+
+    def saved_ids():
+        keys = [o["Key"] for o in client.list_objects_v2(Bucket="ckpt", Prefix=path + "/saves/").get("Contents", [])]
+        return sorted({k.split("/")[3] for k in keys})
+
+    values = np.arange(48, dtype=np.float32).reshape(8, 6)
+    _save_all(path, lambda r: _state(r, values), kvstore=spec)
+    _save_all(path, lambda r: _state(r, values + 1), kvstore=spec)  # replaces its own last commit
+    assert saved_ids() == [gs.read_metadata(path, kvstore=spec).save_id]
+    script = (f"import json, sys; sys.path.insert(0, {TESTS!r})\nimport saver\n"
+              f"saver.save_stamped({path!r}, 5, overwrite=True, kvstore=json.loads({json.dumps(spec)!r}))\n")
+    subprocess.run([sys.executable, "-c", script], check=True)
+    assert saved_ids() == [gs.read_metadata(path, kvstore=spec).save_id]
+    _save_all(path, lambda r: _state(r, values + 2), kvstore=spec)
+    gs.wait_for_cleanup()
+    assert saved_ids() == [gs.read_metadata(path, kvstore=spec).save_id]
+    assert np.array_equal(gs.read_array(path, "w", kvstore=spec), values + 2)
