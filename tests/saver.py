@@ -25,6 +25,7 @@ import numpy as np
 
 import globalshard as gs
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 KEYS = 6
 ROWS, COLS = 64, 1024  # 256 KiB per key in float32: one chunk each
 BIG = (1536, 1024)  # 6 MiB: a sharded array of six 1 MiB inner chunks
@@ -116,6 +117,18 @@ def _counter() -> list[int]:
     return count
 
 
+def writer_hook(kill_at: int | None, count_file: str | None) -> None:
+    """Run in the writer process (``Writer(setup=...)``): SIGKILL it at its
+    ``kill_at``-th filesystem operation, or count them into ``count_file`` at its exit."""
+    import atexit
+
+    if kill_at:
+        _kill_at(kill_at)
+    if count_file:
+        count = _counter()
+        atexit.register(lambda: open(count_file, "w").write(str(count[0])))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("path")
@@ -128,6 +141,9 @@ def main() -> None:
     parser.add_argument("--manager", action="store_true", help="save through globalshard_torch's manager")
     parser.add_argument("--async-save", action="store_true", help="through gs.AsyncSaver")
     parser.add_argument("--pack-below", type=int, default=0, help="save(pack_below=)")
+    parser.add_argument("--mode", default="process", help="the AsyncSaver's mode")
+    parser.add_argument("--writer-kill-at", type=int, help="SIGKILL the writer process at its n-th operation")
+    parser.add_argument("--writer-count", help="count the writer process's operations into this file")
     parser.add_argument("--ignore-sigxfsz", action="store_true",
                         help="under a file-size limit, fail writes with EFBIG instead of dying")
     args = parser.parse_args()
@@ -146,12 +162,28 @@ def main() -> None:
     if args.manager:
         _manager_save(args.path, args.tag, state)
     elif args.async_save:
-        background = gs.AsyncSaver()
+        writer = None
+        if args.writer_kill_at or args.writer_count:
+            import functools
+
+            from globalshard.checkpoint.writer import Writer
+
+            os.environ["PYTHONPATH"] = os.pathsep.join([HERE, *filter(None, [os.environ.get("PYTHONPATH")])])
+            import saver  # this script is __main__: the writer unpickles the hook from the module
+
+            writer = Writer(setup=functools.partial(saver.writer_hook, args.writer_kill_at, args.writer_count))
+        background = gs.AsyncSaver(args.mode, writer=writer)
         background.save(state, args.path, trainer_state={"tag": args.tag}, overwrite=args.overwrite,
                         kvstore=kvstore)
         for t in state.values():
             t.data[...] = 0  # the snapshot, not the live arrays, is what gets written
-        background.wait()
+        try:
+            background.wait()
+        except gs.GlobalShardError as e:  # the writer was killed: the save failed, the process did not
+            print(json.dumps({"failed": f"{type(e).__name__}: {e}"}))
+            os._exit(3)
+        if writer is not None:
+            writer.close()  # its count is written at its exit
     else:
         gs.save(state, args.path, trainer_state={"tag": args.tag}, overwrite=args.overwrite, kvstore=kvstore,
                 pack_below=args.pack_below)

@@ -157,7 +157,9 @@ def save_checkpoint(
     if clash:
         raise MetadataError(f"trainer_state keys {clash} are reserved for the adapter")
     shards: dict[str, gs.ShardedTensor] = {}
-    staging = HostStaging(overlap=saver is not None)
+    if saver is not None:
+        saver.wait()  # the save before it may still be writing from the saver's pools
+    staging = HostStaging(overlap=saver is not None, pool=saver.host_pool if saver is not None else None)
 
     zero = _is_zero_redundancy(optimizer)
     if zero:

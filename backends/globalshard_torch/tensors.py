@@ -9,7 +9,8 @@ save (overlapped with the writes of an async save), host-to-device after a load.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +49,17 @@ def torch_dtype(name: str) -> torch.dtype:
         raise LayoutError(f"no torch dtype for {name!r}") from None
 
 
+def _cuda_register(address: int, nbytes: int) -> None:
+    """Page-lock host memory for fast device copies (``cudaHostRegister``)."""
+    code = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+    if int(code) != 0:
+        raise LayoutError(f"cudaHostRegister of {nbytes} bytes of the staging pool failed: error {int(code)}")
+
+
+def _cuda_unregister(address: int, nbytes: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
+
+
 def numpy_view(tensor: torch.Tensor) -> np.ndarray:
     """A numpy array sharing memory with a CPU tensor (any strides, any dtype
     globalshard knows). Writing into it writes into the tensor."""
@@ -81,16 +93,45 @@ class HostStaging:
     """
 
     overlap: bool = False
+    #: Host memory to stage device tensors into for a save (an
+    #: :class:`~globalshard.AsyncSaver`'s ``host_pool``, page-locked here for
+    #: CUDA): reused by every save, and shared with the saver's writer
+    #: process, which writes the tensors from there. What does not fit goes
+    #: to a buffer of its own, and the pool grows to fit it at the next save.
+    pool: Any = None
+    #: Bytes this staging asked of the pool (what the next save reserves).
+    needed: int = 0
     _pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     _syncs: list[Callable[[], None]] = field(default_factory=list)
     _in_flight: list[tuple[int, int, Callable[[], None]]] = field(default_factory=list)  # (address, end, wait)
     _side: dict[torch.device, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.pool is not None:
+            if torch.cuda.is_available():
+                self.pool.set_pinning(_cuda_register, _cuda_unregister)
+            self.pool.reserve(self.pool.wanted)  # this save's buffers, from the pool's start
+
+    def buffer(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer to stage a tensor of ``shape`` and ``dtype`` into: in the
+        pool when it fits, else one of its own (pinned where CUDA is)."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if self.pool is not None:
+            self.needed += -(-nbytes // 64) * 64
+            self.pool.wanted = max(self.pool.wanted, self.needed)
+            try:
+                raw, _ = self.pool.take((nbytes,), np.uint8)
+                return torch.from_numpy(raw).view(dtype).reshape(tuple(shape))
+            except MemoryError:
+                pass
+        return torch.empty(tuple(shape), dtype=dtype, device="cpu", pin_memory=torch.cuda.is_available())
+
     def host(self, tensor: torch.Tensor, *, for_save: bool) -> torch.Tensor:
         t = tensor.detach()
         if t.device.type == "cpu":
             return t
-        buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=torch.cuda.is_available())
+        buf = self.buffer(t.shape, t.dtype) if for_save else torch.empty(
+            t.shape, dtype=t.dtype, device="cpu", pin_memory=torch.cuda.is_available())
         if not for_save:
             self._pending.append((t, buf))
         elif self.overlap and t.device.type == "cuda" and t.ndim > 0:

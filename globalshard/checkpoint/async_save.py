@@ -1,8 +1,10 @@
-"""Saves that return once this rank's bytes are in host memory."""
+"""Saves that return once this rank's bytes are in host memory, the rest
+written by a writer process (or a thread) while training goes on."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -10,32 +12,56 @@ from typing import Any
 
 import numpy as np
 
-from globalshard.checkpoint.saving import entries_of, finish_save, plan_save
+from globalshard.checkpoint.saving import InProcess, PlannedSave, entries_of, finish_save, plan_save
+from globalshard.checkpoint.staging import StagingPool, parallel_copy
+from globalshard.checkpoint.writer import Writer, describe_items, shared_writer
 from globalshard.comm import Comm, SingleProcessComm
 from globalshard.errors import LayoutError
-from globalshard.io import ArrayItem, IOStats, PackItem
+from globalshard.format.metadata import Metadata
+from globalshard.io import ArrayItem, IOStats, PackItem, engine_name
 from globalshard.layout import ShardedTensor
-from globalshard.store import open_root
+from globalshard.store import Store, open_root
 
-__all__ = ["AsyncSaver"]
+__all__ = ["MODES", "AsyncSaver"]
+
+_log = logging.getLogger("globalshard")
+
+#: Where the background part of an asynchronous save runs.
+MODES = ("process", "thread")
 
 
 class AsyncSaver:
-    """Saves that return once this rank's data is copied to host memory, and
-    write, commit and clean up in a background thread.
+    """Saves that return once this rank's data is copied to host memory; the
+    writing, fsync, commit and cleanup go on in the background.
 
     :meth:`save` does in the caller's thread everything that can fail before
-    storage changes (describing, validating and planning on every rank; rank
-    0 takes the checkpoint's lock), then copies exactly the bytes this rank
-    will write into a host buffer that the saver keeps and reuses (host
-    memory stays at one snapshot, however many saves), and returns. The
-    arrays may then change: the checkpoint holds the values they had.
+    storage changes (describing, validating and planning on every rank,
+    reusing the plan of a save of the same structure; rank 0 takes the
+    checkpoint's lock), then copies exactly the bytes this rank will write
+    into a staging pool that the saver keeps and reuses (allocated once for
+    the state, however many saves), and returns. The arrays may then change:
+    the checkpoint holds the values they had.
+
+    ``mode="process"`` (the default): the arrays are written, synced,
+    committed and cleaned up by a writer process that maps the staging pool,
+    so none of that work runs in the trainer's interpreter; a thread of the
+    saver only waits for it and takes part in the save's few collectives.
+    ``mode="thread"``: all of it in a thread of this process. A store that
+    another process cannot reach (an in-memory kvstore), or a writer that
+    cannot be started, falls back to the thread, with a log line.
 
     One save at a time: :meth:`save` first waits for the previous one (and
     raises its error, if it failed). Call :meth:`wait` before the process
     exits, and before loading with the same communicator (its collectives
-    run in the background thread meanwhile). A crash during the background
-    part leaves the previous checkpoint as it was (spec section 2.1).
+    run in the background meanwhile). A crash, or a killed writer, during
+    the background part leaves the previous checkpoint as it was (spec
+    section 2.1); the error is raised by the next :meth:`wait` or
+    :meth:`save`, and the next save starts a new writer.
+
+    Args:
+        mode: ``"process"`` or ``"thread"``, see above.
+        writer: the writer process to use (default: this process's shared
+            one, niced by 10).
 
     >>> import numpy as np, tempfile
     >>> from globalshard import ShardedTensor, read_array
@@ -48,26 +74,53 @@ class AsyncSaver:
     1.0
     """
 
-    def __init__(self) -> None:
+    def __init__(self, mode: str = "process", *, writer: Writer | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.mode = mode
+        self._writer = writer
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._buffer: np.ndarray | None = None
+        #: The staging pool of snapshots, reused by every save.
+        self.pool = StagingPool()
+        #: A second pool, for adapters that stage device tensors whole before a
+        #: save (pinned by them for device-to-host copies): what lies there is
+        #: written from there, not copied again.
+        self.host_pool = StagingPool()
         #: Seconds the last :meth:`save` blocked the caller, and the copy's share of them.
         self.blocking_seconds = 0.0
         self.snapshot_seconds = 0.0
+        #: Where the last save's background part ran: ``"process"`` or ``"thread"``.
+        self.last_mode = ""
+
+    @property
+    def writer(self) -> Writer:
+        """The writer process of this saver's process-mode saves."""
+        if self._writer is None:
+            self._writer = shared_writer()
+        return self._writer
 
     def save(self, state: Mapping[str, ShardedTensor], path: Any, *, trainer_state: dict[str, Any] | None = None,
              comm: Comm | None = None, overwrite: bool = False, kvstore: Any = None,
              stats: IOStats | None = None, staged: Mapping[str, Callable[[], None]] | None = None,
              pack_below: int = 0) -> None:
-        """As :func:`save`, returning after the host snapshot (see the class).
+        """As :func:`~globalshard.save`, returning after the host snapshot (see the class).
 
-        ``staged``: names of ``state`` whose ``data`` is already a private host
-        copy that is still being filled (a device-to-host copy in flight), each
-        with a function that blocks until it is done. Those are not copied
-        into the snapshot: the background writer waits for each one just
-        before writing its bytes, so the copies overlap with the writes of the
-        arrays before them.
+        Args:
+            state: as for :func:`~globalshard.save`.
+            path: as for :func:`~globalshard.save`.
+            trainer_state: as for :func:`~globalshard.save`.
+            comm: as for :func:`~globalshard.save`.
+            overwrite: as for :func:`~globalshard.save`.
+            kvstore: as for :func:`~globalshard.save`.
+            stats: as for :func:`~globalshard.save`, filled when the save has finished.
+            pack_below: as for :func:`~globalshard.save`.
+            staged: names of ``state`` whose ``data`` is already a private
+                host copy that is still being filled (a device-to-host copy in
+                flight), each with a function that blocks until it is done.
+                Those are not copied again: the writer waits for each one just
+                before writing its bytes, so the copies overlap with the
+                writes of the arrays before them.
         """
         self.wait()
         start = time.perf_counter()
@@ -80,10 +133,13 @@ class AsyncSaver:
         held = contextlib.ExitStack()
         try:
             planned = plan_save(store, comm, entries, trainer_state, overwrite, held, staged,
-                                 pack_below=pack_below)
+                                pack_below=pack_below)
+            ops = self._operations(store)
             copied = time.perf_counter()
-            planned.items = self._snapshot(planned.items)
+            planned.items, later = self._snapshot(planned.items, copy_staged=isinstance(ops, _InWriter))
             self.snapshot_seconds = time.perf_counter() - copied
+            if isinstance(ops, _InWriter):
+                ops.later = later
         except BaseException:
             held.close()
             raise
@@ -91,7 +147,7 @@ class AsyncSaver:
         def background() -> None:
             try:
                 with held:
-                    finish_save(planned, stats, held)
+                    finish_save(planned, stats, held, ops)
             except BaseException as e:  # raised by wait() in the caller's thread
                 self._error = e
 
@@ -99,23 +155,45 @@ class AsyncSaver:
         self._thread.start()
         self.blocking_seconds = time.perf_counter() - start
 
-    def _snapshot(self, items: list[ArrayItem | PackItem]) -> list[ArrayItem | PackItem]:
+    def _operations(self, store: Store) -> InProcess:
+        if self.mode == "process" and store.process_shared:
+            try:
+                self.writer.ensure()
+                self.last_mode = "process"
+                return _InWriter(self.writer, [self.pool, self.host_pool])
+            except OSError as e:
+                _log.warning("the writer process cannot be started (%s): this save is written by a thread", e)
+        elif self.mode == "process":
+            _log.info("%s is not reachable from another process: this save is written by a thread", store)
+        self.last_mode = "thread"
+        return InProcess()
+
+    def _snapshot(self, items: list[ArrayItem | PackItem], *, copy_staged: bool
+                  ) -> tuple[list[ArrayItem | PackItem], list[tuple[Callable[[], None], np.ndarray, np.ndarray]]]:
+        """``items`` with their data copied into the pool. A staged array stays
+        where it is being filled, unless ``copy_staged`` (the writer must find
+        it in the pool): it then gets a slot, filled once it is ready; those
+        ``(ready, source, slot)`` are returned for the background to copy."""
         arrays = [(i.data, i.ready) for i in items if isinstance(i, ArrayItem)]
         arrays += [(data, ready) for i in items if isinstance(i, PackItem) for _, data, ready in i.members]
-        total = sum(data.nbytes for data, ready in arrays if ready is None)
-        if self._buffer is None or self._buffer.nbytes < total:
-            self._buffer = np.empty(total, np.uint8)
-        offset = 0
+        def elsewhere(a: np.ndarray) -> bool:  # a staged array the writer would not find
+            return copy_staged and self.host_pool.offset_of(a) is None and self.pool.offset_of(a) is None
+
+        pooled = [a for a, ready in arrays if ready is None or elsewhere(a)]
+        self.pool.reserve(StagingPool.needed(pooled))
+        pairs: list[tuple[np.ndarray, np.ndarray]] = []
+        later: list[tuple[Callable[[], None], np.ndarray, np.ndarray]] = []
 
         def copied(array: np.ndarray, ready: Callable[[], None] | None) -> np.ndarray:
-            nonlocal offset
-            if ready is not None:  # a private copy already, still being filled
-                return array
+            if ready is not None and not elsewhere(array):
+                return array  # a private copy already, still being filled
             native = array.dtype if array.dtype.isnative else array.dtype.newbyteorder("=")
-            copy = np.ndarray(array.shape, native, buffer=self._buffer, offset=offset)
-            np.copyto(copy, array)
-            offset += array.nbytes
-            return copy
+            slot, _ = self.pool.take(array.shape, native)
+            if ready is None:
+                pairs.append((slot, array))
+            else:
+                later.append((ready, array, slot))
+            return slot
 
         out: list[ArrayItem | PackItem] = []
         for item in items:
@@ -124,7 +202,8 @@ class AsyncSaver:
                                                        for b, data, ready in item.members)))
             else:
                 out.append(item._replace(data=copied(item.data, item.ready)))
-        return out
+        parallel_copy(pairs)
+        return out, later
 
     def done(self) -> bool:
         """Whether no save is in flight."""
@@ -138,3 +217,75 @@ class AsyncSaver:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+
+
+class _InWriter(InProcess):
+    """The I/O that finishes a save, done by the writer process."""
+
+    def __init__(self, writer: Writer, pools: list[StagingPool]) -> None:
+        self.writer, self.pools = writer, pools
+        #: Staged arrays the writer finds in the pool once copied there: (ready, source, slot).
+        self.later: list[tuple[Callable[[], None], np.ndarray, np.ndarray]] = []
+
+    def write(self, planned: PlannedSave, stats: IOStats | None) -> None:
+        index: dict[int, int] = {}
+        waits: list[Callable[[], None]] = []
+
+        def ready_index(ready: Callable[[], None] | None) -> int | None:
+            if ready is None:
+                return None
+            if id(ready) not in index:
+                index[id(ready)] = len(waits)
+                waits.append(ready)
+            return index[id(ready)]
+
+        def locate(array: np.ndarray) -> tuple[int, int] | None:
+            for pool in self.pools:
+                offset = pool.offset_of(array)
+                if offset is not None:
+                    return pool.generation, offset
+            return None
+
+        described = describe_items(planned.items, locate, ready_index)
+        copies = {id(ready): (source, slot) for ready, source, slot in self.later}
+        blob = planned.coordinator.trainer_blob
+        trainer_state = (blob[1].path, blob[0]) if blob is not None else None
+        with self.writer.job_lock:
+            self.writer.ensure()
+            for pool in self.pools:
+                if pool.fd >= 0:
+                    self.writer.map_pool(pool)
+            job = self.writer.submit("write", planned.store, engine_name(), described, trainer_state)
+            failed: BaseException | None = None
+            for k, ready in enumerate(waits):
+                if failed is None:
+                    try:
+                        ready()  # blocks until that array holds its values (a device copy in flight)
+                        if id(ready) in copies:
+                            source, slot = copies[id(ready)]
+                            np.copyto(slot, source)
+                    except BaseException as e:
+                        failed = e
+                if failed is None:
+                    self.writer.ready(job, k)
+                else:
+                    self.writer.cancel(job, k, f"{type(failed).__name__}: {failed}")
+            result = self.writer.result(job)
+        if stats is not None:
+            for field, value in result.items():
+                setattr(stats, field, getattr(stats, field) + value)
+
+    def commit(self, store: Store, metadata: Metadata, stamp: Any) -> bytes:
+        data: bytes = self.writer.call("commit", store, metadata, stamp)
+        return data
+
+    def cleanup(self, store: Store, previous: Metadata | None, save_id: str) -> None:
+        self.writer.call("cleanup", store, previous, save_id)
+
+    def remove(self, store: Store, name: str) -> None:
+        try:
+            self.writer.call("remove", store, name)
+        except Exception as e:  # the writer is gone: this process removes the failed save
+            _log.debug("removing %s here: %s", name, e)
+            super().remove(store, name)
+

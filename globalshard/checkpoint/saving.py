@@ -247,40 +247,59 @@ def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]]
     return PlannedSave(store, open_engine(store), comm, save_id, metadata, items, coordinator)
 
 
-def finish_save(planned: PlannedSave, stats: IOStats | None, held: contextlib.ExitStack) -> None:
+class InProcess:
+    """The I/O that finishes a save, done by this process (its engine's threads)."""
+
+    def write(self, planned: PlannedSave, stats: IOStats | None) -> None:
+        """Write this rank's arrays, and the trainer state if this rank holds it."""
+        planned.engine.write(planned.items, stats)
+        if planned.coordinator.trainer_blob is not None:
+            data, ref = planned.coordinator.trainer_blob
+            planned.store.write(ref.path, data)
+
+    def commit(self, store: Store, metadata: Metadata, stamp: Any) -> bytes:
+        """Commit ``metadata`` (spec section 2.1); returns the bytes written."""
+        data = metadata.dumps().encode("utf-8")
+        store.commit(METADATA_FILE, data, stamp)
+        return data
+
+    def cleanup(self, store: Store, previous: Metadata | None, save_id: str) -> None:
+        """Delete what the commit replaced, and leftovers (spec 2.1, 2.2)."""
+        cleanup.remove_superseded(store, previous, save_id)
+
+    def remove(self, store: Store, name: str) -> None:
+        """Delete ``name`` (a failed save's directory), logging a failure."""
+        cleanup.remove_quietly(store, name)
+
+
+def finish_save(planned: PlannedSave, stats: IOStats | None, held: contextlib.ExitStack,
+                ops: InProcess | None = None) -> None:
     """Write, commit (rank 0, conditionally) and clean up, collectively; a large
     replaced checkpoint is deleted in the background, which takes over the lock
-    in ``held``."""
+    in ``held``. ``ops`` does the I/O (by default this process: :class:`InProcess`)."""
     store, comm, save_id, coordinator = planned.store, planned.comm, planned.save_id, planned.coordinator
-
-    def write() -> None:
-        planned.engine.write(planned.items, stats)
-        if coordinator.trainer_blob is not None:
-            data, ref = coordinator.trainer_blob
-            store.write(ref.path, data)
+    io = ops if ops is not None else InProcess()
 
     def commit() -> None:
         if comm.rank == 0:
             ref = coordinator.trainer_blob[1] if coordinator.trainer_blob is not None else None
             metadata = dataclasses.replace(planned.metadata(), trainer_state=ref)
-            data = metadata.dumps().encode("utf-8")
-            store.commit(METADATA_FILE, data, coordinator.stamp)
-            _remember_commit(store, data, metadata)
+            _remember_commit(store, io.commit(store, metadata, coordinator.stamp), metadata)
 
     try:
-        run_collectively(comm, "save: writing", write)
+        run_collectively(comm, "save: writing", lambda: io.write(planned, stats))
         run_collectively(comm, "save: commit", commit)
     except BaseException:
         if comm.rank == 0:  # every rank has stopped writing: the collective above returned
-            cleanup.remove_quietly(store, save_dir(save_id))
+            io.remove(store, save_dir(save_id))
         raise
     if comm.rank == 0:
         previous = coordinator.previous
         if previous is not None and previous.stored_bytes() >= cleanup.BACKGROUND_DELETE_BYTES:
             cleanup.delete_in_background(f"the checkpoint replaced at {store}",
-                                 lambda: cleanup.remove_superseded(store, previous, save_id), holding=held.pop_all())
+                                         lambda: io.cleanup(store, previous, save_id), holding=held.pop_all())
         else:
-            cleanup.remove_superseded(store, previous, save_id)
+            io.cleanup(store, previous, save_id)
     comm.barrier()
 
 

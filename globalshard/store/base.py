@@ -39,6 +39,10 @@ class Store(Protocol):
     #: a save directory no commit lists is then a leftover whatever its age,
     #: and temporary files of atomic replacement can be left by a crash.
     locks: bool
+    #: Whether another process of this host reaches the same root by pickling
+    #: the store (not an in-memory kvstore): an asynchronous save's writer
+    #: process then writes it.
+    process_shared: bool
 
     def describe(self, name: str) -> str:
         """``name`` as a message shows it (a full path where there is one)."""

@@ -25,6 +25,13 @@ class KvStore:
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = spec
         self._kv: Any = None
+        self.process_shared = not _in_memory(spec)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"spec": self.spec}  # the open kvstore belongs to this process
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["spec"])  # type: ignore[misc]
 
     def __str__(self) -> str:
         return ts.KvStore.Spec(self.spec).to_json().get("path", "") or str(self.spec)
@@ -121,3 +128,14 @@ class KvStore:
 
     def escaping(self, paths: Sequence[str]) -> list[str]:
         return []
+
+
+def _in_memory(spec: Any) -> bool:
+    """Whether a kvstore spec keeps its data in this process's memory, at any depth."""
+    if isinstance(spec, str):
+        return spec.startswith("memory://")
+    if isinstance(spec, dict):
+        return spec.get("driver") == "memory" or any(_in_memory(v) for v in spec.values())
+    if isinstance(spec, list):
+        return any(_in_memory(v) for v in spec)
+    return False

@@ -26,6 +26,21 @@ class StoreTests:
     def test_it_is_a_store(self, store: Store) -> None:
         assert isinstance(store, Store)
 
+    def test_a_process_shared_store_reaches_the_same_root_from_another_process(self, store: Store) -> None:
+        import pickle
+        import subprocess
+        import sys
+
+        store.write("a/file", b"written here")
+        if not store.process_shared:
+            return  # an in-memory root: another process cannot reach it, and saves know it
+        script = ("import pickle, sys\nstore = pickle.loads(sys.stdin.buffer.read())\n"
+                  "sys.stdout.buffer.write(store.read('a/file'))\nstore.write('a/other', b'written there')\n")
+        out = subprocess.run([sys.executable, "-c", script], input=pickle.dumps(store), capture_output=True,
+                             check=True)
+        assert out.stdout == b"written here"
+        assert store.read("a/other") == b"written there"
+
     def test_a_missing_file_reads_as_none(self, store: Store) -> None:
         assert store.read("metadata.json") is None
         assert store.read_stamped("metadata.json")[0] is None

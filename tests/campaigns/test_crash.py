@@ -115,6 +115,37 @@ def test_sigkill_during_the_background_part_of_an_async_save(tmp_path):
     _record("async save (kills in the snapshot and in the background)", len(points), len(points), killed)
 
 
+def test_sigkill_of_the_writer_process_keeps_the_previous_checkpoint(tmp_path):
+    """The writer process of an async save is killed at points spread over its
+    work (array writes, trainer state, the commit, the cleanup): the trainer's
+    wait() raises, or the save had committed; the previous or the new
+    checkpoint loads whole, and the next save (a new writer) succeeds."""
+    base = tmp_path / "base"
+    saver.save_stamped(base, 1)
+    shutil.copytree(base, tmp_path / "count")
+    counted = _saver(str(tmp_path / "count"), "--tag", "2", "--overwrite", "--async-save",
+                     "--writer-count", str(tmp_path / "events"))
+    assert counted.returncode == 0, counted.stderr
+    events = int((tmp_path / "events").read_text())
+    assert events > 10, events  # the writer did the work: its files, not the trainer's
+    points = _spread(events, POINTS if FULL else 4)
+    failed = outcomes = 0
+    seen = {1: 0, 2: 0}
+    for k in points:
+        ckpt = tmp_path / f"w{k}"
+        shutil.copytree(base, ckpt)
+        out = _saver(str(ckpt), "--tag", "2", "--overwrite", "--async-save", "--writer-kill-at", str(k))
+        assert out.returncode in (0, 3), (out.returncode, out.stderr)
+        if out.returncode == 3:
+            failed += 1
+            assert "WriterDied" in out.stdout and "previous checkpoint stands" in out.stdout, out.stdout
+        seen[_check_after_kill(ckpt, 2)] += 1
+        outcomes += 1
+        shutil.rmtree(ckpt)
+    assert failed >= 1 and seen[1] >= 1, (failed, seen)  # kills before the commit happened
+    _record("async save, the writer process killed", len(points), outcomes, failed)
+
+
 def test_sigkill_of_one_rank_of_a_gloo_save(tmp_path):
     from torch_harness import run_tolerating_deaths
 

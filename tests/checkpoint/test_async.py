@@ -1,6 +1,7 @@
-"""Async save: the caller gets control back after a host snapshot; the
-checkpoint holds the values at that moment, errors surface at wait(), one save
-runs at a time and the snapshot buffer is reused."""
+"""Async save, in a writer process and in a thread: the caller gets control
+back after a host snapshot; the checkpoint holds the values at that moment,
+errors surface at wait(), one save runs at a time and the staging pool is
+reused."""
 
 import numpy as np
 import pytest
@@ -9,27 +10,31 @@ import saver
 import globalshard as gs
 from globalshard.testing.comm import run_ranks
 
+MODES = pytest.mark.parametrize("mode", ["process", "thread"])
 
-def test_the_checkpoint_holds_the_values_at_the_snapshot_on_every_rank(tmp_path):
+
+@MODES
+def test_the_checkpoint_holds_the_values_at_the_snapshot_on_every_rank(tmp_path, mode):
     def save(comm):
         state = saver.stamped_state(1, rank=comm.rank)
-        s = gs.AsyncSaver()
+        s = gs.AsyncSaver(mode)
         s.save(state, tmp_path, trainer_state={"tag": 1}, comm=comm)
         for t in state.values():
             t.data[...] = -1  # training goes on while the save runs
         s.wait()
-        return s.blocking_seconds, s.snapshot_seconds
+        return s.blocking_seconds, s.snapshot_seconds, s.last_mode
 
-    for blocking, snapshot in run_ranks(2, save):
-        assert 0 < snapshot <= blocking
+    for blocking, snapshot, ran in run_ranks(2, save):
+        assert 0 < snapshot <= blocking and ran == mode
     assert saver.whose(tmp_path) == 1
 
 
-def test_a_background_failure_is_raised_by_wait_and_commits_nothing(tmp_path):
+@MODES
+def test_a_background_failure_is_raised_by_wait_and_commits_nothing(tmp_path, mode):
     saver.save_stamped(tmp_path, 1)
     (tmp_path / "saves").rename(tmp_path / "kept")
     (tmp_path / "saves").write_text("a file where the save directories go")
-    s = gs.AsyncSaver()
+    s = gs.AsyncSaver(mode)
     s.save(saver.stamped_state(2), tmp_path, trainer_state={"tag": 2}, overwrite=True)  # planning succeeds
     with pytest.raises(gs.StorageError):
         s.wait()
@@ -39,12 +44,15 @@ def test_a_background_failure_is_raised_by_wait_and_commits_nothing(tmp_path):
     assert saver.whose(tmp_path) == 1  # the previous checkpoint, untouched
 
 
-def test_one_save_at_a_time_and_the_buffer_is_reused(tmp_path):
-    s = gs.AsyncSaver()
-    s.save(saver.stamped_state(1), tmp_path / "a", trainer_state={"tag": 1})
-    first = s._buffer
+@MODES
+def test_one_save_at_a_time_and_the_pool_is_reused(tmp_path, mode):
+    s = gs.AsyncSaver(mode)
+    state = saver.stamped_state(1)
+    s.save(state, tmp_path / "a", trainer_state={"tag": 1})
+    first = (s.pool.generation, s.pool.nbytes)
+    assert first[1] >= sum(t.data.nbytes for t in state.values())
     s.save(saver.stamped_state(2), tmp_path / "a", trainer_state={"tag": 2}, overwrite=True)  # waits, then saves
-    assert s._buffer is first
+    assert (s.pool.generation, s.pool.nbytes) == first  # the same buffer, not a new one
     s.wait()
     assert s.done() and saver.whose(tmp_path / "a") == 2
     with pytest.raises(gs.LayoutError):  # planning errors are raised by save() itself, nothing in flight
@@ -57,11 +65,14 @@ def _shard(name, data):
     return gs.ShardedTensor.from_offset(name, data, global_shape=data.shape, global_offset=(0,) * data.ndim)
 
 
-def test_staged_arrays_are_waited_for_before_their_writes_and_not_copied(tmp_path):
+@MODES
+def test_staged_arrays_are_waited_for_before_their_writes(tmp_path, mode):
     """A staged array is a private host copy still being filled (a device-to-host
     copy in flight, here a thread): save() returns without waiting for it, the
-    writer waits just before writing it, and the checkpoint holds what the copy
-    delivered. Unstaged arrays are snapshotted as before."""
+    background waits for it before its bytes are written (in process mode it
+    then copies it into the pool, where the writer finds it, unless it is
+    staged there already), and the checkpoint holds what the copy delivered.
+    Unstaged arrays are snapshotted as before."""
     import threading
 
     host_copy = np.zeros((256, 64), np.float32)  # the pinned buffer the device copy fills
@@ -73,9 +84,9 @@ def test_staged_arrays_are_waited_for_before_their_writes_and_not_copied(tmp_pat
         waits.append(landed.is_set())
         assert landed.wait(30)
 
-    s = gs.AsyncSaver()
+    s = gs.AsyncSaver(mode)
     s.save({"staged": _shard("a", host_copy), "plain": _shard("b", plain)}, tmp_path, staged={"staged": ready})
-    assert s._buffer.nbytes == plain.nbytes  # only the unstaged array was copied
+    assert s.pool.nbytes < (host_copy.nbytes if mode == "thread" else host_copy.nbytes + plain.nbytes + 8192)
     plain[:] = -1  # training goes on: the snapshot keeps the ones
     host_copy[:] = 3  # the device copy lands after save() returned
     landed.set()
@@ -84,13 +95,14 @@ def test_staged_arrays_are_waited_for_before_their_writes_and_not_copied(tmp_pat
     assert (gs.read_array(tmp_path, "a") == 3).all() and (gs.read_array(tmp_path, "b") == 1).all()
 
 
-def test_a_staged_copy_that_fails_fails_the_save_and_commits_nothing(tmp_path):
+@MODES
+def test_a_staged_copy_that_fails_fails_the_save_and_commits_nothing(tmp_path, mode):
     saver.save_stamped(tmp_path, 1)
 
     def broken():
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    s = gs.AsyncSaver()
+    s = gs.AsyncSaver(mode)
     state = saver.stamped_state(2)
     name = sorted(state)[0]
     s.save(state, tmp_path, trainer_state={"tag": 2}, overwrite=True, staged={name: broken})
@@ -99,3 +111,64 @@ def test_a_staged_copy_that_fails_fails_the_save_and_commits_nothing(tmp_path):
     assert saver.whose(tmp_path) == 1  # the previous checkpoint, untouched
     with pytest.raises(gs.LayoutError, match="staged names \\['nope'\\] are not in the state"):
         s.save(saver.stamped_state(3), tmp_path, overwrite=True, staged={"nope": broken})
+
+
+def test_the_writer_process_writes_every_array_file_and_the_trainer_none(tmp_path):
+    """Process mode: the trainer's interpreter opens no file of the save it
+    writes (counted with an audit hook in a fresh trainer process); thread
+    mode opens them all in the trainer."""
+    import json
+    import subprocess
+    import sys
+
+    from repo import TESTS
+
+    script = f"""
+import json, os, sys
+sys.path.insert(0, {TESTS!r})
+import saver
+import globalshard as gs
+root, mode = sys.argv[1], sys.argv[2]
+opened = []
+sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == "open" and args and
+                 "/saves/" in str(args[0]) else None)
+s = gs.AsyncSaver(mode)
+s.save(saver.stamped_state(1), root, trainer_state={{"tag": 1}})
+s.wait()
+print(json.dumps({{"opened": len(opened), "mode": s.last_mode}}))
+"""
+    counts = {}
+    for mode in ("process", "thread"):
+        out = subprocess.run([sys.executable, "-c", script, str(tmp_path / mode), mode], capture_output=True,
+                             text=True, check=True)
+        counts[mode] = json.loads(out.stdout.splitlines()[-1])
+        assert saver.whose(tmp_path / mode) == 1
+    assert counts["process"] == {"opened": 0, "mode": "process"}, counts
+    assert counts["thread"]["opened"] >= len(saver.stamped_state(1)), counts
+
+
+def test_a_writer_killed_between_saves_is_started_again(tmp_path):
+    import os
+    import signal
+
+    s = gs.AsyncSaver("process")
+    s.save(saver.stamped_state(1), tmp_path / "a", trainer_state={"tag": 1})
+    s.wait()
+    first = s.writer.pid
+    os.kill(first, signal.SIGKILL)
+    s.save(saver.stamped_state(2), tmp_path / "b", trainer_state={"tag": 2})
+    s.wait()
+    assert s.last_mode == "process" and s.writer.pid != first
+    assert saver.whose(tmp_path / "a") == 1 and saver.whose(tmp_path / "b") == 2
+
+
+def test_a_root_another_process_cannot_reach_is_written_by_a_thread():
+    s = gs.AsyncSaver("process")
+    s.save(saver.stamped_state(1), "memory://async-thread-fallback/", trainer_state={"tag": 1})
+    s.wait()
+    assert s.last_mode == "thread" and saver.whose("memory://async-thread-fallback/") == 1
+
+
+def test_an_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="process, thread"):
+        gs.AsyncSaver("fork")

@@ -69,3 +69,10 @@ def test_either_engine_writes_what_the_other_reads(tmp_path, monkeypatch, io):
     gs.save({"w": gs.ShardedTensor.from_offset("w", w, global_shape=(4, 6), global_offset=(0, 0))}, tmp_path)
     monkeypatch.setenv("GLOBALSHARD_IO", other)
     assert np.array_equal(gs.read_array(tmp_path, "w"), w)
+
+
+def test_only_in_memory_kvstores_are_not_shared_between_processes(tmp_path):
+    assert open_root(tmp_path).process_shared
+    assert open_root({"driver": "ocdbt", "base": f"file://{tmp_path}/"}).process_shared
+    assert not open_root("memory://x/").process_shared
+    assert not open_root({"driver": "ocdbt", "base": "memory://y/"}).process_shared

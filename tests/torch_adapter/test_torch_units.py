@@ -342,3 +342,35 @@ def test_manager_pointer_is_replaced_atomically(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".latest.tmp")]
     reread = gs.read_trainer_state(mgr.path(7))
     assert reread["step"] == 7 and reread["parallel_config"]["tp_size"] == 1
+
+
+def test_staging_buffers_come_from_the_savers_pool_once_it_is_sized():
+    """Device tensors are staged into the AsyncSaver's host pool (shared with its
+    writer process): the first save finds the pool empty, stages into buffers of
+    its own and records what it needs; from the next save on they lie in the pool,
+    which is not reallocated while the state keeps its size."""
+    import globalshard as gs
+    from globalshard_torch.tensors import HostStaging
+
+    saver = gs.AsyncSaver()
+    shapes = [((64, 32), torch.float32), ((17,), torch.bfloat16), ((3, 5), torch.int64)]
+    first = HostStaging(overlap=True, pool=saver.host_pool)
+    bufs = [first.buffer(s, d) for s, d in shapes]
+    assert all(saver.host_pool.offset_of(gt.numpy_view(b)) is None for b in bufs)  # no pool yet
+    assert first.needed == sum(-(-b.numel() * b.element_size() // 64) * 64 for b in bufs)
+    generations = set()
+    for _ in range(3):
+        staging = HostStaging(overlap=True, pool=saver.host_pool)
+        bufs = [staging.buffer(s, d) for s, d in shapes]
+        assert [(tuple(b.shape), b.dtype) for b in bufs] == [(s, d) for s, d in shapes]
+        offsets = [saver.host_pool.offset_of(gt.numpy_view(b)) for b in bufs]
+        assert None not in offsets and offsets == sorted(offsets) and all(o % 64 == 0 for o in offsets)
+        generations.add(saver.host_pool.generation)
+        for b in bufs:
+            b.fill_(1)  # writable, and within the pool (no overlap: each fill lands in its own bytes)
+    assert len(generations) == 1
+    bigger = HostStaging(overlap=True, pool=saver.host_pool)
+    extra = bigger.buffer((1024, 1024), torch.float32)  # more than the pool holds: a buffer of its own
+    assert saver.host_pool.offset_of(gt.numpy_view(extra)) is None
+    HostStaging(overlap=True, pool=saver.host_pool)
+    assert saver.host_pool.nbytes >= bigger.needed  # grown for the next save
