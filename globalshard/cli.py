@@ -69,7 +69,12 @@ def _inspect(args: argparse.Namespace) -> int:
     regions = sum(len(t.regions) for t in md.tensors.values())
     packed = [r for t in md.tensors.values() for r in t.regions if r.byte_offset is not None]
     packs = len({r.path for r in packed})
+    referenced = [r for t in md.tensors.values() for r in t.regions if r.base is not None]
+    bases: list[dict[str, Any]] = [{"root": b.root, "save_id": b.save_id,
+                                    "bytes": sum(r.nbytes for r in referenced if r.base == i)}
+                                   for i, b in enumerate(md.bases)]
     doc = {"path": args.path, "format_version": md.version, "save_id": md.save_id, "bytes": total,
+           "bytes_in_bases": sum(r.nbytes for r in referenced), "bases": bases,
            "regions": regions, "packed_regions": len(packed), "packs": packs, "trainer_state_keys": sorted(trainer),
            "tensors": {k: {"dtype": t.dtype, "global_shape": list(t.global_shape), "regions": len(t.regions),
                            "bytes": sum(r.nbytes for r in t.regions)} for k, t in sorted(md.tensors.items())}}
@@ -82,6 +87,8 @@ def _inspect(args: argparse.Namespace) -> int:
         t = md.tensors[key]
         mib = sum(r.nbytes for r in t.regions) / 2**20
         text.append(f"{key:{width}}  {t.dtype:14} {t.global_shape!s:20} {len(t.regions):7d} {mib:9.3f}")
+    for b in bases:
+        text.append(f"base {b['root']} (save {b['save_id']}): {b['bytes'] / 2**20:.2f} MiB of the regions")
     text.append(f"trainer_state.json: {sorted(trainer) if trainer else 'none'}")
     _emit(args, doc, text)
     return EXIT_OK

@@ -437,8 +437,8 @@ def rebased_metadata(metadata: Metadata, new: str) -> Metadata:
     assert metadata.save_id is not None
     move = _mover(metadata.save_id, new)
     tensors = {key: TensorMetadata(t.dtype, t.global_shape,
-                                   tuple(StoredRegion(r.box, move(r.path), r.nbytes, r.byte_offset)
-                                         for r in t.regions))
+                                   tuple(StoredRegion(r.box, move(r.path) if r.base is None else r.path, r.nbytes,
+                                                      r.byte_offset, r.base, r.sha256) for r in t.regions))
                for key, t in metadata.tensors.items()}
     return dataclasses.replace(metadata, tensors=tensors, save_id=new)
 

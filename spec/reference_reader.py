@@ -101,7 +101,7 @@ class Checkpoint:
     def __init__(self, root):
         self.root = os.path.realpath(root)
         meta = _parse(self._file("metadata.json"), strict_int=True)
-        _members(meta, ["format", "version", "save_id", "tensors", "trainer_state"], "$")
+        _members(meta, ["format", "version", "save_id", "tensors", "trainer_state"], "$", optional=["bases"])
         if meta["format"] != "globalshard" or meta["version"] != 2 or type(meta["version"]) is not int:
             raise Invalid("$: not a globalshard version 2 checkpoint")
         if not isinstance(meta["save_id"], str) or not re.fullmatch(r"[0-9a-f]{32}", meta["save_id"]):
@@ -109,6 +109,18 @@ class Checkpoint:
         if not isinstance(meta["tensors"], dict):
             raise Invalid("$.tensors: not an object")
         self.save_id, self.tensors, paths, packs = meta["save_id"], meta["tensors"], [], {}
+        self.bases = meta.get("bases", [])  # section 5.2: sibling roots holding some regions' arrays
+        if not isinstance(self.bases, list):
+            raise Invalid("$.bases: not a list")
+        for i, b in enumerate(self.bases):
+            _members(b, ["root", "save_id"], f"$.bases[{i}]")
+            root = b["root"]
+            if not isinstance(root, str) or not root or root in (".", "..") or len(root) > 255 or \
+                    re.search(r"[/\\\x00-\x1f\x7f]", root) or not re.fullmatch(r"[0-9a-f]{32}", str(b["save_id"])):
+                raise Invalid(f"$.bases[{i}]: not one path component and a save id")
+            if b["save_id"] == self.save_id or [x["root"] for x in self.bases].count(root) > 1:
+                raise Invalid(f"$.bases[{i}]: repeats a root, or names this checkpoint's own save")
+        used = set()
         for key, t in self.tensors.items():
             where = f"$.tensors[{json.dumps(key)}]"
             _members(t, ["dtype", "global_shape", "regions"], where)
@@ -120,7 +132,14 @@ class Checkpoint:
             boxes = []
             for i, r in enumerate(t["regions"]):
                 at = f"{where}.regions[{i}]"
-                _members(r, ["offset", "shape", "path", "nbytes"], at, optional=["byte_offset"])
+                _members(r, ["offset", "shape", "path", "nbytes"], at, optional=["byte_offset", "base", "sha256"])
+                if "sha256" in r and not (isinstance(r["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", r["sha256"])):
+                    raise Invalid(f"{at}.sha256: not 64 lowercase hex digits")
+                if "base" in r:
+                    b = _int(r["base"], f"{at}.base")
+                    if b >= len(self.bases) or not str(r["path"]).startswith(f"saves/{self.bases[b]['save_id']}/"):
+                        raise Invalid(f"{at}: no such base, or a path outside that base's save")
+                    used.add(b)
                 off, shp = _ints(r["offset"], f"{at}.offset", len(shape)), _ints(r["shape"], f"{at}.shape", len(shape))
                 if 0 in shp or any(o + s > g for o, s, g in zip(off, shp, shape)):
                     raise Invalid(f"{at}: empty, or outside the global shape")
@@ -137,6 +156,8 @@ class Checkpoint:
                     all(a < c + w and c < a + v for a, v, c, w in zip(o1, s1, o2, s2))
                     for i, (o1, s1) in enumerate(boxes) for (o2, s2) in boxes[i + 1:]):
                 raise Invalid(f"{where}.regions: do not cover the global array exactly once")
+        if used != set(range(len(self.bases))):
+            raise Invalid("$.bases: an entry no region uses")
         ref = meta["trainer_state"]
         self.trainer_state = {}
         if ref is not None:
@@ -164,6 +185,22 @@ class Checkpoint:
         with open(full, "rb") as f:
             return f.read()
 
+    def _base(self, b, key, r, dtype):
+        """Section 5.2: the base that stores region ``r`` of ``key``, checked."""
+        ref = self.bases[b]
+        try:
+            base = Checkpoint(os.path.join(os.path.dirname(self.root), ref["root"]))
+        except (Invalid, OSError) as e:
+            raise Invalid(f"{key!r} lies in the base {ref['root']}, which cannot be read: {e}") from None
+        if base.save_id != ref["save_id"]:
+            raise Invalid(f"{key!r} lies in save {ref['save_id']} of the base {ref['root']}, which was replaced")
+        theirs = base.tensors.get(key)
+        want = {k: v for k, v in r.items() if k not in ("base", "sha256")}
+        if theirs is None or theirs["dtype"] != dtype or not any(
+                "base" not in x and {k: v for k, v in x.items() if k != "sha256"} == want for x in theirs["regions"]):
+            raise Invalid(f"the base {ref['root']} does not store {key!r} {r['offset']} at {r['path']}")
+        return base
+
     def read(self, key, offset=None, shape=None):
         """The global box ``offset``/``shape`` (default: all) of ``key``, as a numpy array."""
         t = self.tensors[key]
@@ -175,7 +212,8 @@ class Checkpoint:
             hi = [min(a + s, b + w) for a, s, b, w in zip(offset, shape, r["offset"], r["shape"])]
             if any(h <= l for l, h in zip(lo, hi)):
                 continue
-            store = self._open(r["path"])
+            holder = self._base(r["base"], key, r, t["dtype"]) if "base" in r else self
+            store = holder._open(r["path"])
             meta = store.spec().to_json()["metadata"]
             if not _has_crc32c(meta["codecs"]):
                 raise Invalid(f"{r['path']}: a chunk without crc32c")
@@ -187,7 +225,7 @@ class Checkpoint:
                 if store.dtype.name != "uint8" or store.rank != 1 or start + n > store.shape[0]:
                     raise Invalid(f"{r['path']}: not a uint8 pack holding bytes [{start}, {start + n})")
                 listed = attributes.get("members") if isinstance(attributes, dict) else None
-                if attributes.get("save_id") != self.save_id or not isinstance(listed, list) or \
+                if attributes.get("save_id") != holder.save_id or not isinstance(listed, list) or \
                         json.dumps([key, r["offset"], start, n]) not in map(json.dumps, listed):  # 64.0 is not 64
                     raise Invalid(f"{r['path']}: the pack does not list {key!r} {r['offset']} of this save")
                 raw = self._read(store[start:start + n], r["path"])
@@ -196,7 +234,7 @@ class Checkpoint:
                 continue
             if store.dtype.name != t["dtype"] or list(store.shape) != r["shape"]:
                 raise Invalid(f"{r['path']}: not {t['dtype']} {r['shape']}")
-            if attributes != {"key": key, "offset": r["offset"], "save_id": self.save_id}:
+            if attributes != {"key": key, "offset": r["offset"], "save_id": holder.save_id}:
                 raise Invalid(f"{r['path']}: its attributes name another key, box or save")
             out[dst] = self._read(store[src] if src else store, r["path"])
         return out

@@ -147,13 +147,16 @@ def _shards(key: str, leaf: Any, axes: tuple[int, ...] | None, rank: int) -> lis
 
 def save(path: Any, pytree: Any, *, trainer_state: dict[str, Any] | None = None, comm: Comm | None = None,
          keys: KeyMap = None, overwrite: bool = False, kvstore: Any = None,
-         stats: gs.IOStats | None = None, pack_below: int = 0) -> None:
+         stats: gs.IOStats | None = None, pack_below: int = 0, base: Any = None, frozen: Any = (),
+         digests: bool | None = None) -> None:
     """Save a pytree of arrays (``jax.Array``, numpy, Python scalars) as one checkpoint.
 
     Every process calls it with its own view of the same pytree. ``keys``
     maps a pytree key to a checkpoint key, or to ``(key, axes)`` to store the
     leaf transposed (see :meth:`globalshard.ShardedTensor.transposed`).
-    ``pack_below``: as for :func:`globalshard.save` (small regions stored in a few packs).
+    ``pack_below``, ``base``, ``frozen``, ``digests``: as for :func:`globalshard.save`
+    (small regions stored in a few packs; regions equal to a base checkpoint's
+    stored as references to it, ``frozen`` naming checkpoint keys).
     """
     comm = comm if comm is not None else default_comm()
     state: dict[str, gs.ShardedTensor] = {}
@@ -162,7 +165,7 @@ def save(path: Any, pytree: Any, *, trainer_state: dict[str, Any] | None = None,
         for i, t in enumerate(_shards(ckpt_key, leaf, axes, comm.rank)):
             state[f"{key}#{i}"] = t
     gs.save(state, path, trainer_state=trainer_state, comm=comm, overwrite=overwrite, kvstore=kvstore, stats=stats,
-            pack_below=pack_below)
+            pack_below=pack_below, base=base, frozen=frozen, digests=digests)
 
 
 class Restored(tuple):

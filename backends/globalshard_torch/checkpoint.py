@@ -132,6 +132,9 @@ def save_checkpoint(
     stats: gs.IOStats | None = None,
     saver: gs.AsyncSaver | None = None,
     pack_below: int = 0,
+    base: Any = None,
+    frozen: Sequence[str] = (),
+    digests: bool | None = None,
 ) -> None:
     """Save this rank's part of the model, optimizer, scheduler and trainer state.
 
@@ -149,7 +152,10 @@ def save_checkpoint(
     rank's data is copied to host memory, and the rest runs in the
     background: call ``saver.wait()`` before exiting or loading. A failure on
     any rank raises on every rank and commits nothing. ``pack_below``: as for
-    :func:`globalshard.save` (small regions stored in a few packs).
+    :func:`globalshard.save` (small regions stored in a few packs). ``base``,
+    ``frozen`` and ``digests``: as for :func:`globalshard.save` (regions equal
+    to a base checkpoint's stored as references to it; ``frozen`` names
+    checkpoint keys, such as a LoRA fine-tune's pretrained weights).
     """
     comm = comm if comm is not None else (default_comm() or SingleProcessComm())
     user = dict(trainer_state or {})
@@ -224,10 +230,10 @@ def save_checkpoint(
         state["rank_state"] = [g["rank_state"] for g in gathered]
     if saver is not None:  # device-to-host copies overlap with the writes
         saver.save(shards, path, trainer_state=state, comm=comm, overwrite=overwrite, kvstore=kvstore, stats=stats,
-                   staged=staging.staged(shards), pack_below=pack_below)
+                   staged=staging.staged(shards), pack_below=pack_below, base=base, frozen=frozen, digests=digests)
     else:
         gs.save(shards, path, trainer_state=state, comm=comm, overwrite=overwrite, kvstore=kvstore, stats=stats,
-                pack_below=pack_below)
+                pack_below=pack_below, base=base, frozen=frozen, digests=digests)
 
 
 def load_checkpoint(

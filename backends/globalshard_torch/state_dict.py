@@ -25,7 +25,7 @@ its key: nothing is dropped, and nothing is pickled.
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -147,9 +147,12 @@ def _tensor_shard(key: str, t: torch.Tensor, staging: HostStaging, rank: int, *,
 
 
 def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, overwrite: bool = False,
-         kvstore: Any = None, stats: gs.IOStats | None = None, pack_below: int = 0) -> None:
+         kvstore: Any = None, stats: gs.IOStats | None = None, pack_below: int = 0, base: Any = None,
+         frozen: Sequence[str] = (), digests: bool | None = None) -> None:
     """Save a nested state dict (see the module docstring). Call on every rank.
-    ``pack_below``: as for :func:`globalshard.save` (small regions stored in a few packs).
+    ``pack_below``, ``base``, ``frozen``, ``digests``: as for :func:`globalshard.save`
+    (small regions stored in a few packs; regions equal to a base checkpoint's
+    stored as references to it).
 
     Raises:
         LayoutError: a leaf that cannot be saved (named by its key), or
@@ -191,7 +194,8 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
 
     run_collectively(comm, "save: describing the state dict", describe)
     gs.save(shards, path, trainer_state={_VALUES: values, _BYTES: sorted(byte_keys)}, comm=comm,
-            overwrite=overwrite, kvstore=kvstore, stats=stats, pack_below=pack_below)
+            overwrite=overwrite, kvstore=kvstore, stats=stats, pack_below=pack_below, base=base, frozen=frozen,
+            digests=digests)
 
 
 def _like(template: Any, value: Any) -> Any:

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -103,7 +103,8 @@ class AsyncSaver:
     def save(self, state: Mapping[str, ShardedTensor], path: Any, *, trainer_state: dict[str, Any] | None = None,
              comm: Comm | None = None, overwrite: bool = False, kvstore: Any = None,
              stats: IOStats | None = None, staged: Mapping[str, Callable[[], None]] | None = None,
-             pack_below: int = 0) -> None:
+             pack_below: int = 0, base: Any = None, frozen: Iterable[str] = (),
+             digests: bool | None = None) -> None:
         """As :func:`~globalshard.save`, returning after the host snapshot (see the class).
 
         Args:
@@ -115,6 +116,10 @@ class AsyncSaver:
             kvstore: as for :func:`~globalshard.save`.
             stats: as for :func:`~globalshard.save`, filled when the save has finished.
             pack_below: as for :func:`~globalshard.save`.
+            base: as for :func:`~globalshard.save`.
+            frozen: as for :func:`~globalshard.save`: those regions are not
+                copied into the snapshot either.
+            digests: as for :func:`~globalshard.save`.
             staged: names of ``state`` whose ``data`` is already a private
                 host copy that is still being filled (a device-to-host copy in
                 flight), each with a function that blocks until it is done.
@@ -133,7 +138,7 @@ class AsyncSaver:
         held = contextlib.ExitStack()
         try:
             planned = plan_save(store, comm, entries, trainer_state, overwrite, held, staged,
-                                pack_below=pack_below)
+                                pack_below=pack_below, base=base, frozen=frozen, digests=digests, kvstore=kvstore)
             ops = self._operations(store)
             copied = time.perf_counter()
             planned.items, later = self._snapshot(planned.items, copy_staged=isinstance(ops, _InWriter))
@@ -227,7 +232,7 @@ class _InWriter(InProcess):
         #: Staged arrays the writer finds in the pool once copied there: (ready, source, slot).
         self.later: list[tuple[Callable[[], None], np.ndarray, np.ndarray]] = []
 
-    def write(self, planned: PlannedSave, stats: IOStats | None) -> None:
+    def write(self, planned: PlannedSave, stats: IOStats | None) -> list[list[Any]]:
         index: dict[int, int] = {}
         waits: list[Callable[[], None]] = []
 
@@ -255,7 +260,8 @@ class _InWriter(InProcess):
             for pool in self.pools:
                 if pool.fd >= 0:
                     self.writer.map_pool(pool)
-            job = self.writer.submit("write", planned.store, engine_name(), described, trainer_state)
+            job = self.writer.submit("write", planned.store, engine_name(), described, trainer_state,
+                                     dict(planned.requests))
             failed: BaseException | None = None
             for k, ready in enumerate(waits):
                 if failed is None:
@@ -270,10 +276,11 @@ class _InWriter(InProcess):
                     self.writer.ready(job, k)
                 else:
                     self.writer.cancel(job, k, f"{type(failed).__name__}: {failed}")
-            result = self.writer.result(job)
+            result, outcomes = self.writer.result(job)
         if stats is not None:
             for field, value in result.items():
                 setattr(stats, field, getattr(stats, field) + value)
+        return list(outcomes)
 
     def commit(self, store: Store, metadata: Metadata, stamp: Any) -> bytes:
         data: bytes = self.writer.call("commit", store, metadata, stamp)

@@ -3,7 +3,6 @@ on every rank, then read; and reading any box of one tensor."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import copy
 import dataclasses
@@ -13,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from globalshard.checkpoint.bases import check_bases
 from globalshard.checkpoint.saving import entries_of, log_end
 from globalshard.comm import Comm, SingleProcessComm, run_collectively
 from globalshard.dtypes import canonical_name, numpy_dtype
@@ -134,24 +134,49 @@ def load(
 
 
 def _expected_attributes(metadata: Metadata, plan: LoadPlan) -> dict[str, Expect]:
-    """What each array and pack a plan reads must say of itself (None in version 1)."""
+    """What each array and pack a plan reads must say of itself (None in version 1):
+    the save of the root it lies in (a base's, for a region with ``base``)."""
     out: dict[str, Expect] = {}
+    saves: dict[str, str] = {}  # path -> the save it belongs to
     for key in {t.key for t in plan.targets}:
         for r in metadata.tensors[key].regions:
+            save_id = metadata.save_id if r.base is None else metadata.bases[r.base].save_id
             if r.path in plan.arrays:
-                out[r.path] = array_attributes(key, r.box.offset, metadata.save_id) if metadata.save_id else None
+                out[r.path] = array_attributes(key, r.box.offset, save_id) if save_id else None
+            elif save_id is not None:
+                saves[r.path] = save_id
     for path, regions in plan.packs.items():
-        assert metadata.save_id is not None  # packs exist from version 2
-        out[path] = pack_expect(metadata.save_id, regions)
+        out[path] = pack_expect(saves[path], regions)  # packs exist from version 2
     return out
 
 
 def _open_for(store: Store, engine: ArrayEngine, metadata: Metadata, infos: list[ShardInfo], names: list[str] | None,
               allow_lossy_cast: bool) -> OpenedPlan:
-    """Plan a load and open and check every array it reads: no data read."""
+    """Plan a load and open and check every array it reads, in this root and
+    in the bases it needs (spec section 5.2): no data read."""
     plan = LoadPlanner().plan(metadata, infos, allow_lossy_cast=allow_lossy_cast, names=names)
-    with _saying_if_replaced(store, metadata):
-        return engine.open(plan, _expected_attributes(metadata, plan))
+    expect = _expected_attributes(metadata, plan)
+    if not metadata.bases:
+        with _saying_if_replaced(store, metadata):
+            return engine.open(plan, expect)
+    needed: dict[int, list[tuple[str, Any]]] = {}
+    root_of: dict[str, int] = {}
+    for key in sorted({t.key for t in plan.targets}):
+        for r in metadata.tensors[key].regions:
+            if r.base is not None and (r.path in plan.arrays or r.path in plan.packs):
+                needed.setdefault(r.base, []).append((key, r))
+                root_of[r.path] = r.base
+    stores = check_bases(store, metadata, needed)
+    parts = [(engine, None)] + [(open_engine(stores[b]), b) for b in sorted(stores)]
+    opened = []
+    for root_engine, b in parts:
+        part = dataclasses.replace(plan, arrays={p: v for p, v in plan.arrays.items() if root_of.get(p) == b},
+                                   packs={p: v for p, v in plan.packs.items() if root_of.get(p) == b})
+        with _saying_if_replaced(store, metadata):
+            opened.append(root_engine.open(part, expect))
+    where = {p: stores[b].describe(p) for p, b in root_of.items()}
+    return OpenedPlan(plan, {k: v for o in opened for k, v in o.stores.items()},
+                      {k: v for o in opened for k, v in o.files.items()}, where)
 
 
 @contextlib.contextmanager
@@ -259,62 +284,13 @@ class Checkpoint:
     def verify(self, *, workers: int = 1,
                progress: Callable[[int], None] | None = None) -> tuple[list[str], int]:
         """Read and checksum every stored byte in bounded memory, ``workers``
-        arrays at a time. Returns ``(problems, bytes read)``: one line per
-        damaged or foreign array, naming its key, box and file (none: sound).
-        ``progress(nbytes)`` is called as each array is done."""
-        jobs: list[tuple[str, str, Any]] = []
-        packs: dict[str, list[tuple[str, Any]]] = {}
-        for key in sorted(self.metadata.tensors):
-            t = self.metadata.tensors[key]
-            for r in t.regions:
-                if r.byte_offset is None:
-                    jobs.append((key, t.dtype, r))
-                else:
-                    packs.setdefault(r.path, []).append((key, r))
-        jobs += [("", "uint8", path) for path in sorted(packs)]  # each pack once, with every region in it
+        arrays at a time, each in the root that stores it (this one or a
+        base). Returns ``(problems, bytes read)``: one line per damaged or
+        foreign array, naming its key, box and file, and per base that cannot
+        be read (none: sound). ``progress(nbytes)`` is called as each array is done."""
+        from globalshard.checkpoint.verifying import verify
 
-        def one(job: tuple[str, str, Any]) -> tuple[str | None, int]:
-            key, dtype, r = job
-            if isinstance(r, str):  # a pack
-                members = sorted(packs[r], key=lambda m: m[1].byte_offset)
-                assert self.metadata.save_id is not None
-                expect = PackExpect(self.metadata.save_id, tuple((k, m.box.offset, m.byte_offset, m.nbytes)
-                                                                 for k, m in members))
-                try:
-                    return None, self._engine.verify(r, "uint8", None, expect)
-                except GlobalShardError as e:
-                    lost = self._unreadable(members)  # the regions in its damaged chunks
-                    names = ", ".join(f"{k} {m.box}" for k, m in lost[:20])
-                    more = f" and {len(lost) - 20} more" if len(lost) > 20 else ""
-                    return (f"pack {r}: {e}\nregions of the pack that cannot be read: {names}{more}",
-                            sum(m.nbytes for _, m in members))
-            want = array_attributes(key, r.box.offset, self.metadata.save_id) if self.metadata.save_id else None
-            try:
-                return None, self._engine.verify(r.path, dtype, r.box.shape, want)
-            except GlobalShardError as e:
-                return f"{key} {r.box} ({r.path}): {e}", r.nbytes
-
-        problems, nbytes = [], 0
-        with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
-            for problem, n in pool.map(one, jobs):
-                if problem is not None:
-                    problems.append(problem)
-                else:
-                    nbytes += n
-                if progress is not None:
-                    progress(n)
-        return problems, nbytes
-
-
-    def _unreadable(self, members: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-        """The packed regions (``(key, StoredRegion)``) that fail to read, each tried alone."""
-        out = []
-        for key, region in members:
-            try:
-                self.read_array(key, region.box)
-            except GlobalShardError:
-                out.append((key, region))
-        return out
+        return verify(self, workers, progress)
 
 
 def _as_box(box: Any, global_shape: tuple[int, ...], key: str) -> Box:

@@ -41,7 +41,8 @@ class CheckpointManager:
     takes the complete checkpoint saved last (by its save id, which starts
     with the time the save began). ``keep_last`` keeps the checkpoint just
     saved and the ``keep_last - 1`` complete ones with the highest steps
-    among the others; a save never deletes what it has just written.
+    among the others, and every base those reference (a save with
+    ``base=``, spec section 5.2); a save never deletes what it has just written.
 
     >>> import numpy as np, tempfile
     >>> from globalshard import ShardedTensor
@@ -150,8 +151,20 @@ class CheckpointManager:
     def _prune(self, keep: str) -> None:
         if self.keep_last is None:
             return
-        others = [c for c in sorted(self._complete(), key=lambda c: c[0], reverse=True) if c[1] != keep]
-        for _, name, metadata in others[self.keep_last - 1:]:
+        done = self._complete()
+        others = [c for c in sorted(done, key=lambda c: c[0], reverse=True) if c[1] != keep]
+        kept = {keep, *(name for _, name, _ in others[:self.keep_last - 1])}
+        # A base of a kept checkpoint is kept (spec section 2.3), and so are its own bases.
+        bases = {name: [b.root for b in metadata.bases] for _, name, metadata in done}
+        pending = [root for name in kept for root in bases.get(name, [])]
+        while pending:
+            root = pending.pop()
+            if root not in kept:
+                kept.add(root)
+                pending += bases.get(root, [])
+        for _, name, metadata in others:
+            if name in kept:
+                continue
             # Un-publish before deleting: a crash mid-delete leaves no half checkpoint.
             try:
                 self.store.delete(f"{name}/{METADATA_FILE}")

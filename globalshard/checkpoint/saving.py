@@ -7,19 +7,20 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from globalshard.checkpoint import cleanup
+from globalshard.checkpoint.bases import Base, BaseRegion, frozen_references, open_base, skip_unchanged, with_references
+from globalshard.checkpoint.commit import remember_commit, what_is_there
 from globalshard.checkpoint.plan_cache import PLANS, PlanCache
 from globalshard.comm import Comm, SingleProcessComm, distinct_values, run_collectively
-from globalshard.errors import CheckpointExistsError, LayoutError, MetadataError, StorageError
-from globalshard.format.metadata import Metadata, gc_paused, parse_metadata
-from globalshard.format.paths import METADATA_FILE, SAVES_DIR, TRAINER_STATE_FILE, is_ours, new_save_id, save_dir
+from globalshard.errors import LayoutError, StorageError
+from globalshard.format.metadata import Metadata, gc_paused
+from globalshard.format.paths import METADATA_FILE, SAVES_DIR, TRAINER_STATE_FILE, new_save_id, save_dir
 from globalshard.format.trainer_state import TrainerStateRef, dump_trainer_state
 from globalshard.format.zarr import array_attributes, pack_attributes
 from globalshard.io import ArrayEngine, ArrayItem, IOStats, PackItem, open_engine
@@ -63,6 +64,9 @@ def save(
     kvstore: Any = None,
     stats: IOStats | None = None,
     pack_below: int = 0,
+    base: Any = None,
+    frozen: Iterable[str] = (),
+    digests: bool | None = None,
 ) -> None:
     """Save this rank's shards as (part of) one checkpoint.
 
@@ -97,6 +101,21 @@ def save(
             in a few arrays rather than one each (spec section 5.1): for
             states of thousands of small tensors. 0 (default): no packs.
             Every rank must pass the same value.
+        base: a committed checkpoint beside ``path`` (the same parent
+            directory or prefix; ``kvstore`` applies to it too) whose arrays
+            this one may reference instead of storing again (spec section
+            5.2): a region is referenced when its key matches ``frozen`` or
+            when its SHA-256 equals the one ``base`` recorded for the same key,
+            dtype and box. Deleting or replacing the base later makes this
+            checkpoint fail to load (never load zeros).
+        frozen: keys (or ``fnmatch`` patterns) whose values equal the base's,
+            as the caller knows (a frozen pretrained model under LoRA): their
+            regions are referenced without being read, copied or hashed. Each
+            must be stored in the base with the same dtype and cut. Needs ``base``.
+        digests: record each region's SHA-256, so that later saves can name
+            this checkpoint as a base and find equal regions by hashing.
+            Default: when ``base`` is given. Hashing reads every byte once
+            more, where the writing happens (the writer process of an async save).
 
     Raises:
         LayoutError, MetadataError, CheckpointExistsError (ConcurrentSaveError),
@@ -113,11 +132,12 @@ def save(
     """
     # The cyclic GC is paused (see gc_paused): a save makes objects per tensor, none in a cycle.
     with gc_paused():
-        _save(state, path, trainer_state, comm, overwrite, kvstore, stats, pack_below)
+        _save(state, path, trainer_state, comm, overwrite, kvstore, stats, pack_below,
+              {"base": base, "frozen": frozen, "digests": digests, "kvstore": kvstore})
 
 
 def _save(state: Mapping[str, ShardedTensor], path: Any, trainer_state: dict[str, Any] | None, comm: Comm | None,
-          overwrite: bool, kvstore: Any, stats: IOStats | None, pack_below: int) -> None:
+          overwrite: bool, kvstore: Any, stats: IOStats | None, pack_below: int, refs: dict[str, Any]) -> None:
     comm = comm if comm is not None else SingleProcessComm()
     store = open_root(path, kvstore)
     entries = entries_of(state)
@@ -125,7 +145,7 @@ def _save(state: Mapping[str, ShardedTensor], path: Any, trainer_state: dict[str
     start = time.perf_counter()
     _log.info("save begins: %s, %d tensors on rank %d of %d", store, len(entries), comm.rank, comm.world_size)
     with contextlib.ExitStack() as held:  # rank 0's lock, held until the cleanup is done
-        planned = plan_save(store, comm, entries, trainer_state, overwrite, held, pack_below=pack_below)
+        planned = plan_save(store, comm, entries, trainer_state, overwrite, held, pack_below=pack_below, **refs)
         _log.debug("save %s planned: this rank writes %d arrays, %d bytes", planned.save_id, len(planned.items),
                    sum(item_bytes(item) for item in planned.items))
         finish_save(planned, stats, held)
@@ -159,14 +179,27 @@ class PlannedSave:
     metadata: Callable[[], Metadata]
     items: list[ArrayItem | PackItem]
     coordinator: _Coordinator
+    #: The base the save references (spec section 5.2), the frozen regions
+    #: referenced by (key, offset), and the arrays to hash: path -> (key,
+    #: offset, the base's SHA-256 of the same region or None).
+    base: Base | None = None
+    frozen: Mapping[tuple[str, tuple[int, ...]], BaseRegion] = dataclasses.field(default_factory=dict)
+    requests: Mapping[str, tuple[str, tuple[int, ...], str | None]] = dataclasses.field(default_factory=dict)
 
 
 def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]],
                trainer_state: dict[str, Any] | None, overwrite: bool, held: contextlib.ExitStack,
-               staged: Mapping[str, Callable[[], None]] | None = None, *, pack_below: int = 0) -> PlannedSave:
+               staged: Mapping[str, Callable[[], None]] | None = None, *, pack_below: int = 0,
+               base: Any = None, frozen: Iterable[str] = (), digests: bool | None = None,
+               kvstore: Any = None) -> PlannedSave:
     """Describe, validate and plan collectively; rank 0 takes the lock into
-    ``held`` and finds what the save replaces. Nothing on storage changes."""
+    ``held`` and finds what the save replaces; every rank reads ``base``.
+    Nothing on storage changes."""
     check_pack_below(pack_below)
+    frozen = [frozen] if isinstance(frozen, str) else list(frozen)
+    if frozen and base is None:
+        raise LayoutError(f"frozen keys {frozen[:5]} need base=: the checkpoint their values are in")
+    bases: list[Base] = []
     infos = [ShardInfo.of(t) for _, t in entries]
     coordinator = _Coordinator()
 
@@ -177,6 +210,8 @@ def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]]
         # Everything checkable is checked before anything on storage changes.
         out: dict[str, Any] = {"digest": digest, "replicas": replicas, "pack_below": pack_below,
                                "plans": list(held_plans)}
+        if base is not None:  # on every rank: each decides for the regions it writes
+            bases.append(open_base(store, base, kvstore))
         if comm.rank == 0:
             # TODO(limitation): an earlier save's deletion holds the lock until it ends, so
             # a save (async too) to the path of the save before it blocks until that
@@ -191,7 +226,7 @@ def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]]
             if link is not None:  # every rank writes below it: checked before any does
                 raise StorageError(f"{store.describe(link)} is a symbolic link; a save creates, writes and "
                                    "deletes nothing through links (remove it)")
-            coordinator.previous, coordinator.stamp = _what_is_there(store, overwrite)
+            coordinator.previous, coordinator.stamp = what_is_there(store, overwrite)
             out["save_id"] = save_id
         return out
 
@@ -203,29 +238,36 @@ def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]]
     packing = {g["pack_below"] for g in gathered}
     if len(packing) > 1:  # the plan must be the same on every rank
         raise LayoutError(f"ranks passed different pack_below values: {sorted(packing)}; pass the same on every rank")
-    digests = [g["digest"] for g in gathered]
+    rank_digests = [g["digest"] for g in gathered]
     mine: Sequence[WriteItem] | None = None
     if comm.world_size > 1:
         # A save of the structure of a recent one reuses its plan, when every rank holds it.
-        key = PlanCache.key(digests, [g["replicas"] for g in gathered], comm.world_size, pack_below)
+        key = PlanCache.key(rank_digests, [g["replicas"] for g in gathered], comm.world_size, pack_below)
         if all(key in g["plans"] for g in gathered):
             cached = held_plans[key]
             mine = PLANS.reuse(key, cached, comm.rank, save_id)
             metadata = functools.partial(rebased_metadata, cached.metadata, save_id)
+            shape_of = cached.metadata
     if mine is None:
         if comm.world_size == 1:
             groups = group_ranks([infos])
         else:
-            schemas = distinct_values(comm, "save: planning", digests, schema)
-            groups = group_descriptions(digests, schemas, [g["replicas"] for g in gathered])
+            schemas = distinct_values(comm, "save: planning", rank_digests, schema)
+            groups = group_descriptions(rank_digests, schemas, [g["replicas"] for g in gathered])
         # TODO(limitation): every rank plans the whole save (identically, from the distinct
         # lists); a planner rank scattering each rank's part is measured, not built.
         plan = SavePlanner().plan_groups(groups, comm.world_size, save_id=save_id,
                                          pack_below=pack_below)  # pure: same verdict everywhere
         if comm.world_size > 1:
             PLANS.put(key, plan)
-        mine, fresh = plan.for_rank(comm.rank), plan.metadata
-        metadata = functools.partial(_same, fresh)
+        mine, shape_of = plan.for_rank(comm.rank), plan.metadata
+        metadata = functools.partial(_same, shape_of)
+    the_base = bases[0] if bases else None
+    # References (spec section 5.2): frozen keys are decided here, alike on every rank
+    # (their values are not read); the rest by hashing, where the writing happens.
+    frozen_refs = frozen_references(shape_of, the_base, frozen) if the_base is not None and frozen else {}
+    hashing = digests if digests is not None else the_base is not None
+    requests: dict[str, tuple[str, tuple[int, ...], str | None]] = {}
     items: list[ArrayItem | PackItem] = []
     packs: dict[str, list[tuple[WriteItem, np.ndarray, Callable[[], None] | None]]] = {}
     for w in mine:
@@ -235,6 +277,12 @@ def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]]
         if w.byte_offset is not None:
             packs.setdefault(w.path, []).append((w, local.view(tensor.data), ready))
             continue
+        if (w.key, w.box.offset) in frozen_refs:
+            continue
+        theirs = the_base.regions.get((w.key, w.box.offset, w.box.shape)) if the_base is not None else None
+        theirs_sha = theirs.region.sha256 if theirs is not None and theirs.dtype == tensor.dtype else None
+        if hashing or theirs_sha is not None:
+            requests[w.path] = (w.key, w.box.offset, theirs_sha)
         cut = tuple(a for a, (n, g) in enumerate(zip(w.box.shape, tensor.global_shape)) if n < g)
         items.append(ArrayItem(w.path, tensor.dtype, local.view(tensor.data),
                                array_attributes(w.key, w.box.offset, save_id), cut, ready))
@@ -244,18 +292,24 @@ def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]]
         end = max((w.byte_offset or 0) + w.nbytes for w, _, _ in members)
         items.append(PackItem(path, end, tuple((w.byte_offset or 0, data, ready) for w, data, ready in members),
                               attributes))
-    return PlannedSave(store, open_engine(store), comm, save_id, metadata, items, coordinator)
+    return PlannedSave(store, open_engine(store), comm, save_id, metadata, items, coordinator, the_base,
+                       frozen_refs, requests)
 
 
 class InProcess:
     """The I/O that finishes a save, done by this process (its engine's threads)."""
 
-    def write(self, planned: PlannedSave, stats: IOStats | None) -> None:
-        """Write this rank's arrays, and the trainer state if this rank holds it."""
-        planned.engine.write(planned.items, stats)
+    def write(self, planned: PlannedSave, stats: IOStats | None) -> list[list[Any]]:
+        """Write this rank's arrays, but those whose SHA-256 equals the base's, and
+        the trainer state if this rank holds it; returns the hashes
+        (:func:`~globalshard.checkpoint.bases.skip_unchanged`)."""
+        items, outcomes = skip_unchanged(planned.items, planned.requests) if planned.requests else \
+            (planned.items, [])
+        planned.engine.write(items, stats)
         if planned.coordinator.trainer_blob is not None:
             data, ref = planned.coordinator.trainer_blob
             planned.store.write(ref.path, data)
+        return outcomes
 
     def commit(self, store: Store, metadata: Metadata, stamp: Any) -> bytes:
         """Commit ``metadata`` (spec section 2.1); returns the bytes written."""
@@ -280,14 +334,18 @@ def finish_save(planned: PlannedSave, stats: IOStats | None, held: contextlib.Ex
     store, comm, save_id, coordinator = planned.store, planned.comm, planned.save_id, planned.coordinator
     io = ops if ops is not None else InProcess()
 
+    hashed: list[list[Any]] = []
+
     def commit() -> None:
         if comm.rank == 0:
             ref = coordinator.trainer_blob[1] if coordinator.trainer_blob is not None else None
-            metadata = dataclasses.replace(planned.metadata(), trainer_state=ref)
-            _remember_commit(store, io.commit(store, metadata, coordinator.stamp), metadata)
+            metadata = with_references(planned.metadata(), planned.base, planned.frozen, hashed)
+            metadata = dataclasses.replace(metadata, trainer_state=ref)
+            remember_commit(store, io.commit(store, metadata, coordinator.stamp), metadata)
 
     try:
-        run_collectively(comm, "save: writing", lambda: io.write(planned, stats))
+        _, outcomes = run_collectively(comm, "save: writing", lambda: io.write(planned, stats))
+        hashed.extend(o for rank in outcomes for o in rank or [])
         run_collectively(comm, "save: commit", commit)
     except BaseException:
         if comm.rank == 0:  # every rank has stopped writing: the collective above returned
@@ -305,52 +363,3 @@ def finish_save(planned: PlannedSave, stats: IOStats | None, held: contextlib.Ex
 
 def _same(metadata: Metadata) -> Metadata:
     return metadata
-
-
-#: The metadata.json this process last committed at each root (its bytes and
-#: model): a save that finds those same bytes there replaces that checkpoint,
-#: and need not parse it again in the part of rank 0's save that the caller
-#: waits for. Two entries at most.
-_COMMITTED: dict[str, tuple[bytes, Metadata]] = {}
-_COMMITTED_LOCK = threading.Lock()
-
-
-def _remember_commit(store: Store, data: bytes, metadata: Metadata) -> None:
-    with _COMMITTED_LOCK:
-        _COMMITTED.pop(repr(store), None)
-        _COMMITTED[repr(store)] = (data, metadata)
-        while len(_COMMITTED) > 2:
-            del _COMMITTED[next(iter(_COMMITTED))]
-
-
-def _parsed(store: Store, data: bytes) -> Metadata:
-    with _COMMITTED_LOCK:
-        known = _COMMITTED.get(repr(store))
-    if known is not None and known[0] == data:  # the same bytes parse to the same model
-        return known[1]
-    return parse_metadata(data, source=store.describe(METADATA_FILE))
-
-
-def _what_is_there(store: Store, overwrite: bool) -> tuple[Metadata | None, Any]:
-    """The checkpoint a save would replace (and the stamp its commit checks),
-    refusing what the caller did not ask to replace."""
-    data, stamp = store.read_stamped(METADATA_FILE)
-    if data is None:
-        foreign = [n for n in store.list_dir() if not is_ours(n)]
-        if foreign and not overwrite:
-            raise CheckpointExistsError(
-                f"{store} is not empty and holds no checkpoint ({', '.join(map(repr, foreign[:5]))}"
-                f"{', ...' if len(foreign) > 5 else ''}); pass overwrite=True to save into it anyway "
-                "(nothing already there is deleted)"
-            )
-        return None, stamp
-    try:
-        previous = _parsed(store, data)
-    except MetadataError as e:
-        raise CheckpointExistsError(
-            f"{store.describe(METADATA_FILE)} exists but is not a valid globalshard checkpoint, so a save "
-            f"cannot tell what it may delete; remove it by hand if it is not needed ({e})"
-        ) from None
-    if not overwrite:
-        raise CheckpointExistsError(f"{store} already holds a checkpoint; pass overwrite=True to replace it")
-    return previous, stamp

@@ -270,6 +270,12 @@ class _Notices:
             self._cancelled[(job, index)] = why
             self._cond.notify_all()
 
+    def forget(self, job: int) -> None:
+        """Drop the notices of a job that has ended."""
+        with self._cond:
+            self._seen = {n for n in self._seen if n[0] != job}
+            self._cancelled = {n: w for n, w in self._cancelled.items() if n[0] != job}
+
     def close(self) -> None:
         with self._cond:
             self.closed = True
@@ -285,7 +291,6 @@ class _Notices:
                         if self.closed:
                             raise WriterDied("the trainer ended before the array was ready")
                         self._cond.wait()
-                    self._seen.discard((job, index))
             return wait
         return wait_for
 
@@ -295,13 +300,15 @@ def _run_job(kind: str, args: tuple[Any, ...], pools: dict[int, np.ndarray],
     from globalshard.checkpoint import cleanup
 
     if kind == "write":
-        store, io, described, trainer_state = args
-        items = _rebuild(described, pools, wait)
+        from globalshard.checkpoint.bases import skip_unchanged
+
+        store, io, described, trainer_state, requests = args
+        items, outcomes = skip_unchanged(_rebuild(described, pools, wait), requests)
         stats = IOStats()
         open_engine(store, io).write(items, stats)
         if trainer_state is not None:
             store.write(*trainer_state)
-        return dataclasses.asdict(stats)
+        return dataclasses.asdict(stats), outcomes
     if kind == "commit":
         store, metadata, stamp = args
         data = metadata.dumps().encode("utf-8")
@@ -381,6 +388,7 @@ def main(argv: Sequence[str]) -> None:
             reply: tuple[Any, ...] = ("done", job, _run_job(kind, args, pools, notices.waiter(job)))
         except BaseException as e:  # sent to the trainer, which raises it at wait()
             reply = ("error", job, _picklable(e))
+        notices.forget(job)
         try:
             conn.send(reply)
         except (OSError, EOFError):

@@ -16,13 +16,13 @@ import itertools
 import json
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from globalshard.dtypes import SUPPORTED_DTYPES, numpy_dtype
 from globalshard.errors import LayoutError, MetadataError, format_problems
-from globalshard.format.paths import HEX_DIGITS, METADATA_FILE, TRAINER_STATE_FILE, is_save_id
+from globalshard.format.paths import HEX_DIGITS, METADATA_FILE, SAVES_DIR, TRAINER_STATE_FILE, is_save_id
 from globalshard.format.strict_json import is_unicode, json_type, loads, member_path, short
 from globalshard.format.trainer_state import MAX_DEPTH, TrainerStateRef, dump_trainer_state, parse_trainer_state
 from globalshard.geometry import Box, cover_problems
@@ -32,6 +32,7 @@ __all__ = [
     "FORMAT_VERSION",
     "METADATA_FILE",
     "TRAINER_STATE_FILE",
+    "BaseRef",
     "Metadata",
     "StoredRegion",
     "TensorMetadata",
@@ -40,6 +41,7 @@ __all__ = [
     "MAX_FILE_BYTES",
     "MAX_RANK",
     "READABLE_VERSIONS",
+    "check_base_root",
     "check_relative_path",
     "is_save_id",
     "dump_trainer_state",
@@ -49,7 +51,7 @@ __all__ = [
 
 FORMAT_NAME = "globalshard"
 FORMAT_VERSION = 2
-#: Versions this library reads (spec/FORMAT.md section 2.3 for version 1).
+#: Versions this library reads (spec/FORMAT.md section 2.4 for version 1).
 READABLE_VERSIONS = (1, 2)
 _RESERVED = frozenset({METADATA_FILE, TRAINER_STATE_FILE})
 _MAX_INT = 2**63 - 1
@@ -82,12 +84,26 @@ class StoredRegion:
     ``byte_offset`` None: ``path`` is the region's own array. Otherwise the
     region is packed: bytes ``[byte_offset, byte_offset + nbytes)`` of the
     pack (a 1-d uint8 array) at ``path`` (spec/FORMAT.md section 5.1).
+    ``base``: None, the array is this checkpoint's; else the index of the
+    base checkpoint (:attr:`Metadata.bases`) that stores it (section 5.2).
+    ``sha256``: the SHA-256 of the region's bytes, when the writer recorded it.
     """
 
     box: Box
     path: str
     nbytes: int
     byte_offset: int | None = None
+    base: int | None = None
+    sha256: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BaseRef:
+    """A base checkpoint (spec/FORMAT.md section 5.2): the sibling root
+    ``root`` as it was at save ``save_id``."""
+
+    root: str
+    save_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +127,8 @@ class Metadata:
     trainer_state: TrainerStateRef | None = None
     version: int = FORMAT_VERSION
     save_id: str | None = None
+    #: The base checkpoints some regions are stored in (spec section 5.2).
+    bases: tuple[BaseRef, ...] = ()
 
     def __post_init__(self) -> None:
         if self.version not in READABLE_VERSIONS:
@@ -120,12 +138,13 @@ class Metadata:
                                 "needs 32 lowercase hex digits, version 1 none")
 
     def stored_bytes(self) -> int:
-        """Bytes of array data the checkpoint stores (checksums and metadata aside)."""
-        return sum(r.nbytes for t in self.tensors.values() for r in t.regions)
+        """Bytes of array data the checkpoint stores itself (checksums, metadata and bases aside)."""
+        return sum(r.nbytes for t in self.tensors.values() for r in t.regions if r.base is None)
 
     def paths(self) -> list[str]:
-        """Every path this checkpoint uses, each once: its arrays, packs and trainer state."""
-        out = list(dict.fromkeys(r.path for t in self.tensors.values() for r in t.regions))
+        """Every path this checkpoint stores itself, each once: its arrays, packs
+        and trainer state (not the arrays of its bases)."""
+        out = list(dict.fromkeys(r.path for t in self.tensors.values() for r in t.regions if r.base is None))
         if self.trainer_state is not None:
             out.append(self.trainer_state.path)
         return out
@@ -148,8 +167,11 @@ class Metadata:
                 ts = {"path": self.trainer_state.path, **ts}
         if self.version == 1:
             return {"format": FORMAT_NAME, "version": 1, "tensors": tensors, "trainer_state": ts}
-        return {"format": FORMAT_NAME, "version": self.version, "save_id": self.save_id, "tensors": tensors,
-                "trainer_state": ts}
+        out = {"format": FORMAT_NAME, "version": self.version, "save_id": self.save_id, "tensors": tensors,
+               "trainer_state": ts}
+        if self.bases:
+            out["bases"] = [{"root": b.root, "save_id": b.save_id} for b in self.bases]
+        return out
 
     def dumps(self) -> str:
         """Serialise to the text of metadata.json."""
@@ -161,7 +183,28 @@ def _region_json(r: StoredRegion) -> dict[str, Any]:
                            "nbytes": r.nbytes}
     if r.byte_offset is not None:
         out["byte_offset"] = r.byte_offset
+    if r.base is not None:
+        out["base"] = r.base
+    if r.sha256 is not None:
+        out["sha256"] = r.sha256
     return out
+
+
+#: What a base's root may not hold (spec section 5.2): a separator, a backslash, a control character.
+_BAD_ROOT = re.compile(r"[/\\\x00-\x1f\x7f]")
+
+
+def check_base_root(root: Any) -> str | None:
+    """Why ``root`` cannot name a base (spec section 5.2), or None if it can."""
+    if not isinstance(root, str) or not root:
+        return f"must be a non-empty string, got {short(root)}"
+    if root in (".", "..") or _BAD_ROOT.search(root) or len(root) > 255 or not is_unicode(root):
+        return f"{short(root)} is not one path component (no '/', '\\', control character, '.' or '..')"
+    return None
+
+
+def _is_sha256(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 64 and set(value) <= HEX_DIGITS
 
 
 #: A drive letter (``C:``), which would make a path absolute on Windows.
@@ -273,7 +316,8 @@ def _parse_metadata(data: bytes | str, source: str, fast: bool) -> Metadata:
     known = type(version) is int and version in READABLE_VERSIONS
     members = ("format", "version", "tensors", "trainer_state") if version == 1 else \
         ("format", "version", "save_id", "tensors", "trainer_state")
-    top = p.obj(doc, "$", members) if known or not isinstance(doc, dict) else doc
+    top = p.obj(doc, "$", members, ("bases",) if version == 2 else ()) if known or not isinstance(doc, dict) \
+        else doc
     if top is None:
         raise MetadataError(format_problems(f"{source} is not a globalshard metadata document", p.problems))
     if top.get("format") != FORMAT_NAME:
@@ -290,6 +334,7 @@ def _parse_metadata(data: bytes | str, source: str, fast: bool) -> Metadata:
         if not is_save_id(save_id):
             p.bad("$.save_id", f"must be 32 lowercase hex digits, got {short(save_id)}")
 
+    bases = _parse_bases(p, top.get("bases", []), save_id)
     tensors: dict[str, TensorMetadata] = {}
     raw_tensors = top.get("tensors")
     if not isinstance(raw_tensors, dict):
@@ -306,7 +351,7 @@ def _parse_metadata(data: bytes | str, source: str, fast: bool) -> Metadata:
             continue
         t = _whole_tensor(p, key, raw, all_paths, packs, version) if fast else None
         if t is None:
-            t = _parse_tensor(p, raw, member_path("$.tensors", key), all_paths, packs, version)
+            t = _parse_tensor(p, raw, member_path("$.tensors", key), all_paths, packs, version, bases)
         if t is not None:
             tensors[key] = t
 
@@ -335,9 +380,42 @@ def _parse_metadata(data: bytes | str, source: str, fast: bool) -> Metadata:
                 ts_ref = TrainerStateRef(nbytes, digest, ts_path)
     _check_nesting(p, all_paths)
     _check_packs(p, packs)
+    used = {r.base for t in tensors.values() for r in t.regions}
+    for i, b in enumerate(bases):
+        if i not in used and not p.problems:
+            p.bad(f"$.bases[{i}]", f"base {b.root!r} is used by no region")
     if p.problems:
         raise MetadataError(format_problems(f"{source} is invalid", p.problems))
-    return Metadata(tensors, ts_ref, version, save_id)
+    return Metadata(tensors, ts_ref, version, save_id, tuple(bases))
+
+
+def _parse_bases(p: _Parser, raw: Any, save_id: Any) -> list[BaseRef]:
+    if not isinstance(raw, list):
+        p.bad("$.bases", f"must be an array, got {json_type(raw)}")
+        return []
+    out: list[BaseRef] = []
+    roots: dict[str, int] = {}
+    for i, b in enumerate(raw):
+        where = f"$.bases[{i}]"
+        o = p.obj(b, where, ("root", "save_id"))
+        if o is None:
+            continue
+        root, sid = o.get("root"), o.get("save_id")
+        why = check_base_root(root)
+        if why is not None:
+            p.bad(f"{where}.root", why)
+        elif root in roots:
+            p.bad(f"{where}.root", f"{short(root)} is also $.bases[{roots[root]}]")
+        if not is_save_id(sid):
+            p.bad(f"{where}.save_id", f"must be 32 lowercase hex digits, got {short(sid)}")
+        elif sid == save_id:
+            p.bad(f"{where}.save_id", "is this checkpoint's own save_id")
+        if why is None and is_save_id(sid) and root not in roots:
+            roots[str(root)] = i
+            out.append(BaseRef(str(root), str(sid)))
+        else:
+            out.append(BaseRef("", "0" * 32))  # a placeholder: the index still names it, the parse fails
+    return out
 
 
 #: Each dtype's item size, and the members of a tensor and of a region.
@@ -377,7 +455,13 @@ def _whole_tensor(p: _Parser, key: str, raw: Any, all_paths: dict[str, str | _Re
     r = regions[0]
     if type(r) is not dict:
         return None
-    fields = r.keys()
+    fields: Any = r.keys()
+    sha256 = None
+    if "sha256" in fields:  # recorded by a save that may be a base (section 5.2)
+        sha256 = r["sha256"]
+        if version < 2 or not _is_sha256(sha256):
+            return None
+        fields = fields - {"sha256"}
     packed = fields == _PACKED_FIELDS and version >= 2
     if not packed and fields != _REGION_FIELDS:
         return None
@@ -412,11 +496,12 @@ def _whole_tensor(p: _Parser, key: str, raw: Any, all_paths: dict[str, str | _Re
         all_paths[path] = _RegionAt(key)
     gshape = tuple(shape)
     return TensorMetadata(dtype, gshape, (StoredRegion(Box._trusted((0,) * len(gshape), gshape), path, nbytes,
-                                                       byte_offset),))
+                                                       byte_offset, None, sha256),))
 
 
 def _parse_tensor(p: _Parser, raw: Any, where: str, all_paths: dict[str, str | _RegionAt],
-                  packs: dict[str, list[tuple[int, int, str | _RegionAt]]], version: int) -> TensorMetadata | None:
+                  packs: dict[str, list[tuple[int, int, str | _RegionAt]]], version: int,
+                  bases: Sequence[BaseRef] = ()) -> TensorMetadata | None:
     o = p.obj(raw, where, ("dtype", "global_shape", "regions"))
     if o is None:
         return None
@@ -446,7 +531,8 @@ def _parse_tensor(p: _Parser, raw: Any, where: str, all_paths: dict[str, str | _
     region_where: list[str] = []
     for i, rr in enumerate(raw_regions):
         rw = f"{where}.regions[{i}]"
-        r = p.obj(rr, rw, ("offset", "shape", "path", "nbytes"), ("byte_offset",) if version >= 2 else ())
+        r = p.obj(rr, rw, ("offset", "shape", "path", "nbytes"),
+                  ("byte_offset", "base", "sha256") if version >= 2 else ())
         if r is None:
             continue
         offset = p.uints(r.get("offset"), f"{rw}.offset", len(gshape))
@@ -454,9 +540,18 @@ def _parse_tensor(p: _Parser, raw: Any, where: str, all_paths: dict[str, str | _
         nbytes = p.uint(r.get("nbytes"), f"{rw}.nbytes")
         packed = "byte_offset" in r
         byte_offset = p.uint(r.get("byte_offset"), f"{rw}.byte_offset") if packed else None
+        base = p.uint(r.get("base"), f"{rw}.base") if "base" in r else None
+        if base is not None and base >= len(bases):
+            p.bad(f"{rw}.base", f"is {base}, but $.bases has {len(bases)} entries")
+            base = None
+        sha256 = r.get("sha256")
+        if sha256 is not None and not _is_sha256(sha256):
+            p.bad(f"{rw}.sha256", "must be 64 lowercase hex digits")
         raw_path = r.get("path")
         why = p.path_problem(raw_path)
         path = raw_path if isinstance(raw_path, str) else ""
+        if why is None and base is not None and not path.startswith(f"{SAVES_DIR}/{bases[base].save_id}/"):
+            why = f"{short(path)} is not below {SAVES_DIR}/{bases[base].save_id}/, the save of $.bases[{base}]"
         if why is not None:
             p.bad(f"{rw}.path", why)
         elif path in all_paths and not (packed and path in packs):
@@ -473,7 +568,8 @@ def _parse_tensor(p: _Parser, raw: Any, where: str, all_paths: dict[str, str | _
             all_paths.setdefault(path, rw)
             if packed and byte_offset is not None and nbytes is not None:
                 packs.setdefault(path, []).append((byte_offset, byte_offset + nbytes, rw))
-        if offset is None or shape is None or nbytes is None or why is not None or (packed and byte_offset is None):
+        if offset is None or shape is None or nbytes is None or why is not None or (packed and byte_offset is None) \
+                or ("base" in r and base is None):
             continue
         box = Box._trusted(offset, shape)
         if box.is_empty:
@@ -484,7 +580,7 @@ def _parse_tensor(p: _Parser, raw: Any, where: str, all_paths: dict[str, str | _
             continue
         if itemsize is not None and nbytes != box.volume * itemsize:
             p.bad(f"{rw}.nbytes", f"is {nbytes}, but {box.volume} elements of {dtype} take {box.volume * itemsize}")
-        regions.append(StoredRegion(box, path, nbytes, byte_offset))
+        regions.append(StoredRegion(box, path, nbytes, byte_offset, base, sha256))
         region_where.append(rw)
     if len(p.problems) > before:
         return None

@@ -102,6 +102,12 @@ class OpenedPlan:
     stores: dict[str, Any]
     #: Local arrays read by :mod:`~globalshard.io.localio` instead.
     files: dict[str, ArrayFile] = dataclasses.field(default_factory=dict)
+    #: Arrays of other roots (a base's, spec section 5.2): path -> its full name.
+    where: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def describe(self, store: Any, path: str) -> str:
+        """``path`` as a message names it: in ``store``, unless it lies in another root."""
+        return self.where.get(path) or store.describe(path)
 
 
 def wait_ready(ready: Callable[[], None] | None) -> str | None:

@@ -57,7 +57,7 @@ def read_plan(store: Store, opened: OpenedPlan, targets: Sequence[np.ndarray], s
             if staged_into is not None:
                 cast_into(box.view(staged_into), value)
         except Exception as e:
-            problems.append(f"{store.describe(path)}: {error_text(e)}")
+            problems.append(f"{opened.describe(store, path)}: {error_text(e)}")
         return nbytes
 
     # TODO(limitation): object stores go through TensorStore (portable crc32c, a
@@ -199,7 +199,7 @@ def _read_pack_window(store: Store, opened: OpenedPlan, window: dict[str, list[t
         try:
             into[...] = future.result()
         except Exception as e:
-            failed.setdefault(f"{store.describe(path)}: {error_text(e)}")
+            failed.setdefault(f"{opened.describe(store, path)}: {error_text(e)}")
     problems += [_naming_members(store, p, opened, window) for p in failed]
     return total
 
@@ -213,7 +213,7 @@ def _naming_members(store: Store, problem: ChunkError | str, opened: OpenedPlan,
         if isinstance(problem, ChunkError):
             if layout is None or not problem.path.startswith(layout.directory.rstrip(os.sep) + os.sep):
                 continue
-        elif store.describe(path) not in problem and path not in problem:
+        elif opened.describe(store, path) not in problem and path not in problem:
             continue
         regions = sorted((b, packs[path][b]) for b, _ in members)
         one_file = layout is not None and layout.outer[0] >= layout.shape[0]  # the chunk index is the pack's

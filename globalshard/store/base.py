@@ -44,6 +44,18 @@ class Store(Protocol):
     #: process then writes it.
     process_shared: bool
 
+    def sibling(self, name: str) -> Store:
+        """The store of the root ``name`` beside this one (a base, spec section 5.2).
+
+        Raises:
+            StorageError: this root has no parent to hold siblings.
+        """
+        ...
+
+    def sibling_name(self, other: Store) -> str | None:
+        """``other``'s name if it is a root beside this one (not this one), else None."""
+        ...
+
     def describe(self, name: str) -> str:
         """``name`` as a message shows it (a full path where there is one)."""
         ...

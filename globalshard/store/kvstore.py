@@ -11,7 +11,7 @@ import tensorstore as ts
 
 from globalshard.errors import ConcurrentSaveError, GlobalShardError, StorageError
 from globalshard.format.metadata import MAX_FILE_BYTES
-from globalshard.store.base import CONTEXT, Stamp, error_text
+from globalshard.store.base import CONTEXT, Stamp, Store, error_text
 
 __all__ = ["KvStore"]
 
@@ -38,6 +38,25 @@ class KvStore:
 
     def __repr__(self) -> str:
         return f"KvStore({self.spec!r})"
+
+    def _parent(self) -> str:
+        path = self.spec.get("path", "")
+        if not path.strip("/"):
+            raise StorageError(f"{self} is at the top of its kvstore: it has no sibling roots to hold a base")
+        return path.rstrip("/").rpartition("/")[0]
+
+    def sibling(self, name: str) -> KvStore:
+        parent = self._parent()
+        return KvStore({**self.spec, "path": f"{parent}/{name}/" if parent else f"{name}/"})
+
+    def sibling_name(self, other: Store) -> str | None:
+        if not isinstance(other, KvStore) or other.spec == self.spec or not self.spec.get("path", "").strip("/"):
+            return None
+        if {k: v for k, v in other.spec.items() if k != "path"} != {k: v for k, v in self.spec.items()
+                                                                     if k != "path"}:
+            return None
+        parent, _, name = other.spec.get("path", "").rstrip("/").rpartition("/")
+        return name if name and parent == self._parent() else None
 
     def describe(self, name: str) -> str:
         return f"{name} in {self.spec}"

@@ -14,7 +14,7 @@ from typing import Any
 from globalshard.errors import ConcurrentSaveError, GlobalShardError, StorageError
 from globalshard.format.metadata import MAX_FILE_BYTES
 from globalshard.format.paths import LOCK_FILE, temporary_name
-from globalshard.store.base import Stamp, error_text
+from globalshard.store.base import Stamp, Store, error_text
 
 __all__ = ["LocalStore", "inside", "sync_dir"]
 
@@ -40,6 +40,18 @@ class LocalStore:
 
     def __repr__(self) -> str:
         return f"LocalStore({self.path!r})"
+
+    def sibling(self, name: str) -> LocalStore:
+        path = os.path.join(os.path.dirname(self.path), name)
+        spec = dict(self.spec)
+        spec["path"] = path.rstrip("/") + "/"
+        return LocalStore(path, spec)
+
+    def sibling_name(self, other: Store) -> str | None:
+        if not isinstance(other, LocalStore) or other.path == self.path:
+            return None
+        parent, name = os.path.split(other.path)
+        return name if parent == os.path.dirname(self.path) and name else None
 
     def describe(self, name: str) -> str:
         return os.path.join(self.path, name)

@@ -41,6 +41,19 @@ class StoreTests:
         assert out.stdout == b"written here"
         assert store.read("a/other") == b"written there"
 
+    def test_a_sibling_is_the_root_beside_this_one(self, store: Store) -> None:
+        import uuid
+
+        name = f"sibling-{uuid.uuid4().hex[:8]}"
+        other = store.sibling(name)
+        other.write("metadata.json", b"the sibling's")
+        store.write("metadata.json", b"this one's")
+        assert other.read("metadata.json") == b"the sibling's" and store.read("metadata.json") == b"this one's"
+        assert store.sibling_name(other) == name and other.sibling_name(store) is not None
+        assert store.sibling_name(store) is None
+        assert store.sibling_name(other.sibling(name)) == name  # the sibling's sibling of that name: itself
+        assert store.sibling(name).read("metadata.json") == b"the sibling's"
+
     def test_a_missing_file_reads_as_none(self, store: Store) -> None:
         assert store.read("metadata.json") is None
         assert store.read_stamped("metadata.json")[0] is None

@@ -19,6 +19,8 @@ with the library and with spec/reference_reader.py.
 | replicas | data-parallel replicas: stored once |
 | small_packs | packs (section 5.1): every dtype, a 0-d tensor and a split tensor in six small packs, |
 | | members straddling 40-byte inner chunks, next to a region stored whole |
+| based | bases (section 5.2): "w" and "v" of the sibling vector "sharded" referenced (frozen and by |
+| | SHA-256), "b" changed and stored, a new key; written after "sharded", with it |
 """
 
 from __future__ import annotations
@@ -148,10 +150,22 @@ def vector_small_packs() -> tuple[dict[str, np.ndarray], dict[str, gs.ShardedTen
     return g, state, None
 
 
-#: save() options of the vectors that need them, and (CHUNK_BYTES, PACK_BYTES) while they are written.
+def vector_based() -> tuple[dict[str, np.ndarray], dict[str, gs.ShardedTensor], Any]:
+    g, _, _ = vector_sharded()
+    g["b"] = bits((11, 5), "bfloat16", 50)  # changed since "sharded": stored here
+    g["new"] = bits((4,), "uint8", 51)
+    state: dict[str, gs.ShardedTensor] = {}
+    for k, v in g.items():
+        state |= rows(k, v, 2) if k != "new" else {k: whole(k, v.copy())}
+    return g, state, None
+
+
+#: save() options of the vectors that need them ("base": a sibling vector's name), and
+#: (CHUNK_BYTES, PACK_BYTES) while they are written.
 OPTIONS: dict[str, tuple[dict[str, Any], int | None, int | None]] = {
-    "sharded": ({}, 24, None),  # inner chunks of a few elements: shards even for tiny arrays
+    "sharded": ({"digests": True}, 24, None),  # inner chunks of a few elements: shards even for tiny arrays
     "small_packs": ({"pack_below": 256}, 40, 256),  # packs of a few members, in 40-byte inner chunks
+    "based": ({"base": "sharded", "frozen": ["w"]}, 24, None),  # "v" found equal by its SHA-256
 }
 
 VECTORS = {name[len("vector_"):]: fn for name, fn in list(globals().items()) if name.startswith("vector_")}
@@ -169,6 +183,8 @@ def main(out: str = HERE) -> None:
         path = os.path.join(out, name)
         shutil.rmtree(path, ignore_errors=True)
         options, chunk_bytes, pack_bytes = OPTIONS.get(name, ({}, None, None))
+        if "base" in options:
+            options = {**options, "base": os.path.join(out, options["base"])}
         saved = zarr.CHUNK_BYTES, planner.PACK_BYTES
         zarr.CHUNK_BYTES = chunk_bytes or saved[0]
         planner.PACK_BYTES = pack_bytes or saved[1]

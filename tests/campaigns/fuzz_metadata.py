@@ -45,7 +45,10 @@ def _seeds() -> tuple[list[dict[str, Any]], dict[str, Any]]:
     grid["tensors"] = {"g": {"dtype": "float32", "global_shape": [64, 64], "regions": [
         {"offset": [2 * i, 2 * j], "shape": [2, 2], "path": f"saves/x/arrays/g/{32 * i + j}", "nbytes": 16}
         for i in range(32) for j in range(32)]}}
-    return [example, grid], trainer
+    # References to a base (section 5.2): bases, base indices and digests to mutate.
+    with open(os.path.join(EXAMPLES, "..", "vectors", "based", "metadata.json")) as f:
+        based = json.load(f)
+    return [example, grid, based], trainer
 
 
 def _hostile(rng: random.Random) -> Any:

@@ -150,12 +150,16 @@ print(json.dumps({{"opened": len(opened), "mode": s.last_mode}}))
 def test_a_writer_killed_between_saves_is_started_again(tmp_path):
     import os
     import signal
+    import time
 
     s = gs.AsyncSaver("process")
     s.save(saver.stamped_state(1), tmp_path / "a", trainer_state={"tag": 1})
     s.wait()
     first = s.writer.pid
     os.kill(first, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while s.writer.alive() and time.monotonic() < deadline:  # the signal lands, the child is reaped
+        time.sleep(0.01)
     s.save(saver.stamped_state(2), tmp_path / "b", trainer_state={"tag": 2})
     s.wait()
     assert s.last_mode == "process" and s.writer.pid != first

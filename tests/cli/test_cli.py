@@ -163,3 +163,18 @@ def test_kvstore_option(tmp_path):
 def test_usage_errors_exit_2():
     assert run("inspect").returncode == 2
     assert run("frobnicate", EXAMPLE).returncode == 2
+
+
+def test_inspect_names_the_bases_and_their_bytes(tmp_path, capsys):
+    from globalshard import cli
+
+    w, a = np.ones((4, 4), np.float32), np.zeros(2, np.float32)
+    state = {k: gs.ShardedTensor.from_offset(k, v, global_shape=v.shape, global_offset=(0,) * v.ndim)
+             for k, v in {"w": w, "a": a}.items()}
+    gs.save(state, tmp_path / "s0")
+    gs.save(state, tmp_path / "s1", base=tmp_path / "s0", frozen=["w"])
+    assert cli.main(["inspect", str(tmp_path / "s1"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["bases"] == [{"root": "s0", "save_id": gs.read_metadata(tmp_path / "s0").save_id, "bytes": 64}]
+    assert doc["bytes_in_bases"] == 64 and doc["bytes"] == 72
+    assert cli.main(["verify", str(tmp_path / "s1")]) == 0

@@ -420,3 +420,45 @@ def test_negative_zero_is_refused_wherever_it_is(text, fragment):
     keyed = json.loads(doc)
     keyed["tensors"]["x-0"] = keyed["tensors"].pop("d")
     assert "x-0" in parse_metadata(json.dumps(keyed)).tensors
+
+
+def _based_doc():
+    with open(os.path.join(os.path.dirname(EXAMPLES), "vectors", "based", "metadata.json")) as f:
+        return json.load(f)
+
+
+def test_bases_and_digests_round_trip_and_parse_alike_fast_and_slow():
+    doc = _based_doc()
+    fast, slow = parse_metadata(json.dumps(doc)), parse_metadata(json.dumps(doc), fast=False)
+    assert fast == slow and fast.bases and fast.bases[0].root == "sharded"
+    assert any(r.base == 0 for t in fast.tensors.values() for r in t.regions)
+    assert all(r.sha256 for t in fast.tensors.values() for r in t.regions)
+    assert parse_metadata(fast.dumps()) == fast
+    assert set(fast.paths()) == {r.path for t in fast.tensors.values() for r in t.regions if r.base is None}
+    assert fast.stored_bytes() == sum(r.nbytes for t in fast.tensors.values() for r in t.regions if r.base is None)
+
+
+@pytest.mark.parametrize("change,where", [
+    (lambda d: d["bases"].append(dict(d["bases"][0])), "$.bases[1].root"),
+    (lambda d: d["bases"][0].__setitem__("root", "a/b"), "$.bases[0].root"),
+    (lambda d: d["bases"][0].__setitem__("root", ""), "$.bases[0].root"),
+    (lambda d: d["bases"][0].__setitem__("save_id", "x" * 32), "$.bases[0].save_id"),
+    (lambda d: d["bases"][0].__setitem__("extra", 1), "$.bases[0].extra"),
+    (lambda d: d.__setitem__("bases", {}), "$.bases"),
+    (lambda d: d["tensors"]["v"]["regions"][0].__setitem__("sha256", "ABC"), '$.tensors["v"].regions[0].sha256'),
+    (lambda d: d["tensors"]["v"]["regions"][0].__setitem__("base", -1), '$.tensors["v"].regions[0].base'),
+])
+def test_invalid_bases_are_refused_naming_the_json_path(change, where):
+    doc = _based_doc()
+    change(doc)
+    with pytest.raises(MetadataError) as e:
+        parse_metadata(json.dumps(doc))
+    assert where in str(e.value), str(e.value)
+
+
+def test_version_1_has_no_bases():
+    doc = _based_doc()
+    doc["version"] = 1
+    del doc["save_id"]
+    with pytest.raises(MetadataError, match="bases"):
+        parse_metadata(json.dumps(doc))

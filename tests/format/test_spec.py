@@ -30,7 +30,7 @@ def _schema(name):
 
 @pytest.mark.parametrize("name", ["checkpoint", "checkpoint-v1"])
 def test_committed_example_checkpoint_loads_into_another_layout(name):
-    # checkpoint-v1 was written by format version 1 (spec section 2.3): still read.
+    # checkpoint-v1 was written by format version 1 (spec section 2.4): still read.
     gen = _generator()
     expected = gen.global_arrays()
     ckpt = os.path.join(EXAMPLES, name)
@@ -69,11 +69,15 @@ def test_schemas_accept_the_examples():
             jsonschema.validate(json.load(f), _schema(schema_name))
     with open(os.path.join(EXAMPLES, "checkpoint", "metadata.json")) as f:
         jsonschema.validate(json.load(f), _schema("metadata.schema.json"))
+    with open(os.path.join(SPEC, "vectors", "based", "metadata.json")) as f:  # bases, base, sha256 (section 5.2)
+        doc = json.load(f)
+    assert doc["bases"] and any("sha256" in r for t in doc["tensors"].values() for r in t["regions"])
+    jsonschema.validate(doc, _schema("metadata.schema.json"))
 
 
 @pytest.mark.parametrize("name", ["unknown_dtype", "string_integer", "bool_integer", "negative_integer",
                                   "overflow_integer", "null_integer", "absolute_path", "climbing_path",
-                                  "unknown_version", "unknown_field", "missing_field"])
+                                  "unknown_version", "unknown_field", "missing_field", "base_root_climbing"])
 def test_schema_rejects_the_structural_invalid_examples(name):
     # The rest (gaps, overlaps, nbytes, 4.0 as an integer) are beyond a schema: FORMAT.md section 3.
     with open(os.path.join(EXAMPLES, "invalid", f"{name}.json")) as f:

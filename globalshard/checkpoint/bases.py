@@ -1,0 +1,242 @@
+"""Bases (spec/FORMAT.md section 5.2): a save that stores regions equal to a
+base checkpoint's as references to the base's arrays, and the checks a
+reader makes before it reads from a base.
+
+A save with ``base=`` references a region of the base instead of writing it
+when the caller names its key ``frozen`` (its values are then not even read)
+or when its SHA-256 equals the one the base records for the same key, dtype
+and box. References always name the checkpoint that stores the bytes: a
+region the base itself references is referenced where it lies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from globalshard.errors import LayoutError, MetadataError, StorageError, format_problems
+from globalshard.format.metadata import BaseRef, Metadata, StoredRegion, TensorMetadata, parse_metadata
+from globalshard.format.paths import METADATA_FILE
+from globalshard.io.base import ArrayItem, PackItem, wait_ready
+from globalshard.store import Store, open_root
+
+__all__ = ["Base", "BaseRegion", "check_bases", "digest_of", "frozen_references", "open_base", "skip_unchanged",
+           "with_references"]
+
+#: (key, offset, shape) of a stored region.
+RegionKey = tuple[str, tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class BaseRegion:
+    """A region as the checkpoint that stores it records it: that root's
+    name, its save and the region (no ``base`` of its own), with the dtype."""
+
+    root: str
+    save_id: str
+    region: StoredRegion
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class Base:
+    """The base of a save: its root beside the save's, and every region it
+    holds or references, by (key, offset, shape), where the bytes lie."""
+
+    root: str
+    save_id: str
+    regions: Mapping[RegionKey, BaseRegion]
+
+
+def _metadata_of(store: Store, what: str) -> Metadata:
+    data = store.read(METADATA_FILE)
+    if data is None:
+        raise StorageError(f"{what} {store} holds no committed checkpoint (no {METADATA_FILE}): it was deleted, "
+                           "or never committed")
+    return parse_metadata(data, source=store.describe(METADATA_FILE))
+
+
+def open_base(store: Store, base: Any, kvstore: Any = None) -> Base:
+    """The committed checkpoint ``base`` that a save to ``store`` may reference.
+
+    ``base`` names a root beside ``store``'s (a path, URL, spec or
+    :class:`~globalshard.store.Store`; with ``kvstore``, inside it as for
+    :func:`~globalshard.save`). The base's own bases must still hold the
+    saves it references.
+
+    Raises:
+        StorageError: it is not a sibling, holds no checkpoint, or depends on a
+            base that was deleted or replaced.
+    """
+    # TODO(limitation): every rank reads and parses the base's metadata.json (and its
+    # bases'), as every rank of a load does; rank 0 could read once and broadcast.
+    base_store = open_root(base, kvstore)
+    name = store.sibling_name(base_store)
+    if name is None:
+        raise StorageError(f"the base {base_store} is not a checkpoint beside {store}: a base must be a sibling "
+                           "root (the same parent directory or prefix), and not the checkpoint being saved")
+    metadata = _metadata_of(base_store, "the base")
+    if metadata.save_id is None:
+        raise StorageError(f"the base {base_store} is a version 1 checkpoint, whose arrays name no save")
+    holders = {b: _check_holder(store, ref, f"the base {name}") for b, ref in enumerate(metadata.bases)}
+    regions: dict[RegionKey, BaseRegion] = {}
+    for key, t in metadata.tensors.items():
+        for r in t.regions:
+            if r.base is None:
+                regions[(key, r.box.offset, r.box.shape)] = BaseRegion(name, metadata.save_id, r, t.dtype)
+            else:  # where the bytes lie: never a chain of references
+                ref = holders[r.base]
+                regions[(key, r.box.offset, r.box.shape)] = BaseRegion(
+                    ref.root, ref.save_id, dataclasses.replace(r, base=None), t.dtype)
+    return Base(name, metadata.save_id, regions)
+
+
+def _check_holder(store: Store, ref: BaseRef, what: str) -> BaseRef:
+    holder = _metadata_of(store.sibling(ref.root), f"{what} references {ref.root}, but")
+    if holder.save_id != ref.save_id:
+        raise StorageError(f"{what} references save {ref.save_id} of {ref.root}, which now holds save "
+                           f"{holder.save_id}: it was replaced, and {what} cannot be read")
+    return ref
+
+
+def _matches(key: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(key, p) for p in patterns)
+
+
+def frozen_references(metadata: Metadata, base: Base, frozen: Iterable[str]) -> dict[tuple[str, tuple[int, ...]],
+                                                                                       BaseRegion]:
+    """The regions of a planned save that keys matching ``frozen`` (exact keys or
+    ``fnmatch`` patterns) make references to ``base``, by (key, offset).
+
+    Packed regions are stored as planned. Pure: every rank finds the same.
+
+    Raises:
+        LayoutError: a pattern matches no key, or a frozen region has no region
+            of the same key, dtype and box in the base.
+    """
+    patterns = [frozen] if isinstance(frozen, str) else list(frozen)
+    problems = [f"frozen {p!r} matches no key of the state" for p in patterns
+                if not any(fnmatch.fnmatchcase(k, p) for k in metadata.tensors)]
+    out: dict[tuple[str, tuple[int, ...]], BaseRegion] = {}
+    for key in sorted(metadata.tensors):
+        if not _matches(key, patterns):
+            continue
+        t = metadata.tensors[key]
+        for r in t.regions:
+            if r.byte_offset is not None:
+                # TODO(limitation): packed regions (save(pack_below=)) are written as planned,
+                # never referenced: their pack's member list is fixed when the save is planned.
+                continue
+            found = base.regions.get((key, r.box.offset, r.box.shape))
+            if found is None or found.dtype != t.dtype:
+                problems.append(f"frozen {key!r} {r.box} ({t.dtype}) is no region of the base {base.root}: a frozen "
+                                "key must be stored there with the same dtype and the same cut")
+            else:
+                out[(key, r.box.offset)] = found
+    if problems:
+        raise LayoutError(format_problems("cannot save with these frozen keys", problems))
+    return out
+
+
+def digest_of(data: np.ndarray) -> str:
+    """The SHA-256 of an array's bytes as spec section 3 defines them: C order, little-endian."""
+    little = data.dtype.newbyteorder("<") if data.dtype.byteorder not in ("|", "<") else data.dtype
+    arr = np.ascontiguousarray(data, dtype=little)
+    return hashlib.sha256(arr.reshape(-1).view(np.uint8).data).hexdigest()
+
+
+def skip_unchanged(items: Sequence[ArrayItem | PackItem], requests: Mapping[str, Any]
+                   ) -> tuple[list[ArrayItem | PackItem], list[list[Any]]]:
+    """Hash the arrays ``requests`` names (``path -> (key, offset, the base's SHA-256 or None)``):
+    those equal to the base's are left out of the write. Returns the items to
+    write and, per hashed array, ``[key, offset, sha256, referenced]``."""
+    write: list[ArrayItem | PackItem] = []
+    outcomes: list[list[Any]] = []
+    for item in items:
+        request = requests.get(item.path) if isinstance(item, ArrayItem) else None
+        if request is None or not isinstance(item, ArrayItem) or wait_ready(item.ready) is not None:
+            # not hashed (a pack, or a failed copy, which the write reports)
+            write.append(item)
+            continue
+        key, offset, theirs = request
+        digest = digest_of(item.data)
+        same = digest == theirs
+        outcomes.append([key, list(offset), digest, same])
+        if not same:
+            write.append(item)
+    return write, outcomes
+
+
+def with_references(metadata: Metadata, base: Base | None, frozen: Mapping[tuple[str, tuple[int, ...]], BaseRegion],
+                    outcomes: Iterable[list[Any]]) -> Metadata:
+    """The metadata a save commits: frozen regions and regions found equal to
+    the base's as references (``$.bases`` listing the roots they lie in, in
+    the order first used), the others with the SHA-256 hashed for them."""
+    hashed = {(k, tuple(o)): (d, same) for k, o, d, same in outcomes}
+    if base is None and not hashed:
+        return metadata
+    roots: dict[tuple[str, str], int] = {}
+    tensors = {}
+    for key in sorted(metadata.tensors):
+        t = metadata.tensors[key]
+        regions = []
+        for r in t.regions:
+            found = frozen.get((key, r.box.offset))
+            digest, same = hashed.get((key, r.box.offset), (None, False))
+            if found is None and same and base is not None:
+                found = base.regions[(key, r.box.offset, r.box.shape)]
+            if found is None:
+                regions.append(r if digest is None else dataclasses.replace(r, sha256=digest))
+                continue
+            index = roots.setdefault((found.root, found.save_id), len(roots))
+            regions.append(StoredRegion(r.box, found.region.path, r.nbytes, found.region.byte_offset, index,
+                                        found.region.sha256 or digest))
+        tensors[key] = TensorMetadata(t.dtype, t.global_shape, tuple(regions))
+    bases = tuple(BaseRef(root, save_id) for (root, save_id), _ in sorted(roots.items(), key=lambda kv: kv[1]))
+    return dataclasses.replace(metadata, tensors=tensors, bases=bases)
+
+
+def check_bases(store: Store, metadata: Metadata, needed: Mapping[int, Sequence[tuple[str, StoredRegion]]]
+                ) -> dict[int, Store]:
+    """The store of each base a read needs (``needed[b]``: the ``(key, region)``
+    read from base ``b``), checked as spec section 5.2 says: the base holds
+    the save it was referenced at, and stores each of those regions itself.
+
+    Raises:
+        StorageError: a base is gone or was replaced, or does not store a
+            region it is referenced for, naming the base and the keys.
+    """
+    out = {}
+    for b, reads in needed.items():
+        ref = metadata.bases[b]
+        keys = sorted({k for k, _ in reads})
+        names = ", ".join(map(repr, keys[:5])) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+        base_store = store.sibling(ref.root)
+        try:
+            theirs = _metadata_of(base_store, "the base")
+        except (StorageError, MetadataError) as e:
+            raise StorageError(f"{store} reads {names} from its base {ref.root}, which cannot be read: {e}") from None
+        if theirs.save_id != ref.save_id:
+            raise StorageError(f"{store} reads {names} from save {ref.save_id} of its base {ref.root}, which now "
+                               f"holds save {theirs.save_id}: the base was replaced after this checkpoint was saved, "
+                               "and these keys cannot be loaded")
+        problems = []
+        for key, r in reads:
+            t = theirs.tensors.get(key)
+            held = t is not None and t.dtype == metadata.tensors[key].dtype and any(
+                x.base is None and x.box == r.box and x.path == r.path and x.byte_offset == r.byte_offset
+                for x in t.regions)
+            if not held:
+                problems.append(f"{key!r} {r.box} at {r.path}")
+        if problems:
+            raise StorageError(format_problems(f"the base {ref.root} of {store} does not store what it is "
+                                               "referenced for", problems))
+        out[b] = base_store
+    return out
+

@@ -1,0 +1,261 @@
+"""Saves that reference a base (spec/FORMAT.md section 5.2): frozen keys and
+regions whose SHA-256 equals the base's are stored as references, loads,
+verify, read_array and the reference reader follow them, and a base deleted
+or replaced makes its dependants fail loudly, never load zeros."""
+
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from repo import SPEC
+
+import globalshard as gs
+from globalshard.testing.comm import run_ranks
+
+sys.path.insert(0, SPEC)
+import reference_reader
+
+
+def whole(values):
+    return {k: gs.ShardedTensor.from_offset(k, v, global_shape=v.shape, global_offset=(0,) * v.ndim)
+            for k, v in values.items()}
+
+
+def lora(seed, adapter_scale=1.0):
+    rng = np.random.default_rng(seed)
+    base = {f"base.layers.{i}.w": rng.standard_normal((64, 32)).astype(np.float32) for i in range(3)}
+    base["base.norm"] = np.ones(32, np.float32)
+    adapters = {"lora.A": np.full((4, 32), adapter_scale, np.float32), "lora.B": np.full((64, 4), adapter_scale,
+                                                                                      np.float32)}
+    return base, adapters
+
+
+def regions_of(root):
+    doc = json.loads((root / "metadata.json").read_text())
+    return doc.get("bases", []), {k: [r.get("base") for r in t["regions"]] for k, t in doc["tensors"].items()}
+
+
+def test_frozen_keys_are_referenced_unread_and_load_back_exactly(tmp_path):
+    base, adapters = lora(0)
+    gs.save(whole({**base, **adapters}), tmp_path / "step0")
+    stats = gs.IOStats()
+    new_adapters = {k: v * 3 for k, v in adapters.items()}
+    gs.save(whole({**base, **new_adapters}), tmp_path / "step1", base=tmp_path / "step0", frozen=["base.*"],
+            stats=stats)
+    bases, refs = regions_of(tmp_path / "step1")
+    assert bases == [{"root": "step0", "save_id": gs.read_metadata(tmp_path / "step0").save_id}]
+    assert all(refs[k] == [0] for k in base) and all(refs[k] == [None] for k in adapters)
+    assert stats.bytes_written == sum(v.nbytes for v in new_adapters.values())  # the base is not written again
+    reader = reference_reader.Checkpoint(tmp_path / "step1")
+    for k, v in {**base, **new_adapters}.items():
+        assert np.array_equal(gs.read_array(tmp_path / "step1", k), v), k
+        assert np.array_equal(reader.read(k), v), k
+    problems, nbytes = gs.Checkpoint(tmp_path / "step1").verify()
+    assert problems == [] and nbytes == sum(v.nbytes for v in {**base, **adapters}.values())
+    arrays = tmp_path / "step1" / "saves" / gs.read_metadata(tmp_path / "step1").save_id / "arrays"
+    assert set(os.listdir(arrays)) == {"lora.A", "lora.B"}  # the dependant stores its adapters only
+
+
+def test_regions_whose_sha256_equals_the_bases_are_referenced(tmp_path):
+    base, adapters = lora(1)
+    gs.save(whole({**base, **adapters}), tmp_path / "a", digests=True)
+    changed = {**base, "base.layers.1.w": base["base.layers.1.w"] + 1, **adapters}
+    stats = gs.IOStats()
+    gs.save(whole(changed), tmp_path / "b", base=tmp_path / "a", stats=stats)
+    _, refs = regions_of(tmp_path / "b")
+    same = [k for k in changed if k != "base.layers.1.w"]
+    assert all(refs[k] == [0] for k in same) and refs["base.layers.1.w"] == [None]
+    assert stats.bytes_written == changed["base.layers.1.w"].nbytes
+    md = gs.read_metadata(tmp_path / "b")
+    for k, v in changed.items():  # every region records the SHA-256 of its bytes, referenced or not
+        assert md.tensors[k].regions[0].sha256 == gs.checkpoint.bases.digest_of(v)
+        assert np.array_equal(gs.read_array(tmp_path / "b", k), v)
+
+
+def test_a_base_without_digests_is_referenced_for_frozen_keys_only(tmp_path):
+    base, adapters = lora(2)
+    gs.save(whole({**base, **adapters}), tmp_path / "a")  # no digests recorded
+    gs.save(whole({**base, **adapters}), tmp_path / "b", base=tmp_path / "a")
+    _, refs = regions_of(tmp_path / "b")
+    assert all(r == [None] for r in refs.values())  # nothing to compare with: all written
+    assert gs.read_metadata(tmp_path / "b").tensors["lora.A"].regions[0].sha256 is not None
+
+
+def test_references_name_where_the_bytes_lie_never_a_chain(tmp_path):
+    base, adapters = lora(3)
+    gs.save(whole({**base, **adapters}), tmp_path / "s0", digests=True)
+    a1 = {k: v + 1 for k, v in adapters.items()}
+    gs.save(whole({**base, **a1}), tmp_path / "s1", base=tmp_path / "s0", frozen="base.*")
+    a2 = {"lora.A": a1["lora.A"], "lora.B": a1["lora.B"] + 1}
+    gs.save(whole({**base, **a2}), tmp_path / "s2", base=tmp_path / "s1", frozen=["base.*"])
+    bases, refs = regions_of(tmp_path / "s2")
+    roots = [b["root"] for b in bases]
+    assert sorted(roots) == ["s0", "s1"]
+    assert all(roots[refs[k][0]] == "s0" for k in base)  # s1 references s0: s2 does too, directly
+    assert roots[refs["lora.A"][0]] == "s1" and refs["lora.B"] == [None]
+    for k, v in {**base, **a2}.items():
+        assert np.array_equal(reference_reader.Checkpoint(tmp_path / "s2").read(k), v)
+        assert np.array_equal(gs.read_array(tmp_path / "s2", k), v)
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced", "uncommitted"])
+def test_a_base_deleted_or_replaced_makes_its_dependants_fail_loudly(tmp_path, how):
+    base, adapters = lora(4)
+    gs.save(whole({**base, **adapters}), tmp_path / "s0")
+    gs.save(whole({**base, **adapters}), tmp_path / "s1", base=tmp_path / "s0", frozen=["base.*"])
+    if how == "deleted":
+        shutil.rmtree(tmp_path / "s0")
+    elif how == "replaced":
+        gs.save(whole({**base, **adapters}), tmp_path / "s0", overwrite=True)
+        gs.wait_for_cleanup()
+    else:
+        os.remove(tmp_path / "s0" / "metadata.json")
+    targets = whole({k: np.full_like(v, 7) for k, v in {**base, **adapters}.items()})
+    says = "was replaced" if how == "replaced" else "cannot be read"
+    with pytest.raises(gs.StorageError, match=says) as e:
+        gs.load(targets, tmp_path / "s1")
+    assert "s0" in str(e.value) and "base.layers.0.w" in str(e.value)
+    assert all((t.data == 7).all() for t in targets.values())  # nothing loaded, not zeros
+    with pytest.raises(gs.StorageError, match=says):
+        gs.read_array(tmp_path / "s1", "base.norm")
+    assert np.array_equal(gs.read_array(tmp_path / "s1", "lora.A"), adapters["lora.A"])  # its own keys still load
+    problems, _ = gs.Checkpoint(tmp_path / "s1").verify()
+    assert len(problems) == 1 and "s0" in problems[0], problems
+    with pytest.raises(reference_reader.Invalid, match="s0"):
+        reference_reader.Checkpoint(tmp_path / "s1").read("base.norm")
+
+
+def test_a_base_that_no_longer_stores_a_referenced_region_is_refused(tmp_path):
+    base, adapters = lora(5)
+    gs.save(whole({**base, **adapters}), tmp_path / "s0")
+    gs.save(whole({**base, **adapters}), tmp_path / "s1", base=tmp_path / "s0", frozen=["base.*"])
+    doc = json.loads((tmp_path / "s0" / "metadata.json").read_text())  # the base edited by hand
+    doc["tensors"]["base.norm"]["regions"][0]["path"] = doc["tensors"]["base.norm"]["regions"][0]["path"] + "x"
+    (tmp_path / "s0" / "metadata.json").write_text(json.dumps(doc))
+    with pytest.raises(gs.StorageError, match="does not store what it is referenced for") as e:
+        gs.read_array(tmp_path / "s1", "base.norm")
+    assert "'base.norm'" in str(e.value)
+
+
+def test_bad_bases_and_frozen_keys_are_refused_before_anything_is_written(tmp_path):
+    base, adapters = lora(6)
+    state = whole({**base, **adapters})
+    gs.save(state, tmp_path / "run" / "s0")
+    with pytest.raises(gs.LayoutError, match="need base="):
+        gs.save(state, tmp_path / "run" / "x", frozen=["base.*"])
+    with pytest.raises(gs.StorageError, match="not a checkpoint beside"):
+        gs.save(state, tmp_path / "elsewhere" / "x", base=tmp_path / "run" / "s0")
+    with pytest.raises(gs.StorageError, match="not a checkpoint beside"):  # itself: its arrays are deleted after
+        gs.save(state, tmp_path / "run" / "s0", base=tmp_path / "run" / "s0", overwrite=True)
+    with pytest.raises(gs.StorageError, match="holds no committed checkpoint"):
+        gs.save(state, tmp_path / "run" / "x", base=tmp_path / "run" / "nothing")
+    with pytest.raises(gs.LayoutError, match="'nope.*' matches no key"):
+        gs.save(state, tmp_path / "run" / "x", base=tmp_path / "run" / "s0", frozen=["nope.*"])
+    halves = {f"{k}@{r}": gs.ShardedTensor.from_offset(k, v[r * 32:(r + 1) * 32], global_shape=v.shape,
+                                                       global_offset=(r * 32, 0))
+              for k, v in base.items() if v.ndim == 2 for r in range(2)}
+    with pytest.raises(gs.LayoutError, match="frozen 'base.layers.0.w' .* is no region of the base s0"):
+        gs.save(halves, tmp_path / "run" / "x", base=tmp_path / "run" / "s0", frozen=["base.layers.*"])
+    assert not (tmp_path / "run" / "x" / "metadata.json").exists()
+    assert not (tmp_path / "elsewhere" / "x" / "metadata.json").exists()
+
+
+def test_a_dependant_loads_into_any_layout_and_its_overwrite_never_deletes_the_base(tmp_path):
+    rng = np.random.default_rng(7)
+    frozen_w = rng.standard_normal((8, 6)).astype(np.float32)
+    trained = rng.standard_normal((8, 6)).astype(np.float32)
+
+    def tp2(values, rank):
+        return {k: gs.ShardedTensor.from_offset(k, v[rank * 4:(rank + 1) * 4].copy(), global_shape=v.shape,
+                                                global_offset=(rank * 4, 0)) for k, v in values.items()}
+
+    for name, t, base in (("s0", trained, None), ("s1", trained * 2, tmp_path / "s0")):
+        results = run_ranks(2, lambda comm, t=t, name=name, base=base: gs.save(
+            tp2({"frozen": frozen_w, "trained": t}, comm.rank), tmp_path / name, comm=comm, base=base,
+            frozen=["frozen"] if base else ()))
+        assert results == [None, None], results
+    assert regions_of(tmp_path / "s1")[1] == {"frozen": [0, 0], "trained": [None, None]}
+    targets = {f"{k}@{r}": gs.ShardedTensor.from_offset(k, np.zeros((2, 6), np.float32), global_shape=(8, 6),
+                                                        global_offset=(2 * r, 0))
+               for k in ("frozen", "trained") for r in range(4)}
+    gs.load(targets, tmp_path / "s1")  # TP=2 -> TP=4, from the base and from its own arrays
+    for name, t in targets.items():
+        r = int(name.split("@")[1])
+        want = frozen_w if t.key == "frozen" else trained * 2
+        assert np.array_equal(t.data, want[2 * r:2 * r + 2]), name
+    before = sorted(os.listdir(tmp_path / "s0" / "saves"))
+    gs.save(whole({"frozen": frozen_w, "trained": trained}), tmp_path / "s1", overwrite=True)
+    gs.wait_for_cleanup()
+    assert sorted(os.listdir(tmp_path / "s0" / "saves")) == before  # the replaced dependant's, not the base's
+    assert np.array_equal(gs.read_array(tmp_path / "s0", "frozen"), frozen_w)
+
+
+def test_bases_on_a_kvstore_are_sibling_prefixes():
+    base, adapters = lora(8)
+    root = "memory://bases-kv/run/"
+    gs.save(whole({**base, **adapters}), "s0", kvstore=root)
+    gs.save(whole({**base, **adapters}), "s1", kvstore=root, base="s0", frozen=["base.*"])
+    assert gs.read_metadata("s1", kvstore=root).bases[0].root == "s0"
+    assert np.array_equal(gs.read_array("s1", "base.norm", kvstore=root), base["base.norm"])
+    from globalshard.store import open_root
+
+    with pytest.raises(gs.StorageError, match="top of its kvstore"):
+        open_root("memory://").sibling("s0")  # a root with no parent prefix has no siblings
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_an_async_save_does_not_copy_frozen_regions_into_its_pool(tmp_path, mode):
+    base, adapters = lora(9)
+    gs.save(whole({**base, **adapters}), tmp_path / "s0")
+    saver = gs.AsyncSaver(mode)
+    saver.save(whole({**base, **adapters}), tmp_path / "s1", base=tmp_path / "s0", frozen=["base.*"])
+    saver.wait()
+    assert saver.pool.nbytes < sum(v.nbytes for v in base.values())  # only the adapters were copied
+    assert saver.last_mode == mode
+    for k, v in {**base, **adapters}.items():
+        assert np.array_equal(gs.read_array(tmp_path / "s1", k), v)
+
+
+def test_the_manager_keeps_every_base_a_kept_checkpoint_references(tmp_path):
+    base, adapters = lora(10)
+    manager = gs.CheckpointManager(tmp_path, keep_last=1)
+    first = manager.save(0, whole({**base, **adapters}))
+    for step in (1, 2, 3):
+        manager.save(step, whole({**base, **{k: v + step for k, v in adapters.items()}}), base=first,
+                     frozen=["base.*"])
+    assert [s for s, _ in manager.complete()] == [0, 3]  # step 0 is the base of step 3; 1 and 2 are gone
+    manager.save(4, whole({**base, **adapters}))  # references nothing: its base may go
+    assert [s for s, _ in manager.complete()] == [4]
+    assert np.array_equal(gs.read_array(manager.latest()[1], "base.norm"), base["base.norm"])
+
+
+values_and_changes = st.tuples(st.integers(0, 2**31), st.lists(st.booleans(), min_size=4, max_size=4),
+                               st.lists(st.booleans(), min_size=4, max_size=4))
+
+
+@settings(max_examples=25)
+@given(values_and_changes)
+def test_property_a_dependant_holds_the_new_values_and_references_only_unchanged_ones(case):
+    import tempfile
+
+    seed, changed, frozen = case
+    rng = np.random.default_rng(seed)
+    old = {f"t{i}": rng.integers(-5, 5, (3 + i, 2)).astype(np.float32) for i in range(4)}
+    new = {k: v + 1 if changed[i] else v.copy() for i, (k, v) in enumerate(old.items())}
+    frozen_keys = [k for i, k in enumerate(old) if frozen[i] and not changed[i]]
+    root = tempfile.mkdtemp()
+    try:
+        gs.save(whole(old), os.path.join(root, "a"), digests=True)
+        gs.save(whole(new), os.path.join(root, "b"), base=os.path.join(root, "a"), frozen=frozen_keys)
+        md = gs.read_metadata(os.path.join(root, "b"))
+        for i, k in enumerate(new):
+            referenced = md.tensors[k].regions[0].base is not None
+            assert referenced == (not changed[i]), (k, changed, frozen)
+            assert np.array_equal(gs.read_array(os.path.join(root, "b"), k), new[k])
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
