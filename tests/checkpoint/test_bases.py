@@ -259,3 +259,19 @@ def test_property_a_dependant_holds_the_new_values_and_references_only_unchanged
             assert np.array_equal(gs.read_array(os.path.join(root, "b"), k), new[k])
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_export_follows_references(tmp_path):
+    from safetensors.numpy import load_file
+
+    from globalshard import hf
+
+    base, adapters = lora(11)
+    gs.save(whole({**base, **adapters}), tmp_path / "s0")
+    gs.save(whole({**base, **adapters}), tmp_path / "s1", base=tmp_path / "s0", frozen=["base.*"])
+    hf.export(str(tmp_path / "s1"), str(tmp_path / "hf"))
+    files = [f for f in os.listdir(tmp_path / "hf") if f.endswith(".safetensors")]
+    exported = {k: v for f in files for k, v in load_file(str(tmp_path / "hf" / f)).items()}
+    assert set(exported) == set(base) | set(adapters)
+    for k, v in {**base, **adapters}.items():
+        assert np.array_equal(exported[k], v), k
