@@ -38,8 +38,10 @@ def chunk_shape(shape: Sequence[int], itemsize: int, limit: int | None = None, *
     ``cut``: the axes along which the region is a part of its tensor. A region
     cut along its first axis only (TP of a column-parallel weight, FSDP, or
     both) is mostly loaded cut along that axis too: it gets chunks of whole
-    rows, as many as fit, which are contiguous pieces of such targets and are
-    read straight into them, with no waste whatever the new degree. Any other
+    rows, the region's rows split evenly into as few chunks as fit (a shard
+    stores every inner chunk whole, so an uneven last chunk would store
+    padding), which are contiguous pieces of such targets and are read
+    straight into them, with no waste whatever the new degree. Any other
     region (or one whose rows exceed ``limit``) has its longest axis halved
     until the chunk fits: near-cubic chunks keep the waste small whichever
     axis a load cuts.
@@ -48,6 +50,8 @@ def chunk_shape(shape: Sequence[int], itemsize: int, limit: int | None = None, *
     (512, 512)
     >>> chunk_shape((4096, 4096), 4, cut=(0,))
     (64, 4096)
+    >>> chunk_shape((256, 3640), 4, cut=(0,))  # 72 rows fit: 4 chunks of 64, not 3 of 72 and one of 40
+    (64, 3640)
     >>> chunk_shape((10, 3), 4)
     (10, 3)
     """
@@ -58,7 +62,8 @@ def chunk_shape(shape: Sequence[int], itemsize: int, limit: int | None = None, *
         # TODO(limitation): a load that cuts such a region along another axis reads whole rows.
         row = math.prod(shape[1:]) * itemsize
         if 0 < row <= limit:
-            return (min(shape[0], limit // row), *shape[1:])
+            chunks = -(-shape[0] // (limit // row))
+            return (-(-shape[0] // chunks), *shape[1:])
     chunk = list(shape)
     while chunk and math.prod(chunk) * itemsize > limit and max(chunk) > 1:
         axis = chunk.index(max(chunk))
