@@ -62,6 +62,7 @@ bench: $(VENV)/.bench-installed
 	$(PY) bench/zero_memory.py
 	$(PY) bench/io_memory.py
 	$(PY) bench/compare.py
+	$(PY) bench/cold_load.py
 	$(PY) bench/shared_reads.py
 	$(PY) bench/small_tensors.py
 	$(PY) bench/export_memory.py 2

@@ -5,6 +5,7 @@ written from the JSON of one ``make bench`` or ``make reliability`` run.
     .venv/bin/python bench/pages.py reliability   # after make reliability: build/reliability/*.json
     .venv/bin/python bench/pages.py check         # the pages are what the committed data renders
     .venv/bin/python bench/pages.py start KIND    # make bench and make reliability call it first
+    .venv/bin/python bench/pages.py render        # after a change of this file: the pages from docs/data
 
 A run's JSON is gathered into ``docs/data/benchmarks.json`` (or
 ``reliability.json``) with the commit and machine it ran on, and the pages are
@@ -202,6 +203,26 @@ def section_compare(d: Data) -> str:
     return "\n".join(lines)
 
 
+def section_cold_one_process(d: Data) -> str:
+    c = d.get("cold_load")
+    if c is None:
+        return "## Cold loads in one process\n\n" + _missing("bench/cold_load.py")
+    rows = [[case["load"], num(case["globalshard_gbs"]), num(case["dcp_gbs"]), num(case["disk_gbs"]),
+             num(case["globalshard_vs_disk"]), num(case["globalshard_vs_dcp"])] for case in c["cases"]]
+    return "\n".join([
+        "## Cold loads in one process",
+        "",
+        f"`bench/cold_load.py`: {gib(c['state_bytes'])} GiB of float32 in {c['tensors']} tensors saved at TP=4, "
+        "loaded at TP=2 and TP=1 with every target in one process (as an export, an evaluation or a TP=1 resume "
+        "does), the files evicted from the page cache before each load. DCP loads its own TP=4 checkpoint of "
+        f"the same state with as many processes as the new layout has ranks; the disk is a plain "
+        f"{c['disk_threads']}-thread read of globalshard's files. GB/s of state, median of {len(c['rounds'])} "
+        "rounds; ratios the median of the rounds' ratios:",
+        "",
+        table(["load", "globalshard", "DCP", "disk", "globalshard / disk", "globalshard / DCP"], rows),
+    ])
+
+
 def section_planning(d: Data) -> str:
     rep = d.get("report", {})
     if "planning" not in rep:
@@ -382,7 +403,7 @@ def headline(d: Data) -> str:
                       " says what each one is):", "", table(["name", "value"], rows)])
 
 
-SECTIONS: list[Callable[[Data], str]] = [section_compare, section_planning, section_io,
+SECTIONS: list[Callable[[Data], str]] = [section_compare, section_cold_one_process, section_planning, section_io,
                                          section_small, section_shared, section_memory, headline]
 
 
@@ -502,9 +523,15 @@ def stale(kind: str) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("benchmarks", "reliability", "check", "start"):
+    if not argv or argv[0] not in ("benchmarks", "reliability", "check", "start", "render"):
         print(__doc__)
         return 2
+    if argv[0] == "render":
+        for kind in ("benchmarks", "reliability"):
+            for path, text in rendered(kind, load_data(kind)).items():
+                with open(path, "w") as f:
+                    f.write(text)
+        return 0
     if argv[0] == "start":
         start(argv[1], argv[2] if len(argv) > 2 else BUILD[argv[1]])
         return 0

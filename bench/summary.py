@@ -10,6 +10,8 @@ its script did not run): ``save_vs_disk``, ``save_vs_dcp``,
 (bytes read / needed per rank, TP=4 -> 2 and across axes, bench/run.py),
 ``async_block_vs_memcpy`` (bench/io_memory.py, the second save), ``peak_rss_over_state``
 (the larger of save and load: peak RSS rise / state), ``plan_4096_s`` (bench/run.py),
+``load_cold_one_process_vs_disk`` and ``load_cold_one_process_vs_dcp`` (every target of a
+cold load in one process, the worse of TP4->2 and TP4->1, bench/cold_load.py),
 ``replan_4096_s`` (one rank's planning of a repeated save at 4,096 ranks, the cached plan reused, bench/run.py),
 ``shared_reads`` (time and group bytes read with shared reads over without, local warm and
 cold and S3, bench/shared_reads.py), ``small_tensors_over_large`` (10,000 small tensors'
@@ -91,6 +93,9 @@ def main() -> None:
     report["peak_rss_over_state"] = max(s["peak_rise_bytes"] / s["state_bytes"] for s in steps) if steps else None
     report.setdefault("plan_4096_s", None)
     report.setdefault("replan_4096_s", None)
+    cold = _read("cold_load.json")
+    for key in ("load_cold_one_process_vs_disk", "load_cold_one_process_vs_dcp"):
+        report[key] = cold.get(key)
     shared = _read("shared_reads.json")
     report["shared_reads"] = {name: {"shared_over_plain_seconds": shared[name]["shared_over_plain_seconds"],
                                      "shared_over_plain_bytes_read": shared[name]["shared_over_plain_bytes_read"]}
@@ -112,7 +117,8 @@ def main() -> None:
             print("plot: matplotlib is not installed (pip install -e '.[bench]'), no bench.png")
     for key in ("save_vs_disk", "save_vs_dcp", "load_warm_vs_page_cache", "load_warm_vs_dcp", "load_cold_vs_disk",
                 "load_cold_vs_dcp", "read_amplification", "async_block_vs_memcpy", "peak_rss_over_state",
-                "plan_4096_s", "replan_4096_s", "shared_reads", "small_tensors_over_large"):
+                "plan_4096_s", "replan_4096_s", "load_cold_one_process_vs_disk", "load_cold_one_process_vs_dcp",
+                "shared_reads", "small_tensors_over_large"):
         print(f"{key}: {report[key]}")
 
 
