@@ -65,6 +65,7 @@ bench: $(VENV)/.bench-installed
 	$(PY) bench/cold_load.py
 	$(PY) bench/shared_reads.py
 	$(PY) bench/small_tensors.py
+	$(PY) bench/training.py
 	$(PY) bench/export_memory.py 2
 	$(PY) bench/summary.py
 	$(PY) bench/pages.py benchmarks

@@ -223,6 +223,46 @@ def section_cold_one_process(d: Data) -> str:
     ])
 
 
+def section_training(d: Data) -> str:
+    t = d.get("training")
+    if t is None:
+        return "## Checkpointing a training loop\n\n" + _missing("bench/training.py")
+    m, rounds = t["model"], t["rounds"]
+
+    def per_step(mode: str) -> float:
+        return float(sorted(r[mode]["wall_per_step_s"] for r in rounds)[len(rounds) // 2])
+
+    rows = [[label, num(per_step(mode), 3), "1.00" if mode == "none" else num(t[f"step_time_{key}_vs_none"])]
+            for mode, key, label in (("none", "", "no checkpoints"), ("sync", "sync", "synchronous saves"),
+                                     ("thread", "async_thread", "AsyncSaver, thread mode"),
+                                     ("process", "async_process", "AsyncSaver, process mode"))]
+    lora, pre = t["lora"], t["pretrain_with_base"]
+    return "\n".join([
+        "## Checkpointing a training loop",
+        "",
+        f"`bench/training.py`: {m['layers']} linear layers of {m['width']} x {m['width']} float32 trained with AdamW "
+        f"({mib(m['state_bytes'])} MiB of weights and moments) by torch on {m['threads']} threads, batch "
+        f"{m['batch']}, {m['steps']} steps, a `save_checkpoint` every {m['save_every']} steps. Each mode runs in a "
+        f"fresh process; the modes take turns in each of {len(rounds)} rounds; ratios are the median of the "
+        "rounds' ratios of wall time per step (training and the time saves block it):",
+        "",
+        table(["", "s per step", "over none"], rows),
+        "",
+        f"A process-mode save blocked the loop {num(t['async_block_vs_memcpy'])}x a memcpy of the state into a warm "
+        "buffer (median over the saves after the first, which starts the writer and sizes the staging pool). "
+        f"Its saves raised the peak PSS of the trainer and its writer by {num(t['async_peak_rss_over_state'])}x "
+        "the state over the same training without checkpoints.",
+        "",
+        f"Full training with `base=` the previous save (every region hashed): the saves left "
+        f"{num(100 * pre['saved_fraction'], 1)}% of the state's bytes unwritten, since every weight and both moments "
+        "change every step: a base saves nothing there.",
+        "",
+        f"A LoRA fine-tune of a frozen base of {gib(lora['base_bytes'])} GiB: once the base is saved, each save with "
+        f"`frozen=[\"base.*\"]` wrote {num(lora['written_over_adapter_bytes'])}x the bytes of the adapters and their "
+        f"optimizer state ({mib(lora['adapter_and_optimizer_bytes'])} MiB).",
+    ])
+
+
 def section_planning(d: Data) -> str:
     rep = d.get("report", {})
     if "planning" not in rep:
@@ -403,7 +443,8 @@ def headline(d: Data) -> str:
                       " says what each one is):", "", table(["name", "value"], rows)])
 
 
-SECTIONS: list[Callable[[Data], str]] = [section_compare, section_cold_one_process, section_planning, section_io,
+SECTIONS: list[Callable[[Data], str]] = [section_compare, section_cold_one_process, section_training,
+                                         section_planning, section_io,
                                          section_small, section_shared, section_memory, headline]
 
 

@@ -12,6 +12,12 @@ its script did not run): ``save_vs_disk``, ``save_vs_dcp``,
 (the larger of save and load: peak RSS rise / state), ``plan_4096_s`` (bench/run.py),
 ``load_cold_one_process_vs_disk`` and ``load_cold_one_process_vs_dcp`` (every target of a
 cold load in one process, the worse of TP4->2 and TP4->1, bench/cold_load.py),
+the training loop's figures (bench/training.py): ``step_time_async_process_vs_none``,
+``step_time_async_thread_vs_none``, ``step_time_sync_vs_none`` (wall time per step with a
+checkpoint every 4 steps over none), ``async_block_vs_memcpy`` (the time a process-mode save
+blocks the loop over a memcpy of the state; this replaces bench/io_memory.py's figure of that
+name), ``async_peak_rss_over_state`` (what the saves add to the trainer's and writer's peak PSS,
+over the state), ``lora_save_bytes_over_adapter_bytes``, ``pretrain_save_bytes_saved_fraction``;
 ``replan_4096_s`` (one rank's planning of a repeated save at 4,096 ranks, the cached plan reused, bench/run.py),
 ``shared_reads`` (time and group bytes read with shared reads over without, local warm and
 cold and S3, bench/shared_reads.py), ``small_tensors_over_large`` (10,000 small tensors'
@@ -88,7 +94,13 @@ def main() -> None:
              if c.get("chunk_mib") == 1 for row in c["loads"]}
     report["read_amplification"] = {"tp4_to_2": loads.get("TP=4 -> 2"), "tp4_to_3": loads.get("TP=4 -> 3 (uneven)"),
                                     "other_axis": loads.get("TP=4, cut on the other axis")} if loads else None
-    report["async_block_vs_memcpy"] = memory.get("async", {}).get("second_blocking_over_memcpy")
+    training = _read("training.json")
+    report["async_block_vs_memcpy"] = training.get("async_block_vs_memcpy",
+                                                   memory.get("async", {}).get("second_blocking_over_memcpy"))
+    for key in ("step_time_async_process_vs_none", "step_time_async_thread_vs_none", "step_time_sync_vs_none",
+                "async_peak_rss_over_state", "lora_save_bytes_over_adapter_bytes",
+                "pretrain_save_bytes_saved_fraction"):
+        report[key] = training.get(key)
     steps = [memory[s] for s in ("save", "load") if s in memory]
     report["peak_rss_over_state"] = max(s["peak_rise_bytes"] / s["state_bytes"] for s in steps) if steps else None
     report.setdefault("plan_4096_s", None)
@@ -117,7 +129,9 @@ def main() -> None:
             print("plot: matplotlib is not installed (pip install -e '.[bench]'), no bench.png")
     for key in ("save_vs_disk", "save_vs_dcp", "load_warm_vs_page_cache", "load_warm_vs_dcp", "load_cold_vs_disk",
                 "load_cold_vs_dcp", "read_amplification", "async_block_vs_memcpy", "peak_rss_over_state",
-                "plan_4096_s", "replan_4096_s", "load_cold_one_process_vs_disk", "load_cold_one_process_vs_dcp",
+                "plan_4096_s", "replan_4096_s", "step_time_async_process_vs_none", "step_time_async_thread_vs_none",
+                "step_time_sync_vs_none", "async_peak_rss_over_state", "lora_save_bytes_over_adapter_bytes",
+                "pretrain_save_bytes_saved_fraction", "load_cold_one_process_vs_disk", "load_cold_one_process_vs_dcp",
                 "shared_reads", "small_tensors_over_large"):
         print(f"{key}: {report[key]}")
 
