@@ -183,6 +183,11 @@ class HostStaging:
                 out[name] = spans[i][2]
         return out
 
+    def wait_all(self) -> None:
+        """Wait until every device-to-host copy in flight has landed."""
+        for _, _, wait in self._in_flight:
+            wait()
+
     def finish_load(self) -> None:
         """Copy loaded host buffers back to their device tensors."""
         for device_tensor, buf in self._pending:
