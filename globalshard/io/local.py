@@ -49,6 +49,10 @@ class LocalEngine(TensorStoreEngine):
 
     def _write(self, items: Sequence[ArrayItem | PackItem]) -> None:
         root = self.store.path
+        try:
+            os.makedirs(root, exist_ok=True)  # a root no lock file created yet (a tier copy's)
+        except OSError as e:
+            raise StorageError(f"cannot create {root}: {e.strerror or e}") from None
         pool = localio.pool()
         problems: list[str] = []
         futures: list[tuple[str, Any]] = []

@@ -44,6 +44,16 @@ class Store(Protocol):
     #: process then writes it.
     process_shared: bool
 
+    def files(self, prefix: str) -> list[str]:
+        """Every file below ``prefix`` (names relative to the root, sorted); none
+        through a symbolic link."""
+        ...
+
+    def read_whole(self, name: str) -> bytes | None:
+        """A file's bytes, or None if there is none, with no bound on its size
+        (a stored array's shard, copied between tiers)."""
+        ...
+
     def sibling(self, name: str) -> Store:
         """The store of the root ``name`` beside this one (a base, spec section 5.2).
 

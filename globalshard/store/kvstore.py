@@ -39,6 +39,21 @@ class KvStore:
     def __repr__(self) -> str:
         return f"KvStore({self.spec!r})"
 
+    def files(self, prefix: str) -> list[str]:
+        start = prefix.rstrip("/") + "/"
+        try:
+            keys = self._kvs().list(ts.KvStore.KeyRange(start, start[:-1] + "0")).result()
+        except (OSError, ValueError) as e:
+            raise StorageError(f"cannot list {self.describe(prefix)}: {error_text(e)}") from None
+        return sorted(k.decode("utf-8", "replace") for k in keys)
+
+    def read_whole(self, name: str) -> bytes | None:
+        try:
+            r = self._kvs().read(name).result()
+        except (OSError, ValueError) as e:
+            raise StorageError(f"cannot read {self.describe(name)}: {error_text(e)}") from None
+        return None if r.state == "missing" else bytes(r.value)
+
     def _parent(self) -> str:
         path = self.spec.get("path", "")
         if not path.strip("/"):

@@ -41,6 +41,29 @@ class LocalStore:
     def __repr__(self) -> str:
         return f"LocalStore({self.path!r})"
 
+    def files(self, prefix: str) -> list[str]:
+        top = os.path.join(self.path, prefix)
+        out = []
+        for directory, _, names in os.walk(top):  # does not descend into linked directories
+            for n in names:
+                full = os.path.join(directory, n)
+                if not os.path.islink(full):
+                    out.append(os.path.relpath(full, self.path).replace(os.sep, "/"))
+        return sorted(out)
+
+    def read_whole(self, name: str) -> bytes | None:
+        full = os.path.join(self.path, name)
+        try:
+            fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StorageError(f"cannot read {full}: {error_text(e)}") from None
+        try:
+            return _read_to_end(fd, os.fstat(fd).st_size, full)
+        finally:
+            os.close(fd)
+
     def sibling(self, name: str) -> LocalStore:
         path = os.path.join(os.path.dirname(self.path), name)
         spec = dict(self.spec)

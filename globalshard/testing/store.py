@@ -54,6 +54,14 @@ class StoreTests:
         assert store.sibling_name(other.sibling(name)) == name  # the sibling's sibling of that name: itself
         assert store.sibling(name).read("metadata.json") == b"the sibling's"
 
+    def test_files_lists_everything_below_a_prefix(self, store: Store) -> None:
+        store.write("a/b/c", b"1")
+        store.write("a/b/d/e", b"2" * 1000)
+        store.write("a/bc", b"3")
+        store.write("z", b"4")
+        assert store.files("a/b") == ["a/b/c", "a/b/d/e"]
+        assert store.read_whole("a/b/d/e") == b"2" * 1000 and store.read_whole("a/missing") is None
+
     def test_a_missing_file_reads_as_none(self, store: Store) -> None:
         assert store.read("metadata.json") is None
         assert store.read_stamped("metadata.json")[0] is None
