@@ -9,6 +9,7 @@ Arrays of shared reads travel point to point over the same group.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -69,6 +70,10 @@ def _bytes(array: np.ndarray) -> torch.Tensor:
     """The bytes of a C-contiguous array as a uint8 tensor sharing its memory."""
     if not array.flags.c_contiguous:
         raise ValueError("exchange() needs C-contiguous arrays")
+    if not array.flags.writeable:  # a send buffer only (bytes read from a file): torch warns of writes it never does
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(array.reshape(-1).view(np.uint8))
     return torch.from_numpy(array.reshape(-1).view(np.uint8))
 
 
