@@ -61,7 +61,7 @@ class AsyncSaver:
     Args:
         mode: ``"process"`` or ``"thread"``, see above.
         writer: the writer process to use (default: this process's shared
-            one, niced by 10).
+            one).
 
     >>> import numpy as np, tempfile
     >>> from globalshard import ShardedTensor, read_array

@@ -8,7 +8,7 @@ items to write (where in the pool each one's bytes are), then the commit
 and the cleanup. A job's reply carries its result or its exception. The
 writer is this module's :func:`main` in a new interpreter, started with
 ``subprocess`` (not ``multiprocessing``: a training script need not guard
-its ``__main__``), niced, and it exits when the trainer does. Nothing here
+its ``__main__``), and it exits when the trainer does. Nothing here
 is read from a checkpoint: the pickles are the two processes' own messages.
 """
 
@@ -99,13 +99,14 @@ class Writer:
     again after it died.
 
     Args:
-        nice: added to the writer's niceness, so that the trainer's threads
-            come first for the CPU.
+        nice: added to the writer's niceness (0: none). A niced writer that a
+            trainer busy on every core starves may not finish before the next
+            save, which then waits for it.
         setup: a picklable function run in the writer when it starts
             (logging, CPU affinity); None: nothing.
     """
 
-    def __init__(self, nice: int = 10, setup: Callable[[], None] | None = None) -> None:
+    def __init__(self, nice: int = 0, setup: Callable[[], None] | None = None) -> None:
         self.nice, self.setup = nice, setup
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
