@@ -43,6 +43,7 @@ from globalshard.geometry import Box, Region, Segment
 from globalshard.io.base import IOStats
 from globalshard.layout import PADDING_SUFFIX, ShardedStateDict, ShardedTensor, is_padding_key, shards_from_flat_range
 from globalshard.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, ShardInfo
+from globalshard.tiers import LocalTier, Recovery, TieredManager
 
 __version__ = "0.1.0"
 
@@ -62,12 +63,14 @@ __all__ = [
     "GlobalShardError",
     "IOStats",
     "LayoutError",
+    "LocalTier",
     "LoadPlan",
     "LoadPlanner",
     "Metadata",
     "MetadataError",
     "MismatchError",
     "MissingKeyError",
+    "Recovery",
     "Region",
     "SavePlan",
     "SavePlanner",
@@ -82,6 +85,7 @@ __all__ = [
     "TrainerStateError",
     "StoredRegion",
     "TensorMetadata",
+    "TieredManager",
     "is_exact_cast",
     "load",
     "read_array",

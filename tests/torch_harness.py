@@ -203,7 +203,13 @@ def _entry(rank: int, world: int, port: int, fn_name: str, args: dict[str, Any],
                             timeout=timedelta(seconds=120))
     result: dict[str, Any]
     try:
-        out = globals()[fn_name](rank, **args)
+        if ":" in fn_name:  # a job of another module of tests/: "module:function"
+            import importlib
+
+            module, name = fn_name.split(":")
+            out = getattr(importlib.import_module(module), name)(rank, **args)
+        else:
+            out = globals()[fn_name](rank, **args)
         result = {"ok": True, "value": out}
     except BaseException as e:  # reported to the parent, which asserts on it
         result = {"ok": False, "type": type(e).__name__, "message": str(e), "trace": traceback.format_exc()}

@@ -19,7 +19,7 @@ Megatron-style models: save on one topology and load on another with one call ea
                              scheduler=sched)
 """
 
-from globalshard_torch.checkpoint import CheckpointManager, LoadResult, load_checkpoint, save_checkpoint
+from globalshard_torch.checkpoint import CheckpointManager, LoadResult, TieredManager, load_checkpoint, save_checkpoint
 from globalshard_torch.comm import TorchComm, default_comm
 from globalshard_torch.hf import load_hf
 from globalshard_torch.model import Entry, model_entries
@@ -48,6 +48,7 @@ from globalshard_torch.zero import FlatShard, megatron_param_ranges, zero_redund
 __all__ = [
     "load_hf",
     "CheckpointManager",
+    "TieredManager",
     "ColumnParallel",
     "Experts",
     "FlatShard",

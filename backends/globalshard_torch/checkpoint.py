@@ -228,7 +228,11 @@ def save_checkpoint(
                     "ranks": [g["rng"] for g in gathered]}
     if rank_state is not None:
         state["rank_state"] = [g["rank_state"] for g in gathered]
-    if saver is not None:  # device-to-host copies overlap with the writes
+    if isinstance(path, _TierStep):
+        if saver is not None:
+            raise LayoutError("a TieredManager's save returns once the tier copies are committed; it takes no saver")
+        path.manager.save_state(path.step, shards, trainer_state=state, stats=stats)
+    elif saver is not None:  # device-to-host copies overlap with the writes
         saver.save(shards, path, trainer_state=state, comm=comm, overwrite=overwrite, kvstore=kvstore, stats=stats,
                    staged=staging.staged(shards), pack_below=pack_below, base=base, frozen=frozen, digests=digests)
     else:
@@ -300,7 +304,8 @@ def load_checkpoint(
         return gs_planner.asked_mask(opened[0].metadata, {t.key for t in targets.values()})
 
     def _prepare() -> None:
-        checkpoint = gs.Checkpoint(path, kvstore=kvstore)  # parsed once, used for planning and loading
+        # parsed once, used for planning and loading (or opened already: a TieredManager's nearest copies)
+        checkpoint = path if isinstance(path, gs.Checkpoint) else gs.Checkpoint(path, kvstore=kvstore)
         opened.append(checkpoint)
         metadata, ts = checkpoint.metadata, checkpoint.trainer_state
         if scheduler is not None and ts.get("lr_scheduler") is None:
@@ -603,3 +608,56 @@ class CheckpointManager(gs.CheckpointManager):
         if found is None:
             return None
         return load_checkpoint(found[1], comm=self.comm(), **kwargs)
+
+
+@dataclass(frozen=True)
+class _TierStep:
+    """Where :class:`TieredManager` has :func:`save_checkpoint` save: a step of its tiers."""
+
+    manager: TieredManager
+    step: int
+
+
+class TieredManager(gs.TieredManager):
+    """:class:`globalshard.TieredManager` for torch models: :meth:`save` runs
+    :func:`save_checkpoint` into the tiers (a node-local tier, then the
+    persistent one) and :meth:`load_latest` runs :func:`load_checkpoint` from
+    the nearest copies, onto any layout; the communicator defaults to
+    torch.distributed's (its gloo group carries the copies between nodes).
+
+    For example::
+
+        manager = gt.TieredManager(tiers=[gs.LocalTier("/local/ckpt", replicas=1, keep=2), "s3://bucket/run/"])
+        manager.save(step, model=chunks, layout=layout, rules=rules, optimizer=opt)
+        result = manager.load_latest(model=chunks, layout=new_layout, rules=rules, optimizer=opt)
+    """
+
+    def comm(self) -> Comm | None:
+        return self._comm if self._comm is not None else default_comm()
+
+    def save(self, step: int, **kwargs: Any) -> Any:  # type: ignore[override]
+        """:func:`save_checkpoint` as step ``step`` of the tiers (see the class)."""
+        trainer_state = dict(kwargs.pop("trainer_state", None) or {})
+        trainer_state.setdefault("step", step)
+        save_checkpoint(self.target(step), trainer_state=trainer_state, comm=self.comm(), **kwargs)
+        return self.path(step)
+
+    def target(self, step: int) -> Any:
+        """What to pass :func:`save_checkpoint` as its path to save step ``step``
+        into the tiers (for a trainer that calls it itself), once the step
+        before is drained."""
+        self.wait()
+        return _TierStep(self, step)
+
+    def save_state(self, step: int, state: Any, **kwargs: Any) -> Any:
+        """:meth:`globalshard.TieredManager.save` of a state of ShardedTensors."""
+        return super().save(step, state, **kwargs)
+
+    def load_latest(self, **kwargs: Any) -> LoadResult | None:  # type: ignore[override]
+        """:func:`load_checkpoint` from the newest step whole in the tiers; None when there is none."""
+        found = self.open_latest()
+        if found is None:
+            return None
+        result = load_checkpoint(found, comm=self.comm(), **kwargs)
+        self.recovery = found.recovery
+        return result

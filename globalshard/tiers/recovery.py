@@ -1,0 +1,310 @@
+"""Recovery from the nearest copies, onto any layout: ranks agree on the
+newest step some reachable copies hold whole, then each stored read comes
+from this node's tier copy, else from a peer node that holds it (the peer
+reads and sends it), else from the persistent tier."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from globalshard.checkpoint.loading import Checkpoint, _expected_attributes
+from globalshard.checkpoint.saving import entries_of
+from globalshard.comm import Comm, run_collectively
+from globalshard.dtypes import cast_into, numpy_dtype
+from globalshard.errors import CommError, MetadataError
+from globalshard.format.metadata import Metadata, parse_metadata
+from globalshard.format.trainer_state import parse_trainer_state
+from globalshard.geometry import Box
+from globalshard.io import IOStats, open_engine
+from globalshard.layout import ShardedTensor
+from globalshard.planner import LoadPlan, LoadPlanner, PackedRegion, ReadItem, ShardInfo, TargetPlan
+from globalshard.shared import require_exchange
+from globalshard.store import Store, open_root
+from globalshard.tiers.local import LocalTier, scan, step_name
+
+__all__ = ["Recovery", "TieredCheckpoint", "open_latest"]
+
+_log = logging.getLogger("globalshard")
+
+#: Bytes of pieces sent between nodes per exchange.
+_WINDOW = 64 << 20
+
+
+@dataclass
+class Recovery:
+    """What :func:`recover` loaded: the step, its trainer state, and where this
+    rank's bytes came from (stored bytes read per tier; ``peer``: received)."""
+
+    step: int
+    save_id: str
+    trainer_state: dict[str, Any]
+    bytes_local: int = 0
+    bytes_peer: int = 0
+    bytes_persistent: int = 0
+    #: The stored arrays this rank read from the persistent tier (no reachable copy held them).
+    paths_persistent: list[str] = field(default_factory=list)
+    #: Why newer steps were passed over, one line each.
+    skipped: list[str] = field(default_factory=list)
+
+
+def _began(save_id: str) -> int:
+    return int(save_id[:12], 16)
+
+
+def _choose(gathered: list[Any]) -> tuple[tuple[int, str, Metadata, dict[str, list[int]], bool] | None, list[str]]:
+    """The newest (step, save) whole in the reachable copies, and why newer ones were not."""
+    found: dict[tuple[int, str], dict[str, Any]] = {}
+    for node_report in gathered:
+        for c in node_report.get("copies", []):
+            entry = found.setdefault((c["step"], c["save_id"]), {"doc": c["metadata"], "holders": {}, "persisted":
+                                                                 False})
+            for p in c["holds"]:
+                entry["holders"].setdefault(p, []).append(c["node"])
+        for step, doc in node_report.get("persisted", []):
+            entry = found.setdefault((step, doc["save_id"]), {"doc": doc, "holders": {}, "persisted": False})
+            entry["persisted"], entry["doc"] = True, doc
+    skipped: list[str] = []
+    for (step, save_id), entry in sorted(found.items(), key=lambda kv: (_began(kv[0][1]), kv[0][0]), reverse=True):
+        metadata = parse_metadata(json.dumps(entry["doc"]))
+        missing = [p for p in metadata.paths() if p not in entry["holders"]]
+        if entry["persisted"] or not missing:
+            return (step, save_id, metadata, entry["holders"], entry["persisted"]), skipped
+        skipped.append(f"step {step} (save {save_id}): {len(missing)} of {len(metadata.paths())} of its paths "
+                       f"are on no reachable node and it was not persisted (first: {missing[0]})")
+    return None, skipped
+
+
+def _needs(plan: LoadPlan) -> list[Any]:
+    return sorted({(r.path, -1 if r.byte_offset is None else r.byte_offset, r.stored_box.offset, r.stored_box.shape,
+                    t.stored_dtype) for t in plan.targets for r in t.reads})
+
+
+def _sources(needs: Sequence[Sequence[Any]], holders: Mapping[str, list[int]], node_of: Callable[[int], int],
+             ranks_of: Callable[[int], Sequence[int]], persisted: bool) -> dict[tuple[int, int], tuple[str, int]]:
+    """Where each rank's each stored read comes from: ``(rank, index into its
+    needs) -> ("local" | "persistent", rank)`` or ``("peer", owner)``. Pure:
+    the same on every rank. A peer read goes to the least-loaded rank of a
+    node that holds the path (ties: the nearest node after the reader's in
+    the ring, then the lower rank)."""
+    load: dict[int, int] = {}
+    out = {}
+    for rank, items in enumerate(needs):
+        for i, (path, _, _, shape, dtype) in enumerate(items):
+            have = holders.get(path, [])
+            if node_of(rank) in have:
+                out[(rank, i)] = ("local", rank)
+            elif have:
+                count = max(have) + 1
+                owner = min((r for n in have for r in ranks_of(n)),
+                            key=lambda r: (load.get(r, 0), (node_of(r) - node_of(rank)) % max(count, 1), r))
+                load[owner] = load.get(owner, 0) + int(np.prod(shape)) * numpy_dtype(dtype).itemsize
+                out[(rank, i)] = ("peer", owner)
+            elif persisted:
+                out[(rank, i)] = ("persistent", rank)
+            else:  # _choose said the step is whole: cannot happen
+                raise CommError(f"recover: no copy of {path} is reachable")
+    return out
+
+
+class TieredCheckpoint(Checkpoint):
+    """The newest step whole in the tiers a job reaches, opened for loading
+    (see the module): :attr:`metadata` and :attr:`trainer_state` as for a
+    :class:`~globalshard.Checkpoint`; :meth:`load` reads each stored read
+    from the nearest copy. Made by :func:`open_latest` (collective)."""
+
+    def __init__(self, comm: Comm, tier: LocalTier, found: tuple[int, str, Metadata, dict[str, list[int]], bool],
+                 step_store: Callable[[int], Store], skipped: list[str]) -> None:
+        self.step, self.save_id, self.metadata, self._holders, self._persisted = found
+        self._comm, self._tier, self._skipped = comm, tier, skipped
+        self._nodes = tier.nodes(comm)
+        node = self._nodes.node_of(comm.rank)
+        self._local = open_root(tier.root(node).child(step_name(self.step)))
+        self._store = step_store(self.step)  # the persistent tier's (reads no copy holds come from it)
+        self._engine = open_engine(self._store)
+        self._trainer_state = _trainer_state(comm, self.metadata, self._holders, self._nodes, self._persisted,
+                                             self._local, self._store)
+        #: Where the last :meth:`load` read from.
+        self.recovery: Recovery | None = None
+
+    def load(self, state: Mapping[str, ShardedTensor], *, comm: Comm | None = None, allow_lossy_cast: bool = False,
+             stats: IOStats | None = None, shared_reads: bool = False) -> dict[str, Any]:
+        """Fill ``state`` from the nearest copies (``comm``: the one it was opened
+        with; ``shared_reads`` has no effect: reads already go to one copy each).
+        Collective. Returns the trainer state."""
+        comm = comm if comm is not None else self._comm
+        exchanger = require_exchange(comm) if comm.world_size > 1 else None
+        entries = entries_of(state)
+        plan = LoadPlanner().plan(self.metadata, [ShardInfo.of(t) for _, t in entries],
+                                  allow_lossy_cast=allow_lossy_cast, names=[n for n, _ in entries])
+        mine = _needs(plan)
+        _, needs = run_collectively(comm, "recover: planning", lambda: mine)
+        sources = _sources(needs, self._holders, self._nodes.node_of, self._nodes.ranks_of, self._persisted)
+        result = Recovery(self.step, self.save_id, self.trainer_state, skipped=self._skipped)
+        _read(comm, exchanger, self.metadata, plan, needs, sources, [t.data for _, t in entries], self._local,
+              self._store, result)
+        if stats is not None:
+            stats.bytes_read += result.bytes_local + result.bytes_persistent
+            stats.bytes_received += result.bytes_peer
+        self.recovery = result
+        return self.trainer_state
+
+
+def open_latest(comm: Comm, tier: LocalTier, persisted: Callable[[], list[tuple[int, Metadata]]],
+                step_store: Callable[[int], Store]) -> TieredCheckpoint | None:
+    """The newest step whole in the tiers this job reaches: this rank's node's
+    copies, the other nodes' (through their ranks), and the persistent tier
+    (``persisted()``: its committed steps, called on rank 0; ``step_store(step)``:
+    its store). None when no step is whole anywhere; each newer step passed
+    over is logged, with why. Collective."""
+    nodes = tier.nodes(comm)
+    node = nodes.node_of(comm.rank)
+    root = tier.root(node)
+
+    def report() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if comm.rank == nodes.lead(node):
+            # TODO(limitation): each node's copies travel whole to every rank (metadata and
+            # the paths held), a few MB at thousands of stored regions per step.
+            out["copies"] = [{"step": s, "save_id": h.metadata.save_id, "holds": sorted(h.holds), "node": node,
+                              "metadata": h.metadata.to_json()} for s, h in scan(root).items()]
+        if comm.rank == 0:
+            out["persisted"] = [(s, m.to_json()) for s, m in persisted()]
+        return out
+
+    _, gathered = run_collectively(comm, "recover: finding the newest whole step", report)
+    chosen, skipped = _choose(gathered)
+    for line in skipped:
+        if comm.rank == 0:
+            _log.warning("recover: passing over %s", line)
+    if chosen is None:
+        return None
+    return TieredCheckpoint(comm, tier, chosen, step_store, skipped)
+
+
+def _key(r: ReadItem, dtype: str) -> tuple[Any, ...]:
+    return (r.path, -1 if r.byte_offset is None else r.byte_offset, r.stored_box.offset, r.stored_box.shape, dtype)
+
+
+def _need_key(n: Sequence[Any]) -> tuple[Any, ...]:
+    return (n[0], n[1], tuple(n[2]), tuple(n[3]), n[4])
+
+
+def _opening(plan: LoadPlan, *others: LoadPlan) -> LoadPlan:
+    """One plan opening the arrays and packs that ``plan`` and ``others`` read."""
+    used = {r.path for p in (plan, *others) for t in p.targets for r in t.reads}
+    arrays = {k: v for p in (plan, *others) for k, v in p.arrays.items() if k in used}
+    packs: dict[str, dict[int, PackedRegion]] = {}
+    for p in (plan, *others):
+        for k, m in p.packs.items():
+            if k in used:
+                packs.setdefault(k, {}).update(m)
+    return LoadPlan(tuple(t for p in (plan, *others) for t in p.targets), arrays, packs)
+
+
+def _read(comm: Comm, exchanger: Any, metadata: Metadata, plan: LoadPlan, needs: list[Any],
+          sources: dict[tuple[int, int], tuple[str, int]], targets: list[np.ndarray], local: Store,
+          persistent: Store, result: Recovery) -> None:
+    rank = comm.rank
+    index = {_need_key(n): i for i, n in enumerate(needs[rank])}
+
+    def part(kind: str, padding: bool) -> LoadPlan:
+        return LoadPlan(tuple(TargetPlan(t.target, t.key, t.stored_dtype, tuple(
+            r for r in t.reads if sources[(rank, index[_key(r, t.stored_dtype)])][0] == kind),
+            t.padding if padding else ()) for t in plan.targets), plan.arrays, plan.packs)
+
+    local_plan, persistent_plan = part("local", True), part("persistent", False)
+    served = [(r, i, n) for r in range(len(needs)) for i, n in enumerate(needs[r]) if sources[(r, i)] == ("peer", rank)]
+    # What this rank serves may be arrays its own load does not read: their records come from the metadata.
+    arrays: dict[str, Any] = {}
+    packs: dict[str, dict[int, PackedRegion]] = {}
+    key_of = {}
+    for key, stored in metadata.tensors.items():
+        for region in stored.regions:
+            key_of[region.path] = key
+            if region.byte_offset is None:
+                arrays[region.path] = (stored.dtype, region.box.shape)
+            else:
+                packs.setdefault(region.path, {})[region.byte_offset] = PackedRegion(key, stored.dtype, region.box,
+                                                                                     region.nbytes)
+    wanted_paths = {n[0] for _, _, n in served}
+    serve_plan = LoadPlan(tuple(TargetPlan(k, key_of[n[0]], n[4], (ReadItem(
+        n[0], Box(tuple(n[2]), tuple(n[3])), Box.full(tuple(n[3])), None if n[1] < 0 else n[1]),), ())
+        for k, (_, _, n) in enumerate(served)), {p: v for p, v in arrays.items() if p in wanted_paths},
+        {p: {b: v for b, v in m.items() if any(n[0] == p and n[1] == b for _, _, n in served)}
+         for p, m in packs.items() if p in wanted_paths})
+    opened: dict[str, Any] = {}
+
+    def open_all() -> None:
+        for name, store, sub in (("local", local, _opening(local_plan, serve_plan)),
+                                 ("persistent", persistent, _opening(persistent_plan))):
+            if sub.arrays or sub.packs:
+                engine = open_engine(store)
+                opened[name] = (engine, engine.open(sub, _expected_attributes(metadata, sub)))
+
+    run_collectively(comm, "recover: checking", open_all)
+    buffers = [np.empty(tuple(n[3]), numpy_dtype(n[4])) for _, _, n in served]
+    stats = {"local": IOStats(), "persistent": IOStats()}
+
+    def read(name: str, sub: LoadPlan, into: list[np.ndarray]) -> None:
+        if name in opened:
+            engine, op = opened[name]
+            engine.read(type(op)(sub, op.stores, op.files, op.where), into, stats[name])
+        else:  # nothing to read there: only the padding to zero-fill
+            for t in sub.targets:
+                for box in t.padding:
+                    box.view(into[t.target])[...] = 0
+
+    def read_direct() -> None:
+        read("local", local_plan, targets)
+        read("persistent", persistent_plan, targets)
+        if served:
+            read("local", serve_plan, buffers)
+
+    # Every rank has read (and checked) what it reads itself, and what it serves, before any piece is sent.
+    run_collectively(comm, "recover: reading", read_direct)
+    # TODO(limitation): the pieces a node serves travel in one exchange, held in
+    # memory whole on both sides rather than in windows.
+    sends = [(r, i, buf) for (r, i, _), buf in zip(served, buffers)]
+    wanted = [(n, sources[(rank, i)][1], i) for i, n in enumerate(needs[rank]) if sources[(rank, i)][0] == "peer"]
+    incoming = [(owner, i, np.empty(tuple(n[3]), numpy_dtype(n[4]))) for n, owner, i in wanted]
+    if exchanger is not None:
+        try:
+            exchanger.exchange(sends, incoming)
+        except Exception as e:
+            raise CommError(f"recover: receiving pieces from other nodes failed: {type(e).__name__}: {e}") from e
+    got = {_need_key(n): buf for (n, _, _), (_, _, buf) in zip(wanted, incoming)}
+    for t in plan.targets:
+        for r in t.reads:
+            buf = got.get(_key(r, t.stored_dtype))
+            if buf is not None:
+                cast_into(r.target_box.view(targets[t.target]), buf)
+    result.bytes_local += stats["local"].bytes_read
+    result.bytes_persistent += stats["persistent"].bytes_read
+    result.paths_persistent = sorted({r.path for t in persistent_plan.targets for r in t.reads})
+    result.bytes_peer += sum(b.nbytes for _, _, b in incoming)
+
+
+def _trainer_state(comm: Comm, metadata: Metadata, holders: Mapping[str, list[int]], nodes: Any, persisted: bool,
+                   local: Store, persistent: Store) -> dict[str, Any]:
+    ref = metadata.trainer_state
+    if ref is None:
+        return {}
+    if persisted:
+        data = persistent.read(ref.path)
+    else:
+        holder = nodes.lead(min(holders[ref.path]))
+
+        def share() -> Any:
+            return local.read(ref.path).decode("latin-1") if comm.rank == holder else None  # type: ignore[union-attr]
+
+        _, gathered = run_collectively(comm, "recover: trainer state", share)
+        data = gathered[holder].encode("latin-1")
+    if data is None:
+        raise MetadataError(f"the trainer state {ref.path} of the recovered step is missing")
+    return parse_trainer_state(data, ref)

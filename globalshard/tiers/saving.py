@@ -1,0 +1,250 @@
+"""A tiered save: each rank writes its arrays to its node's directory, each
+node's arrays are copied to the next nodes of the ring, every node commits
+its tier copy (spec section 5.3), and a background drain copies the arrays
+to the persistent tier and commits the checkpoint there."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from globalshard.checkpoint.saving import entries_of, plan_save
+from globalshard.comm import Comm, run_collectively
+from globalshard.errors import CommError, StorageError
+from globalshard.format.holdings import HOLDINGS_FILE, Holdings
+from globalshard.format.metadata import Metadata, parse_metadata
+from globalshard.format.paths import METADATA_FILE
+from globalshard.io import IOStats, open_engine
+from globalshard.layout import ShardedTensor
+from globalshard.shared import require_exchange
+from globalshard.store import Store, open_root
+from globalshard.tiers.local import LocalTier, Nodes, prune, step_name
+
+__all__ = ["DRAIN_DIR", "Drain", "save_tiered"]
+
+_log = logging.getLogger("globalshard")
+
+#: Where ranks mark, in the persistent tier, that they copied their arrays (removed after the commit).
+DRAIN_DIR = ".drain"
+#: Bytes of files sent to the ring's next nodes per exchange.
+_WINDOW = 64 << 20
+#: How long rank 0's drain waits for the other ranks' marks before it gives up (the step stays local).
+DRAIN_TIMEOUT_S = 3600.0
+
+
+@dataclasses.dataclass
+class Drain:
+    """The background copy of one step to the persistent tier, on one rank."""
+
+    step: int
+    save_id: str
+    thread: threading.Thread
+    error: BaseException | None = None
+    #: Seconds from the start of the drain to the persistent commit (rank 0), or to this rank's copies.
+    seconds: float = 0.0
+
+    def wait(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+
+def _files(store: Store, paths: Sequence[str]) -> list[str]:
+    out = []
+    for p in paths:
+        found = store.files(p)
+        out += found if found else [p]  # a path that is one file (the trainer state)
+    return out
+
+
+def _replicate(comm: Comm, tier: LocalTier, nodes: Nodes, local: Store, mine: list[str]) -> list[str]:
+    """Send the files of this rank's paths to the same local rank of the next
+    ``replicas`` nodes and write theirs from the nodes before: returns the
+    paths received. Collective."""
+    if not tier.peers(nodes, nodes.node_of(comm.rank)):
+        return []
+    exchanger = require_exchange(comm)
+    files = _files(local, mine)
+    sizes = [len(local.read_whole(f) or b"") for f in files]  # read again below, window by window
+    # TODO(limitation): every rank's list of files is gathered by every rank (a few
+    # hundred bytes a stored array); only the next nodes' ranks need it.
+    _, gathered = run_collectively(comm, "tier save: replication", lambda: {"paths": mine, "files": files,
+                                                                           "sizes": sizes})
+    node, local_rank = nodes.node_of(comm.rank), comm.rank % nodes.ranks_per_node
+    to = [tier.peers(nodes, node)[k] * nodes.ranks_per_node + local_rank for k in range(len(tier.peers(nodes, node)))]
+    senders = [s * nodes.ranks_per_node + local_rank for s in tier.sources(nodes, node)]
+    received: list[str] = []
+
+    def windows(sizes: Sequence[int]) -> list[int]:
+        """The window of each file of a sender's list: greedy, at most _WINDOW bytes (one file at least)."""
+        out, w, size = [], 0, 0
+        for n in sizes:
+            if size and size + n > _WINDOW:
+                w, size = w + 1, 0
+            out.append(w)
+            size += n
+        return out
+
+    # Every rank knows every sender's windows: the sends and receives of window w meet in one exchange.
+    plan = {r: windows(g["sizes"]) for r, g in enumerate(gathered)}
+    count = max((max(w, default=-1) + 1 for w in plan.values()), default=0)
+    for w in range(count):
+        sends: list[tuple[int, int, np.ndarray]] = []
+
+        def read(w: int = w, sends: list[tuple[int, int, np.ndarray]] = sends) -> None:
+            for k, f in enumerate(files):
+                if plan[comm.rank][k] == w:
+                    data = np.frombuffer(local.read_whole(f) or b"", np.uint8)
+                    sends.extend((peer, k, data) for peer in to)
+
+        # Every rank has its window in memory before any sends: a rank that cannot read
+        # fails the save on every rank, rather than leave its peers waiting for its bytes.
+        run_collectively(comm, "tier save: replication", read)
+        incoming = [(src, k, f, np.empty(n, np.uint8)) for src in senders
+                    for k, (f, n) in enumerate(zip(gathered[src]["files"], gathered[src]["sizes"]))
+                    if plan[src][k] == w]
+        try:
+            exchanger.exchange(sends, [(src, k, buf) for src, k, _, buf in incoming])
+        except Exception as e:
+            raise CommError(f"tier save: sending copies to the next nodes failed: {type(e).__name__}: {e}") from e
+
+        def write(incoming: list[Any] = incoming) -> None:
+            for _, _, f, buf in incoming:
+                local.write(f, buf.tobytes())
+
+        run_collectively(comm, "tier save: replication", write)
+    for s in senders:
+        received += gathered[s]["paths"]
+    return received
+
+
+def save_tiered(state: Mapping[str, ShardedTensor], step: int, comm: Comm, tier: LocalTier, persistent: Store,
+                step_store: Callable[[int], Store], *, trainer_state: dict[str, Any] | None = None,
+                stats: IOStats | None = None, on_persisted: Callable[[int], None] | None = None) -> Drain:
+    """Save ``state`` as step ``step``: into this node's directory (and the next
+    nodes'), committed there on every node before it returns; then, in the
+    background, copied to ``step_store(step)`` in the persistent tier and
+    committed there, when ``on_persisted(step)`` runs on rank 0.
+
+    Raises:
+        LayoutError, StorageError, CommError: as :func:`~globalshard.save`; the
+        previous steps stay whole in every tier.
+    """
+    nodes = tier.nodes(comm)
+    node = nodes.node_of(comm.rank)
+    name = step_name(step)
+    local_root = tier.root(node)
+    local = open_root(local_root.child(name))
+    target = step_store(step)
+    held = contextlib.ExitStack()
+    try:
+        planned = plan_save(target, comm, entries_of(state), trainer_state, False, held)
+    except BaseException:
+        held.close()
+        raise
+    try:
+        mine = [item.path for item in planned.items]
+        blob = planned.coordinator.trainer_blob
+
+        def clear_local() -> None:  # a save of this step that died left its files: they go first, once
+            if comm.rank == nodes.lead(node) and local.files(""):
+                local.delete("", tree=True)
+
+        def write_local() -> None:
+            open_engine(local).write(planned.items, stats)
+            if blob is not None:
+                local.write(blob[1].path, blob[0])
+
+        run_collectively(comm, "tier save: local write", clear_local)
+        run_collectively(comm, "tier save: local write", write_local)
+        if blob is not None:
+            mine.append(blob[1].path)
+        received = _replicate(comm, tier, nodes, local, mine)
+
+        def metadata_doc() -> Any:
+            if comm.rank != 0:
+                return None
+            ref = blob[1] if blob is not None else None
+            return dataclasses.replace(planned.metadata(), trainer_state=ref).to_json()
+
+        _, gathered = run_collectively(comm, "tier save: local commit",
+                                       lambda: {"held": mine + received, "metadata": metadata_doc()})
+        metadata = parse_metadata(json.dumps(gathered[0]["metadata"]))
+
+        def commit_local() -> None:
+            if comm.rank == nodes.lead(node):
+                holds = {p for r in nodes.ranks_of(node) for p in gathered[r]["held"]}
+                local.write(HOLDINGS_FILE, Holdings(metadata, frozenset(holds), node).dumps().encode("utf-8"))
+                prune(local_root, tier.keep, {step})
+
+        run_collectively(comm, "tier save: local commit", commit_local)
+    except BaseException:
+        held.close()
+        raise
+    return _start_drain(comm, step, metadata, local, target, persistent, mine, planned.coordinator.stamp, held,
+                        on_persisted)
+
+
+def _committed(target: Store, save_id: str) -> bool:
+    data = target.read(METADATA_FILE)
+    if data is None:
+        return False
+    return parse_metadata(data).save_id == save_id
+
+
+def _start_drain(comm: Comm, step: int, metadata: Metadata, local: Store, target: Store, persistent: Store,
+                 mine: list[str], stamp: Any, held: contextlib.ExitStack,
+                 on_persisted: Callable[[int], None] | None) -> Drain:
+    assert metadata.save_id is not None
+    marks = f"{DRAIN_DIR}/{metadata.save_id}"
+    rank, world = comm.rank, comm.world_size
+
+    def run() -> None:
+        start = time.perf_counter()
+        try:
+            with held:
+                for f in _files(local, mine):  # each file as it is in the tier copy: the same bytes
+                    # TODO(limitation): a file is held in memory whole while it is copied (a
+                    # stored region's shard: up to the region's size).
+                    data = local.read_whole(f)
+                    if data is None:
+                        raise StorageError(f"{local.describe(f)} is gone from the tier copy before it was drained")
+                    target.write(f, data)
+                # TODO(limitation): the marks of a drain that failed stay in the persistent tier
+                # (a few empty objects under .drain/) until removed by hand.
+                persistent.write(f"{marks}/{rank}", b"")
+                if rank == 0:
+                    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+                    while len(persistent.list_dir(marks)) < world:
+                        if time.monotonic() > deadline:
+                            raise StorageError(f"step {step}: not every rank drained its arrays to {target}; "
+                                               "it is not persisted (the tier copies still hold it)")
+                        time.sleep(0.05)
+                    target.commit(METADATA_FILE, metadata.dumps().encode("utf-8"), stamp)
+                    persistent.delete(marks, tree=True)
+                    if on_persisted is not None:
+                        on_persisted(step)
+                else:  # this rank's drain ends when the step is committed, by rank 0
+                    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+                    while not _committed(target, drain.save_id):
+                        if time.monotonic() > deadline:
+                            raise StorageError(f"step {step} was not committed to {target} in time; it is not "
+                                               "persisted (the tier copies still hold it)")
+                        time.sleep(0.05)
+        except BaseException as e:  # raised by Drain.wait
+            drain.error = e
+            _log.warning("step %d was not persisted: %s", step, e)
+        drain.seconds = time.perf_counter() - start
+
+    drain = Drain(step, metadata.save_id, threading.Thread(target=run, name=f"globalshard-drain-{step}"))
+    drain.thread.start()
+    return drain

@@ -1,0 +1,172 @@
+"""The fast tier, with ranks as threads (globalshard.testing.comm): tier copies
+on each node and the next, drained to the persistent tier; recovery onto
+another layout from the nearest copies; losing nodes."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import globalshard as gs
+from globalshard.format.holdings import parse_holdings
+from globalshard.testing.comm import run_ranks
+
+ROWS, COLS = 24, 8
+KEYS = ("a", "b", "c")
+
+
+def values(step):
+    return {k: (np.arange(ROWS * COLS, dtype=np.float32).reshape(ROWS, COLS) + 1000 * i + step)
+            for i, k in enumerate(KEYS)}
+
+
+def rows_state(vals, rank, world):
+    """Each key cut in ``world`` row blocks, one per rank (as TP or FSDP would)."""
+    n = ROWS // world
+    return {k: gs.ShardedTensor.from_offset(k, v[rank * n:(rank + 1) * n].copy(), global_shape=v.shape,
+                                            global_offset=(rank * n, 0)) for k, v in vals.items()}
+
+
+def manager(tmp_path, comm, per_node=2, replicas=1, keep=2, nodes_map=None):
+    def node_dir(node):
+        physical = nodes_map[node] if nodes_map is not None else node
+        return str(tmp_path / "local" / f"node{physical}")
+
+    tier = gs.LocalTier(node_dir, replicas=replicas, keep=keep, ranks_per_node=per_node)
+    return gs.TieredManager(tiers=[tier, str(tmp_path / "persistent")], comm=comm, keep_last=3)
+
+
+def train(tmp_path, steps, world=8, **kw):
+    def job(comm):
+        m = manager(tmp_path, comm, **kw)
+        for step in steps:
+            m.save(step, rows_state(values(step), comm.rank, world), trainer_state={"loss": float(step)})
+        m.wait()
+        return m.persisted()
+
+    results = run_ranks(world, job)
+    assert all(r == steps[-1] for r in results), results
+
+
+def resume(tmp_path, world, per_node, nodes_map=None):
+    def job(comm):
+        m = manager(tmp_path, comm, per_node=per_node, nodes_map=nodes_map)
+        targets = rows_state({k: np.zeros((ROWS, COLS), np.float32) for k in KEYS}, comm.rank, world)
+        trainer = m.load_latest(targets)
+        return trainer, {k: t.data for k, t in targets.items()}, m.recovery
+
+    out = run_ranks(world, job)
+    for r in out:
+        assert not isinstance(r, BaseException), r
+    return out
+
+
+def check_values(out, world, step):
+    n = ROWS // world
+    for rank, (_, got, _) in enumerate(out):
+        for k, v in values(step).items():
+            assert np.array_equal(got[k], v[rank * n:(rank + 1) * n]), (rank, k)
+
+
+def test_each_node_holds_its_own_arrays_and_the_previous_nodes(tmp_path):
+    train(tmp_path, [10, 20, 30], keep=2)
+    md = gs.read_metadata(tmp_path / "persistent" / "iter_0000030")
+    for node in range(4):
+        steps = sorted(os.listdir(tmp_path / "local" / f"node{node}"))
+        assert steps == ["iter_0000020", "iter_0000030"], steps  # keep=2: the oldest copy pruned
+        h = parse_holdings((tmp_path / "local" / f"node{node}" / "iter_0000030" / "holdings.json").read_bytes())
+        assert h.metadata.save_id == md.save_id and h.node == node
+        # own arrays plus the previous node's, each stored whole
+        assert 0 < len(h.holds) < len(md.paths())
+        for p in h.holds:
+            assert (tmp_path / "local" / f"node{node}" / "iter_0000030" / p).exists(), p
+    union = set()
+    for node in range(4):
+        union |= parse_holdings((tmp_path / "local" / f"node{node}" / "iter_0000030" / "holdings.json")
+                                .read_bytes()).holds
+    assert union == set(md.paths())  # every path of the step is on some node
+    assert not (tmp_path / "local" / "node0" / "iter_0000030" / "metadata.json").exists()  # a copy, not a checkpoint
+    assert not os.path.exists(tmp_path / "persistent" / ".drain" / md.save_id)
+    assert json.loads((tmp_path / "persistent" / "latest").read_text())["step"] == 30
+
+
+def test_a_lost_node_comes_back_from_its_replicas_on_another_layout(tmp_path):
+    train(tmp_path, [10, 20])
+    shutil.rmtree(tmp_path / "local" / "node2")  # node 2 is gone; the job comes back on nodes 0, 1 and 3
+    shutil.rmtree(tmp_path / "persistent")  # and nothing was persisted: only the copies remain
+    out = resume(tmp_path, world=6, per_node=2, nodes_map=[0, 1, 3])  # 6 ranks: another cut of every key
+    check_values(out, 6, 20)
+    assert all(trainer == {"loss": 20.0, "step": 20} for trainer, _, _ in out)
+    recoveries = [rec for _, _, rec in out]
+    assert all(rec.step == 20 and rec.bytes_persistent == 0 for rec in recoveries)
+    assert sum(rec.bytes_peer for rec in recoveries) > 0  # some rows came from another node
+
+
+def test_losing_more_adjacent_nodes_than_replicas_reads_exactly_their_arrays_from_the_persistent_tier(tmp_path):
+    train(tmp_path, [10])
+    md = gs.read_metadata(tmp_path / "persistent" / "iter_0000010")
+    lost = set()
+    for node in (1, 2):
+        h = parse_holdings((tmp_path / "local" / f"node{node}" / "iter_0000010" / "holdings.json").read_bytes())
+        lost |= h.holds
+    survivors = set()
+    for node in (0, 3):
+        survivors |= parse_holdings((tmp_path / "local" / f"node{node}" / "iter_0000010" / "holdings.json")
+                                    .read_bytes()).holds
+    shutil.rmtree(tmp_path / "local" / "node1")
+    shutil.rmtree(tmp_path / "local" / "node2")
+    only_lost = set(md.paths()) - survivors  # node 1's own arrays: on nodes 1 and 2 only
+    assert only_lost and only_lost <= lost
+    nbytes = sum(r.nbytes for t in md.tensors.values() for r in t.regions if r.path in only_lost)
+    out = resume(tmp_path, world=4, per_node=2, nodes_map=[0, 3])
+    check_values(out, 4, 10)
+    assert sum(rec.bytes_persistent for _, _, rec in out) == nbytes  # exactly what no surviving node holds
+    assert set().union(*(rec.paths_persistent for _, _, rec in out)) == only_lost
+
+
+def test_a_step_whole_nowhere_falls_back_to_the_newest_older_one_saying_why(tmp_path, caplog):
+    train(tmp_path, [10, 20])
+    shutil.rmtree(tmp_path / "persistent" / "iter_0000020")  # step 20 not persisted...
+    for node in (1, 2):  # ...and two adjacent nodes lost: step 20 is whole nowhere
+        shutil.rmtree(tmp_path / "local" / f"node{node}" / "iter_0000020")
+    with caplog.at_level("WARNING", logger="globalshard"):
+        out = resume(tmp_path, world=8, per_node=2)
+    check_values(out, 8, 10)
+    assert all(rec.step == 10 for _, _, rec in out)
+    assert any("passing over step 20" in m and "not persisted" in m for m in caplog.messages), caplog.messages
+
+
+def test_nothing_anywhere_is_none(tmp_path):
+    out = resume(tmp_path, world=2, per_node=1)
+    assert all(trainer is None and rec is None for trainer, _, rec in out)
+
+
+def test_a_copy_being_written_is_no_copy(tmp_path):
+    train(tmp_path, [10], world=4)
+    node = tmp_path / "local" / "node0" / "iter_0000010"
+    (node / "holdings.json").unlink()  # the commit record of node 0's copy never landed
+    shutil.rmtree(tmp_path / "persistent")
+    out = resume(tmp_path, world=4, per_node=2)
+    check_values(out, 4, 10)  # node 1 holds node 0's arrays too (replicas=1 of 2 nodes)
+    assert all(rec.bytes_persistent == 0 for _, _, rec in out)
+
+
+def test_bad_tiers_are_refused():
+    with pytest.raises(gs.LayoutError, match="one LocalTier, then"):
+        gs.TieredManager(tiers=["/tmp/x"])
+    with pytest.raises(gs.LayoutError, match="do not make nodes"):
+        gs.LocalTier("/tmp/x", ranks_per_node=3).nodes(gs.SingleProcessComm())
+
+
+def test_a_nodes_ranks_default_to_the_launchers_local_world_size(monkeypatch):
+    comm = type("Eight", (), {"rank": 5, "world_size": 8})()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun --nproc-per-node=4 on 2 nodes
+    nodes = gs.LocalTier("/tmp/x").nodes(comm)
+    assert (nodes.count, nodes.node_of(5), list(nodes.ranks_of(1))) == (2, 1, [4, 5, 6, 7])
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert gs.LocalTier("/tmp/x").nodes(comm).count == 8  # no launcher: a node per rank
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(gs.LayoutError, match="8 ranks do not make nodes of 3"):
+        gs.LocalTier("/tmp/x").nodes(comm)
