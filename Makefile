@@ -66,6 +66,7 @@ bench: $(VENV)/.bench-installed
 	$(PY) bench/shared_reads.py
 	$(PY) bench/small_tensors.py
 	$(PY) bench/training.py
+	$(PY) bench/tiers.py
 	$(PY) bench/export_memory.py 2
 	$(PY) bench/summary.py
 	$(PY) bench/pages.py benchmarks

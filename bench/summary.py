@@ -18,7 +18,11 @@ checkpoint every 4 steps over none), ``async_block_vs_memcpy`` (the time a proce
 blocks the loop over a memcpy of the state; this replaces bench/io_memory.py's figure of that
 name), ``async_peak_rss_over_state`` (what the saves add to the trainer's and writer's peak PSS,
 over the state), ``lora_save_bytes_over_adapter_bytes``, ``pretrain_save_bytes_saved_fraction``;
-``replan_4096_s`` (one rank's planning of a repeated save at 4,096 ranks, the cached plan reused, bench/run.py),
+the fast tier's (bench/tiers.py): ``tier_local_save_vs_persistent_save`` (the time a save
+stops training, into the nodes' tier over straight to S3), ``tier_recovery_vs_persistent_recovery``
+(one node lost: recovery from the nearest copies over a load from S3),
+``tier_persistent_bytes_over_lost_node_bytes``; ``replan_4096_s`` (one rank's planning of a
+repeated save at 4,096 ranks, the cached plan reused, bench/run.py),
 ``shared_reads`` (time and group bytes read with shared reads over without, local warm and
 cold and S3, bench/shared_reads.py), ``small_tensors_over_large`` (10,000 small tensors'
 save and load time over the same bytes in 8, unpacked and with ``pack_below``, and the raw
@@ -105,6 +109,10 @@ def main() -> None:
     report["peak_rss_over_state"] = max(s["peak_rise_bytes"] / s["state_bytes"] for s in steps) if steps else None
     report.setdefault("plan_4096_s", None)
     report.setdefault("replan_4096_s", None)
+    tiers = _read("tiers.json")
+    for key in ("tier_local_save_vs_persistent_save", "tier_recovery_vs_persistent_recovery",
+                "tier_persistent_bytes_over_lost_node_bytes"):
+        report[key] = tiers.get(key)
     cold = _read("cold_load.json")
     for key in ("load_cold_one_process_vs_disk", "load_cold_one_process_vs_dcp"):
         report[key] = cold.get(key)
@@ -131,7 +139,9 @@ def main() -> None:
                 "load_cold_vs_dcp", "read_amplification", "async_block_vs_memcpy", "peak_rss_over_state",
                 "plan_4096_s", "replan_4096_s", "step_time_async_process_vs_none", "step_time_async_thread_vs_none",
                 "step_time_sync_vs_none", "async_peak_rss_over_state", "lora_save_bytes_over_adapter_bytes",
-                "pretrain_save_bytes_saved_fraction", "load_cold_one_process_vs_disk", "load_cold_one_process_vs_dcp",
+                "pretrain_save_bytes_saved_fraction", "tier_local_save_vs_persistent_save",
+                "tier_recovery_vs_persistent_recovery", "tier_persistent_bytes_over_lost_node_bytes",
+                "load_cold_one_process_vs_disk", "load_cold_one_process_vs_dcp",
                 "shared_reads", "small_tensors_over_large"):
         print(f"{key}: {report[key]}")
 

@@ -61,23 +61,35 @@ def test_start_records_the_commit_and_clears_an_earlier_run(tmp_path):
 
 
 def test_the_training_and_cold_load_sections_render_what_their_benchmarks_write():
-    run = {"wall_per_step_s": 0.5, "peak_pss_bytes": 1, "steps_s": [], "blocking_s": [], "memcpy_s": []}
+    run = {"wall_per_step_s": 0.5, "peak_pss_bytes": 1, "steps_s": [0.5, 0.25, 0.75], "blocking_s": [0.16],
+           "memcpy_s": [0.1]}
     training = {
         "model": {"layers": 8, "width": 2048, "batch": 512, "steps": 16, "save_every": 4, "state_bytes": 3 << 27,
                   "threads": 2},
-        "rounds": [{m: dict(run) for m in ("none", "sync", "thread", "process")}],
+        "rounds": [{m: dict(run) for m in ("sync", "thread", "process", "none_for_sync", "none_for_thread",
+                                            "none_for_process")}],
         "pretrain_with_base": {"saved_fraction": 0.0012}, "lora": {"base_bytes": 1 << 30,
                                                                    "adapter_and_optimizer_bytes": 3 << 20,
                                                                    "written_over_adapter_bytes": 1.0037},
         "step_time_async_process_vs_none": 1.0123, "step_time_async_thread_vs_none": 1.0456,
-        "step_time_sync_vs_none": 1.1789, "async_block_vs_memcpy": 0.8765, "async_peak_rss_over_state": 1.0571}
+        "step_time_sync_vs_none": 1.1789, "async_block_vs_memcpy": 0.8765, "async_peak_rss_over_state": 1.0571,
+        "lora_save_bytes_over_adapter_bytes": 1.0037}
     cold = {"state_bytes": 1 << 30, "tensors": 72, "disk_threads": 4, "rounds": [{}, {}, {}],
             "cases": [{"load": "TP=4 -> 2, one process", "globalshard_gbs": 1.23, "dcp_gbs": 0.45, "disk_gbs": 1.34,
                        "globalshard_vs_disk": 0.917, "globalshard_vs_dcp": 2.71}]}
-    data = {**pages.load_data("benchmarks"), "training": training, "cold_load": cold}
+    tiers = {"nodes": 4, "ranks_per_node": 2, "replicas": 1, "state_bytes": 128 << 20,
+             "rounds": [{"tier_save_s": 0.4, "plain_save_s": 2.0, "tier_load_s": 0.5, "plain_load_s": 1.5}],
+             "tier_local_save_vs_persistent_save": 0.2012, "tier_recovery_vs_persistent_recovery": 0.3345,
+             "tier_persistent_bytes_over_lost_node_bytes": 0.0}
+    data = {**pages.load_data("benchmarks"), "training": training, "cold_load": cold, "tiers": tiers}
     text = pages.render_benchmarks(data)
+    tier_part = text.split("## The fast tier")[1].split("\n## ")[0]
+    assert "| a save stops training | 0.40 | 2.00 | 0.20 |" in tier_part
+    assert "| recovery with one node lost | 0.50 | 1.50 | 0.33 |" in tier_part
+    assert "0.20x as long as one straight to S3" in pages.readme_table(data)
     training_part = text.split("## Checkpointing a training loop")[1].split("\n## ")[0]
-    for figure in ("1.01", "1.05", "1.18", "0.88x a memcpy", "1.06x", "0.1%", "1.00x the bytes", "3 MiB"):
+    for figure in ("1.01", "1.05", "1.18", "0.88x a memcpy", "1.06x", "0.1%", "1.00x the bytes", "3 MiB",
+                   "| no checkpoints | 0.510 |"):
         assert figure in training_part, figure
     cold_part = text.split("## Cold loads in one process")[1].split("\n## ")[0]
     assert "| TP=4 -> 2, one process | 1.23 | 0.45 | 1.34 | 0.92 | 2.71 |" in cold_part
