@@ -6,10 +6,12 @@
    384 MiB of state; ``--quick``: smaller) trained by torch on every core,
    a checkpoint every 4 steps through ``globalshard_torch.save_checkpoint``:
    with no checkpointing, with synchronous saves, and with an
-   ``AsyncSaver`` in thread and in process mode. Each mode runs in a fresh
-   process, the four take turns in each of 2 rounds, and each ratio is the
-   median of the rounds' ratios of wall time per step (training steps and
-   the time the saves block them). In process mode, the time each save
+   ``AsyncSaver`` in thread and in process mode. Each run is a fresh
+   process; each mode runs beside a run without checkpoints made just
+   before or after it (the order alternating by round), 3 rounds, and each
+   ratio is the median of the rounds' ratios of the cost per step: the
+   median training step (robust to this shared machine's spikes) plus the
+   time the saves block the loop, spread over the steps. In process mode, the time each save
    blocks the loop is compared with a memcpy of the state into a warm
    buffer just before it (the first save aside: it starts the writer and
    sizes the staging pool), and the proportional set size (PSS) of the
@@ -49,7 +51,7 @@ WIDTH, LAYERS, BATCH = (512, 4, 256) if QUICK else (2048, 8, 512)
 STEPS, EVERY = (8, 2) if QUICK else (16, 4)
 LORA_WIDTH, LORA_LAYERS, RANK = (1024, 16, 16) if QUICK else (4096, 16, 16)
 MODES = ("none", "sync", "thread", "process")
-ROUNDS = 1 if QUICK else int(os.environ.get("REPS", 2))
+ROUNDS = 1 if QUICK else int(os.environ.get("REPS", 3))
 
 
 def _pss(pid: int) -> int:
@@ -201,6 +203,12 @@ def lora(root: str) -> dict[str, Any]:
             "written_over_adapter_bytes": statistics.median(written) / adapter_bytes}
 
 
+def _per_step(run: dict[str, Any]) -> float:
+    """A run's cost per step: its median training step (robust to this shared
+    machine's spikes), plus its saves' blocking time spread over its steps."""
+    return float(statistics.median(run["steps_s"])) + sum(run["blocking_s"]) / STEPS
+
+
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--mode":
         print(json.dumps(run_mode(sys.argv[2], sys.argv[3])))
@@ -209,16 +217,25 @@ def main() -> None:
     os.makedirs(base, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="globalshard-training-", dir=base)
     rounds: list[dict[str, Any]] = []
+
+    def one(mode: str, tag: str) -> dict[str, Any]:
+        root = os.path.join(tmp, f"{mode}{tag}")
+        args = [sys.executable, __file__, "--mode", mode, root] + (["--quick"] if QUICK else [])
+        out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+        shutil.rmtree(root, ignore_errors=True)
+        return dict(json.loads(out.strip().splitlines()[-1]))
+
     try:
         for rep in range(ROUNDS):
-            runs = {}
-            for mode in MODES:
-                print(f"round {rep + 1} of {ROUNDS}: {mode} ...", flush=True)
-                root = os.path.join(tmp, f"{mode}{rep}")
-                args = [sys.executable, __file__, "--mode", mode, root] + (["--quick"] if QUICK else [])
-                out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
-                runs[mode] = json.loads(out.strip().splitlines()[-1])
-                shutil.rmtree(root, ignore_errors=True)
+            # Each mode beside a run without checkpoints made just before or after it (the order
+            # alternating by round), so that each ratio compares two runs minutes apart at most.
+            runs: dict[str, Any] = {}
+            for mode in MODES[1:]:
+                print(f"round {rep + 1} of {ROUNDS}: {mode} beside none ...", flush=True)
+                pair = [("none", f"{mode}{rep}n"), (mode, f"{rep}")]
+                got = {m: one(m, tag) for m, tag in (pair if rep % 2 == 0 else pair[::-1])}
+                runs[mode] = got[mode]
+                runs[f"none_for_{mode}"] = got["none"]
             rounds.append(runs)
         print("full training with base= ...", flush=True)
         pretrain = pretrain_with_base(tmp)
@@ -228,7 +245,7 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
     def ratio(mode: str) -> float:
-        return statistics.median(r[mode]["wall_per_step_s"] / r["none"]["wall_per_step_s"] for r in rounds)
+        return statistics.median(_per_step(r[mode]) / _per_step(r[f"none_for_{mode}"]) for r in rounds)
 
     process = [r["process"] for r in rounds]
     block = [b / m for run in process for b, m in list(zip(run["blocking_s"], run["memcpy_s"]))[1:]]
@@ -242,7 +259,7 @@ def main() -> None:
         "async_block_vs_memcpy": statistics.median(block) if block else None,
         # What saves add to the peak of the same training without them (trainer and writer, PSS).
         "async_peak_rss_over_state": statistics.median(
-            (r["process"]["peak_pss_bytes"] - r["none"]["peak_pss_bytes"]) / state for r in rounds),
+            (r["process"]["peak_pss_bytes"] - r["none_for_process"]["peak_pss_bytes"]) / state for r in rounds),
         "lora_save_bytes_over_adapter_bytes": lora_report["written_over_adapter_bytes"],
         "pretrain_save_bytes_saved_fraction": pretrain["saved_fraction"],
     }
