@@ -162,6 +162,13 @@ def save_checkpoint(
     clash = [k for k in _RESERVED if k in user]
     if clash:
         raise MetadataError(f"trainer_state keys {clash} are reserved for the adapter")
+    if isinstance(path, _TierStep):
+        # TODO(limitation): a tiered save writes every region itself: no packs, no references to a base.
+        given = [n for n, v in (("saver", saver), ("pack_below", pack_below), ("base", base), ("frozen", frozen),
+                                ("digests", digests), ("overwrite", overwrite), ("kvstore", kvstore)) if v]
+        if given:
+            raise LayoutError(f"a TieredManager's save takes none of {given}: it returns once the tier copies are "
+                              "committed, writes every region itself and keeps its steps in its persistent tier")
     shards: dict[str, gs.ShardedTensor] = {}
     if saver is not None:
         saver.wait()  # the save before it may still be writing from the saver's pools
@@ -229,8 +236,6 @@ def save_checkpoint(
     if rank_state is not None:
         state["rank_state"] = [g["rank_state"] for g in gathered]
     if isinstance(path, _TierStep):
-        if saver is not None:
-            raise LayoutError("a TieredManager's save returns once the tier copies are committed; it takes no saver")
         path.manager.save_state(path.step, shards, trainer_state=state, stats=stats)
     elif saver is not None:  # device-to-host copies overlap with the writes
         saver.save(shards, path, trainer_state=state, comm=comm, overwrite=overwrite, kvstore=kvstore, stats=stats,

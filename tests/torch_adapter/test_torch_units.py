@@ -374,3 +374,21 @@ def test_staging_buffers_come_from_the_savers_pool_once_it_is_sized():
     assert saver.host_pool.offset_of(gt.numpy_view(extra)) is None
     HostStaging(overlap=True, pool=saver.host_pool)
     assert saver.host_pool.nbytes >= bigger.needed  # grown for the next save
+
+
+def test_tiered_manager_saves_into_the_tiers_and_refuses_what_a_tiered_save_cannot_do(tmp_path):
+    mgr = gt.TieredManager(tiers=[gs.LocalTier(str(tmp_path / "local")), str(tmp_path / "persistent")])
+    model = _model()
+    with torch.no_grad():
+        model[0].weight.fill_(3)
+    mgr.save(5, model=model, layout=gt.ParallelLayout(), rules=RULES)
+    mgr.wait()
+    assert mgr.persisted() == 5 and os.path.isfile(tmp_path / "local" / "iter_0000005" / "holdings.json")
+    for bad in ({"base": mgr.path(5)}, {"frozen": ["x"]}, {"pack_below": 1024}, {"saver": gs.AsyncSaver()}):
+        with pytest.raises(gs.LayoutError, match=f"takes none of \\['{next(iter(bad))}'\\]"):
+            gt.save_checkpoint(mgr.target(6), model=model, layout=gt.ParallelLayout(), rules=RULES, **bad)
+    assert not os.path.exists(tmp_path / "local" / "iter_0000006")  # refused before anything was written
+    target = _model()
+    result = mgr.load_latest(model=target, layout=gt.ParallelLayout(), rules=RULES)
+    assert result.trainer_state["step"] == 5 and (target[0].weight == 3).all()
+    assert mgr.recovery.bytes_local > 0 and mgr.recovery.bytes_persistent == 0
