@@ -18,7 +18,7 @@ from globalshard.checkpoint.writer import Writer, describe_items, shared_writer
 from globalshard.comm import Comm, SingleProcessComm
 from globalshard.errors import LayoutError
 from globalshard.format.metadata import Metadata
-from globalshard.io import ArrayItem, IOStats, PackItem, engine_name
+from globalshard.io import ArrayItem, IOStats, PackItem
 from globalshard.layout import ShardedTensor
 from globalshard.store import Store, open_root
 
@@ -104,7 +104,7 @@ class AsyncSaver:
              comm: Comm | None = None, overwrite: bool = False, kvstore: Any = None,
              stats: IOStats | None = None, staged: Mapping[str, Callable[[], None]] | None = None,
              pack_below: int = 0, base: Any = None, frozen: Iterable[str] = (),
-             digests: bool | None = None) -> None:
+             digests: bool | None = None, io: str | None = None) -> None:
         """As :func:`~globalshard.save`, returning after the host snapshot (see the class).
 
         Args:
@@ -120,6 +120,7 @@ class AsyncSaver:
             frozen: as for :func:`~globalshard.save`: those regions are not
                 copied into the snapshot either.
             digests: as for :func:`~globalshard.save`.
+            io: as for :func:`~globalshard.save` (the writer process opens that engine).
             staged: names of ``state`` whose ``data`` is already a private
                 host copy that is still being filled (a device-to-host copy in
                 flight), each with a function that blocks until it is done.
@@ -138,7 +139,8 @@ class AsyncSaver:
         held = contextlib.ExitStack()
         try:
             planned = plan_save(store, comm, entries, trainer_state, overwrite, held, staged,
-                                pack_below=pack_below, base=base, frozen=frozen, digests=digests, kvstore=kvstore)
+                                pack_below=pack_below, base=base, frozen=frozen, digests=digests, kvstore=kvstore,
+                                io=io)
             ops = self._operations(store)
             copied = time.perf_counter()
             planned.items, later = self._snapshot(planned.items, copy_staged=isinstance(ops, _InWriter))
@@ -260,7 +262,7 @@ class _InWriter(InProcess):
             for pool in self.pools:
                 if pool.fd >= 0:
                     self.writer.map_pool(pool)
-            job = self.writer.submit("write", planned.store, engine_name(), described, trainer_state,
+            job = self.writer.submit("write", planned.store, planned.io, described, trainer_state,
                                      dict(planned.requests))
             failed: BaseException | None = None
             for k, ready in enumerate(waits):

@@ -30,7 +30,7 @@ from globalshard.format.paths import METADATA_FILE
 from globalshard.format.trainer_state import parse_trainer_state
 from globalshard.format.zarr import Expect, PackExpect, array_attributes
 from globalshard.geometry import Box, Region
-from globalshard.io import ArrayEngine, IOStats, OpenedPlan, open_engine
+from globalshard.io import ArrayEngine, IOStats, OpenedPlan, engine_name, open_engine
 from globalshard.layout import ShardedTensor
 from globalshard.planner import LoadPlan, LoadPlanner, PackedRegion, ShardInfo, missing_key
 from globalshard.shared import read_shared, require_exchange
@@ -91,6 +91,7 @@ def load(
     kvstore: Any = None,
     stats: IOStats | None = None,
     shared_reads: bool = False,
+    io: str | None = None,
 ) -> dict[str, Any]:
     """Fill each ShardedTensor's ``data`` in place from the checkpoint at ``path``.
 
@@ -114,6 +115,8 @@ def load(
     (:class:`globalshard.shared.Exchange`; the torch adapter's communicator
     has one). Checksums are verified by the reading rank as in any load.
 
+    ``io``: the array engine for a local directory, as for :func:`save`.
+
     Returns:
         The trainer state saved with the checkpoint (an empty dict if none).
 
@@ -124,7 +127,7 @@ def load(
     checkpoint: list[Checkpoint] = []
 
     def open_() -> None:
-        checkpoint.append(Checkpoint(path, kvstore=kvstore))
+        checkpoint.append(Checkpoint(path, kvstore=kvstore, io=io))
 
     # Every rank must find the checkpoint before any rank plans against it.
     with gc_paused():  # as in Checkpoint.load
@@ -151,7 +154,7 @@ def _expected_attributes(metadata: Metadata, plan: LoadPlan) -> dict[str, Expect
 
 
 def _open_for(store: Store, engine: ArrayEngine, metadata: Metadata, infos: list[ShardInfo], names: list[str] | None,
-              allow_lossy_cast: bool) -> OpenedPlan:
+              allow_lossy_cast: bool, io: str | None = None) -> OpenedPlan:
     """Plan a load and open and check every array it reads, in this root and
     in the bases it needs (spec section 5.2): no data read."""
     plan = LoadPlanner().plan(metadata, infos, allow_lossy_cast=allow_lossy_cast, names=names)
@@ -167,7 +170,7 @@ def _open_for(store: Store, engine: ArrayEngine, metadata: Metadata, infos: list
                 needed.setdefault(r.base, []).append((key, r))
                 root_of[r.path] = r.base
     stores = check_bases(store, metadata, needed)
-    parts = [(engine, None)] + [(open_engine(stores[b]), b) for b in sorted(stores)]
+    parts = [(engine, None)] + [(open_engine(stores[b], io), b) for b in sorted(stores)]
     opened = []
     for root_engine, b in parts:
         part = dataclasses.replace(plan, arrays={p: v for p, v in plan.arrays.items() if root_of.get(p) == b},
@@ -211,12 +214,15 @@ class Checkpoint:
     handle keeps reading the save it opened: if the checkpoint is replaced
     meanwhile, a load fails with a clear error rather than mix the two.
 
+    ``io``: the array engine for a local directory, as for :func:`save`.
+
     Raises (on opening): CheckpointNotFoundError, MetadataError, StorageError.
     """
 
-    def __init__(self, path: Any, *, kvstore: Any = None) -> None:
+    def __init__(self, path: Any, *, kvstore: Any = None, io: str | None = None) -> None:
         self._store = open_root(path, kvstore)
-        self._engine = open_engine(self._store)
+        self._io = engine_name(io)
+        self._engine = open_engine(self._store, self._io)
         self.metadata = _read_metadata(self._store)
         self._trainer_state = _read_trainer_state(self._store, self.metadata)
 
@@ -258,7 +264,7 @@ class Checkpoint:
             if frozen:
                 raise LayoutError(f"cannot load into read-only arrays: {frozen}")
             opened.append(_open_for(self._store, self._engine, self.metadata, [ShardInfo.of(t) for _, t in entries],
-                                    [n for n, _ in entries], allow_lossy_cast))
+                                    [n for n, _ in entries], allow_lossy_cast, self._io))
 
         run_collectively(comm, "load: checking", check)
         _log.debug("load planned: %d stored arrays opened and checked, %d target reads", len(opened[0].plan.arrays),
@@ -279,7 +285,7 @@ class Checkpoint:
     def read_array(self, key: str, box: Box | tuple[slice, ...] | None = None, *, dtype: Any = None,
                    allow_lossy_cast: bool = False) -> np.ndarray:
         """As :func:`read_array`, from this opened checkpoint (metadata.json not read again)."""
-        return _read_array(self._store, self.metadata, key, box, dtype, allow_lossy_cast)
+        return _read_array(self._store, self.metadata, key, box, dtype, allow_lossy_cast, self._io)
 
     def verify(self, *, workers: int = 1,
                progress: Callable[[int], None] | None = None) -> tuple[list[str], int]:
@@ -323,6 +329,7 @@ def read_array(
     dtype: Any = None,
     allow_lossy_cast: bool = False,
     kvstore: Any = None,
+    io: str | None = None,
 ) -> np.ndarray:
     """Any global box of one tensor, consolidated into a new numpy array.
 
@@ -337,13 +344,14 @@ def read_array(
             conversion needs ``allow_lossy_cast=True``.
         allow_lossy_cast: allow a ``dtype`` that cannot hold every stored value.
         kvstore: a TensorStore kvstore spec holding the checkpoint at ``path``.
+        io: the array engine for a local directory, as for :func:`save`.
     """
     store = open_root(path, kvstore)
-    return _read_array(store, _read_metadata(store), key, box, dtype, allow_lossy_cast)
+    return _read_array(store, _read_metadata(store), key, box, dtype, allow_lossy_cast, engine_name(io))
 
 
 def _read_array(store: Store, metadata: Metadata, key: str, box: Box | tuple[slice, ...] | None,
-                dtype: Any, allow_lossy_cast: bool) -> np.ndarray:
+                dtype: Any, allow_lossy_cast: bool, io: str | None = None) -> np.ndarray:
     stored = metadata.tensors.get(key)
     if stored is None:
         raise MissingKeyError(f"{key!r}: {missing_key(key, metadata)}")
@@ -352,8 +360,8 @@ def _read_array(store: Store, metadata: Metadata, key: str, box: Box | tuple[sli
         raise MismatchError(f"{key!r}: box {want} is outside the global shape {stored.global_shape}")
     name = canonical_name(dtype) if dtype is not None else stored.dtype
     info = ShardInfo(key, name, stored.global_shape, want.shape, (Region(Box.full(want.shape), want),))
-    engine = open_engine(store)
-    opened = _open_for(store, engine, metadata, [info], None, allow_lossy_cast)
+    engine = open_engine(store, io)
+    opened = _open_for(store, engine, metadata, [info], None, allow_lossy_cast, io)
     out = np.empty(want.shape, numpy_dtype(name))  # only once the stored arrays are found and checked
     _read(store, engine, metadata, opened, [out], None)
     return out

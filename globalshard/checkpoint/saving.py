@@ -23,7 +23,7 @@ from globalshard.format.metadata import Metadata, gc_paused
 from globalshard.format.paths import METADATA_FILE, SAVES_DIR, TRAINER_STATE_FILE, new_save_id, save_dir
 from globalshard.format.trainer_state import TrainerStateRef, dump_trainer_state
 from globalshard.format.zarr import array_attributes, pack_attributes
-from globalshard.io import ArrayEngine, ArrayItem, IOStats, PackItem, open_engine
+from globalshard.io import ArrayEngine, ArrayItem, IOStats, PackItem, engine_name, open_engine
 from globalshard.io.base import item_bytes
 from globalshard.layout import ShardedTensor
 from globalshard.planner import (
@@ -67,6 +67,7 @@ def save(
     base: Any = None,
     frozen: Iterable[str] = (),
     digests: bool | None = None,
+    io: str | None = None,
 ) -> None:
     """Save this rank's shards as (part of) one checkpoint.
 
@@ -116,6 +117,9 @@ def save(
             this checkpoint as a base and find equal regions by hashing.
             Default: when ``base`` is given. Hashing reads every byte once
             more, where the writing happens (the writer process of an async save).
+        io: the array engine for a local directory, ``"localio"`` (the
+            default) or ``"tensorstore"``; None: ``GLOBALSHARD_IO``, read now.
+            Object stores always use TensorStore.
 
     Raises:
         LayoutError, MetadataError, CheckpointExistsError (ConcurrentSaveError),
@@ -133,7 +137,7 @@ def save(
     # The cyclic GC is paused (see gc_paused): a save makes objects per tensor, none in a cycle.
     with gc_paused():
         _save(state, path, trainer_state, comm, overwrite, kvstore, stats, pack_below,
-              {"base": base, "frozen": frozen, "digests": digests, "kvstore": kvstore})
+              {"base": base, "frozen": frozen, "digests": digests, "kvstore": kvstore, "io": io})
 
 
 def _save(state: Mapping[str, ShardedTensor], path: Any, trainer_state: dict[str, Any] | None, comm: Comm | None,
@@ -185,17 +189,20 @@ class PlannedSave:
     base: Base | None = None
     frozen: Mapping[tuple[str, tuple[int, ...]], BaseRegion] = dataclasses.field(default_factory=dict)
     requests: Mapping[str, tuple[str, tuple[int, ...], str | None]] = dataclasses.field(default_factory=dict)
+    #: The engine's name (:func:`~globalshard.io.engine_name`), for a writer process to open its own.
+    io: str = "localio"
 
 
 def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]],
                trainer_state: dict[str, Any] | None, overwrite: bool, held: contextlib.ExitStack,
                staged: Mapping[str, Callable[[], None]] | None = None, *, pack_below: int = 0,
                base: Any = None, frozen: Iterable[str] = (), digests: bool | None = None,
-               kvstore: Any = None) -> PlannedSave:
+               kvstore: Any = None, io: str | None = None) -> PlannedSave:
     """Describe, validate and plan collectively; rank 0 takes the lock into
     ``held`` and finds what the save replaces; every rank reads ``base``.
     Nothing on storage changes."""
     check_pack_below(pack_below)
+    io = engine_name(io)  # a bad name fails before anything is planned
     frozen = [frozen] if isinstance(frozen, str) else list(frozen)
     if frozen and base is None:
         raise LayoutError(f"frozen keys {frozen[:5]} need base=: the checkpoint their values are in")
@@ -292,8 +299,8 @@ def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]]
         end = max((w.byte_offset or 0) + w.nbytes for w, _, _ in members)
         items.append(PackItem(path, end, tuple((w.byte_offset or 0, data, ready) for w, data, ready in members),
                               attributes))
-    return PlannedSave(store, open_engine(store), comm, save_id, metadata, items, coordinator, the_base,
-                       frozen_refs, requests)
+    return PlannedSave(store, open_engine(store, io), comm, save_id, metadata, items, coordinator, the_base,
+                       frozen_refs, requests, io)
 
 
 class InProcess:

@@ -30,7 +30,7 @@ def verify(ckpt: Checkpoint, workers: int, progress: Callable[[int], None] | Non
     engines: dict[int | None, ArrayEngine] = {None: ckpt._engine}
     for b, reads in needed.items():
         try:
-            engines[b] = open_engine(check_bases(ckpt._store, ckpt.metadata, {b: reads})[b])
+            engines[b] = open_engine(check_bases(ckpt._store, ckpt.metadata, {b: reads})[b], ckpt._io)
         except StorageError as e:
             problems.append(str(e))  # its regions are not read: none of them can be
     jobs: list[tuple[str, str, Any]] = []

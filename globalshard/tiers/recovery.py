@@ -21,7 +21,7 @@ from globalshard.errors import CommError, MetadataError
 from globalshard.format.metadata import Metadata, parse_metadata
 from globalshard.format.trainer_state import parse_trainer_state
 from globalshard.geometry import Box
-from globalshard.io import IOStats, open_engine
+from globalshard.io import IOStats, engine_name, open_engine
 from globalshard.layout import ShardedTensor
 from globalshard.planner import LoadPlan, LoadPlanner, PackedRegion, ReadItem, ShardInfo, TargetPlan
 from globalshard.shared import require_exchange
@@ -126,7 +126,8 @@ class TieredCheckpoint(Checkpoint):
         node = self._nodes.node_of(comm.rank)
         self._local = open_root(tier.root(node).child(step_name(self.step)))
         self._store = step_store(self.step)  # the persistent tier's (reads no copy holds come from it)
-        self._engine = open_engine(self._store)
+        self._io = engine_name(None)
+        self._engine = open_engine(self._store, self._io)
         self._trainer_state = _trainer_state(comm, self.metadata, self._holders, self._nodes, self._persisted,
                                              self._local, self._store)
         #: Where the last :meth:`load` read from.

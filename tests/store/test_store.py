@@ -61,6 +61,39 @@ def test_the_engine_follows_the_environment_when_a_save_starts(tmp_path, monkeyp
     assert not os.path.exists(tmp_path / "c" / "metadata.json")
 
 
+def test_the_engine_passed_in_wins_over_the_environment_in_every_call(tmp_path, monkeypatch):
+    w = np.arange(12, dtype=np.float32).reshape(3, 4)
+    state = {"w": gs.ShardedTensor.from_offset("w", w, global_shape=(3, 4), global_offset=(0, 0))}
+    monkeypatch.setenv("GLOBALSHARD_IO", "mmap")  # not an engine: only a call that reads it fails
+    used = []
+    for cls in (LocalEngine, TensorStoreEngine):
+        for method in ("write", "open"):
+            real = getattr(cls, method)
+
+            def spy(self, *a, real=real, cls=cls, method=method, **k):
+                used.append((cls.__name__, method))
+                return real(self, *a, **k)
+
+            monkeypatch.setattr(cls, method, spy)
+    gs.save(state, tmp_path / "a", io="tensorstore")
+    saver = gs.AsyncSaver(mode="thread")
+    saver.save(state, tmp_path / "b", io="localio")
+    saver.wait()
+    assert used == [("TensorStoreEngine", "write"), ("LocalEngine", "write")]
+    used.clear()
+    target = {"w": gs.ShardedTensor.from_offset("w", np.zeros_like(w), global_shape=(3, 4), global_offset=(0, 0))}
+    gs.load(target, tmp_path / "a", io="localio")
+    assert np.array_equal(target["w"].data, w)
+    assert np.array_equal(gs.read_array(tmp_path / "b", "w", io="tensorstore"), w)
+    assert np.array_equal(gs.Checkpoint(tmp_path / "b", io="localio").read_array("w"), w)
+    assert used == [("LocalEngine", "open"), ("TensorStoreEngine", "open"), ("LocalEngine", "open")]
+    with pytest.raises(ValueError, match="io=, or GLOBALSHARD_IO"):
+        gs.save(state, tmp_path / "c")
+    with pytest.raises(ValueError, match="not 'mmap'"):
+        gs.load(target, tmp_path / "a")
+    assert not os.path.exists(tmp_path / "c" / "metadata.json")
+
+
 @pytest.mark.parametrize("io", ["localio", "tensorstore"])
 def test_either_engine_writes_what_the_other_reads(tmp_path, monkeypatch, io):
     other = {"localio": "tensorstore", "tensorstore": "localio"}[io]
