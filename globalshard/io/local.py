@@ -47,6 +47,12 @@ class LocalEngine(TensorStoreEngine):
             raise StorageError(format_problems(f"{self.store.describe(path)} is damaged", [str(e) for e in damaged]))
         return nbytes
 
+    def _prefetch(self, paths: Sequence[str]) -> None:
+        """The zarr.json files :meth:`_open_local` then reads one after the other:
+        on a cold page cache each was a disk round trip before the first chunk
+        was read (bench/cold_load.py)."""
+        self.store.prefetch([f"{path}/zarr.json" for path in paths])
+
     def _write(self, items: Sequence[ArrayItem | PackItem]) -> None:
         root = self.store.path
         try:

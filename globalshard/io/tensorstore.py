@@ -70,6 +70,11 @@ class TensorStoreEngine:
         """An array this engine reads without TensorStore, or None (all of them here)."""
         return None
 
+    def _prefetch(self, paths: Sequence[str]) -> None:
+        """Start fetching the zarr.json of each array :meth:`open` is about to
+        open, once their paths are known to stay inside the root (none here:
+        TensorStore opens them concurrently)."""
+
     def _write(self, items: Sequence[ArrayItem | PackItem]) -> None:
         opened: list[tuple[str, Any, Any, Any]] = []
         problems: list[str] = []
@@ -143,6 +148,7 @@ class TensorStoreEngine:
         wanted: list[tuple[str, str, tuple[int, ...] | None]] = [
             *((path, dtype, tuple(shape)) for path, (dtype, shape) in plan.arrays.items()),
             *((path, "uint8", None) for path in plan.packs)]
+        self._prefetch([path for path, _, _ in wanted])
         for path, dtype, shape in wanted:
             # zarr.json files are read one after the other: for 2,000 small arrays that
             # took half the time of a pool of threads warm (they contend for the GIL)

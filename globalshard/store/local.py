@@ -146,6 +146,27 @@ class LocalStore:
         finally:
             os.close(fd)
 
+    def prefetch(self, names: Sequence[str]) -> None:
+        """Ask the kernel to start reading ``names`` (below paths :meth:`escaping`
+        accepted) into the page cache, without waiting; a file that cannot be
+        opened is skipped (its read reports it). On a cold cache the small files
+        a load then reads one after the other arrive together, not one disk
+        round trip each."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        for name in names:
+            try:
+                fd = os.open(os.path.join(self.path, name),
+                             os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
     # ------------------------------------------------------------ writing
 
     def write(self, name: str, data: bytes) -> None:

@@ -420,3 +420,57 @@ def test_vectored_resumes_short_transfers(sizes, limit, offset):
                     localio.files._preadv_exact(fd, [np.empty(len(data) + 1, np.uint8)], offset, "f (chunk [0])")
         finally:
             os.close(fd)
+
+
+def _fadvised(monkeypatch):
+    """The files ``os.posix_fadvise(..., WILLNEED)`` is asked for, by real path."""
+    asked, real = [], os.posix_fadvise
+
+    def spy(fd, offset, length, advice):
+        if advice == os.POSIX_FADV_WILLNEED:
+            asked.append(os.path.realpath(os.readlink(f"/proc/self/fd/{fd}")))
+        return real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    return asked
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise here")
+def test_a_local_load_prefetches_each_zarr_json_it_opens_and_nothing_else(tmp_path, monkeypatch):
+    # The zarr.json files are read one after the other; on a cold page cache each
+    # was a disk round trip (bench/cold_load.py). The kernel is asked for all of
+    # them first, and for nothing else.
+    value = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+    gs.save({f"h{i}": whole(value[i * 16:(i + 1) * 16].copy(), (i * 16, 0), value.shape) for i in range(4)},
+            tmp_path / "c")
+    regions = gs.read_metadata(tmp_path / "c").tensors["w"].regions
+    asked = _fadvised(monkeypatch)
+    out = np.zeros((32, 8), np.float32)  # needs two of the four regions
+    gs.load({"w": whole(out, (16, 0), value.shape)}, tmp_path / "c")
+    assert np.array_equal(out, value[16:48])
+    wanted = {os.path.realpath(tmp_path / "c" / r.path / "zarr.json") for r in regions if 16 <= r.box.offset[0] < 48}
+    assert sorted(asked) == sorted(wanted)
+    with engine("tensorstore"):  # TensorStore opens its arrays concurrently: nothing to prefetch
+        asked.clear()
+        gs.load({"w": whole(out, (16, 0), value.shape)}, tmp_path / "c")
+        assert asked == []
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise here")
+def test_prefetching_touches_nothing_outside_the_checkpoint(tmp_path, monkeypatch):
+    # An array directory linked to another checkpoint: the load is refused
+    # before any file is prefetched, and a symlinked zarr.json is never followed.
+    for name in ("ckpt", "elsewhere"):
+        gs.save({"w": whole(np.ones((4, 4), np.float32))}, tmp_path / name)
+    path = gs.read_metadata(tmp_path / "ckpt").tensors["w"].regions[0].path
+    other = gs.read_metadata(tmp_path / "elsewhere").tensors["w"].regions[0].path
+    shutil.rmtree(tmp_path / "ckpt" / path)
+    os.symlink(tmp_path / "elsewhere" / other, tmp_path / "ckpt" / path)
+    asked = _fadvised(monkeypatch)
+    with pytest.raises(gs.MetadataError, match="outside the checkpoint"):
+        gs.load({"w": whole(np.zeros((4, 4), np.float32))}, tmp_path / "ckpt")
+    assert asked == []
+    store = gs.store.LocalStore(tmp_path / "ckpt")
+    os.symlink(tmp_path / "elsewhere" / "metadata.json", tmp_path / "ckpt" / "link.json")
+    store.prefetch(["link.json", "missing.json", "metadata.json"])
+    assert asked == [os.path.realpath(tmp_path / "ckpt" / "metadata.json")]
