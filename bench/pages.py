@@ -241,6 +241,8 @@ def section_training(d: Data) -> str:
                                      ("thread", "async_thread", "AsyncSaver, thread mode"),
                                      ("process", "async_process", "AsyncSaver, process mode"))]
     lora, pre = t["lora"], t["pretrain_with_base"]
+    # Runs before the measure was recorded sampled the proportional set size (smaps_rollup).
+    memory = t.get("memory_measure", "the proportional set size of the trainer and its writer")
     return "\n".join([
         "## Checkpointing a training loop",
         "",
@@ -255,7 +257,7 @@ def section_training(d: Data) -> str:
         "",
         f"A process-mode save blocked the loop {num(t['async_block_vs_memcpy'])}x a memcpy of the state into a warm "
         "buffer (median over the saves after the first, which starts the writer and sizes the staging pool). "
-        f"Its saves raised the peak PSS of the trainer and its writer by {num(t['async_peak_rss_over_state'])}x "
+        f"Its saves raised the peak host memory ({memory}) by {num(t['async_peak_rss_over_state'])}x "
         "the state over the same training without checkpoints.",
         "",
         f"Full training with `base=` the previous save (every region hashed): the saves left "
