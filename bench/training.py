@@ -4,20 +4,25 @@
 
 1. Pretraining: a CPU model (8 linear layers of 2048 x 2048, float32, AdamW:
    384 MiB of state; ``--quick``: smaller) trained by torch on every core,
-   a checkpoint every 4 steps through ``globalshard_torch.save_checkpoint``:
-   with no checkpointing, with synchronous saves, and with an
-   ``AsyncSaver`` in thread and in process mode. Each run is a fresh
-   process; each mode runs beside a run without checkpoints made just
-   before or after it (the order alternating by round), 3 rounds, and each
-   ratio is the median of the rounds' ratios of the cost per step: the
-   median training step (robust to this shared machine's spikes) plus the
-   time the saves block the loop, spread over the steps. In process mode, the time each save
+   checkpointed through ``globalshard_torch.save_checkpoint`` with
+   synchronous saves, and with an ``AsyncSaver`` in thread and in process
+   mode; beside them the floor of any background writer on this machine, a
+   bare process that writes the same bytes to one file (``_RawWriter``).
+   Each mode runs in a process of its own, which alternates phases of 8
+   steps with a save every 4 steps and phases of 8 steps without, 6 pairs
+   (the order alternating), after a first save that starts the writer and
+   sizes the staging pool. A phase's cost is its wall time: its steps, the
+   time its saves block the loop and, at its end, the wait for its last
+   save's background part (so every slower step a background save causes
+   is counted). Each ratio is the median over the pairs of the phase with
+   checkpoints over the phase without it beside it: on this shared machine
+   a process's step time drifts by more than the effect (runs of the same
+   loop in separate processes differed by up to 40%), so each comparison is
+   made seconds apart in one process. In process mode the time each save
    blocks the loop is compared with a memcpy of the state into a warm
-   buffer just before it (the first save aside: it starts the writer and
-   sizes the staging pool), and the host memory of the trainer and its
-   writer is sampled every 10 ms (see ``_host_bytes``): how far its peak
-   exceeds the peak of the same training without checkpoints, over the
-   state's bytes.
+   buffer just before it, and the host memory of the trainer and its writer
+   is sampled every 10 ms (see ``_host_bytes``): how far its peak exceeds
+   its peak over the steps before any save, over the state's bytes.
 2. Full training with ``base=``: each save references the one before it and
    hashes every region; the fraction of bytes it did not write (expected:
    about none, since every weight and both moments change every step).
@@ -33,6 +38,7 @@ Writes build/bench/training.json.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -49,10 +55,10 @@ from torch import nn
 
 QUICK = "--quick" in sys.argv
 WIDTH, LAYERS, BATCH = (512, 4, 256) if QUICK else (2048, 8, 512)
-STEPS, EVERY = (8, 2) if QUICK else (16, 4)
+PHASE, EVERY = (4, 2) if QUICK else (8, 4)  # steps a phase, a save every EVERY steps
 LORA_WIDTH, LORA_LAYERS, RANK = (1024, 16, 16) if QUICK else (4096, 16, 16)
-MODES = ("none", "sync", "thread", "process")
-ROUNDS = 1 if QUICK else int(os.environ.get("REPS", 3))
+MODES = ("sync", "thread", "process", "raw")
+PAIRS = 2 if QUICK else int(os.environ.get("PAIRS", 6))
 
 
 def _resident(pid: int) -> dict[str, int]:
@@ -101,11 +107,60 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None
     opt.zero_grad()
 
 
+class _RawWriter:
+    """The floor of any background checkpoint writer on this machine: a forked
+    process that writes the state's bytes, copied into shared memory, to one
+    file with ``write`` and ``fsync``: no format, no checksums, no commit.
+    One save in flight, as for the AsyncSaver."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.buffer = mmap.mmap(-1, nbytes)  # shared with the child across fork
+        self.array = np.frombuffer(self.buffer, np.uint8)
+        child_from, self._to = os.pipe()  # (read end, write end)
+        self._from, child_to = os.pipe()
+        self.pid = os.fork()  # before torch starts its threads (run_mode calls this first)
+        if self.pid == 0:
+            os.close(self._to)
+            os.close(self._from)
+            with os.fdopen(child_from, "rb") as requests, os.fdopen(child_to, "wb", buffering=0) as replies:
+                for line in requests:
+                    with open(line.decode().strip(), "wb", buffering=0) as f:
+                        view = memoryview(self.buffer)
+                        for i in range(0, nbytes, 64 << 20):
+                            f.write(view[i:i + (64 << 20)])
+                        os.fsync(f.fileno())
+                    replies.write(b"x")
+            os._exit(0)
+        os.close(child_from)
+        os.close(child_to)
+        self._pending = False
+
+    def save(self, tensors: list[np.ndarray], path: str) -> None:
+        self.wait()
+        offset = 0
+        for t in tensors:
+            np.copyto(np.ndarray(t.shape, t.dtype, self.array, offset), t)
+            offset += t.nbytes
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.write(self._to, path.encode() + b"\n")
+        self._pending = True
+
+    def wait(self) -> None:
+        if self._pending:
+            os.read(self._from, 1)
+            self._pending = False
+
+    def close(self) -> None:
+        os.close(self._to)
+        os.waitpid(self.pid, 0)
+
+
 def run_mode(mode: str, root: str) -> dict[str, Any]:
-    """One training run in this process: per-step wall times, the saves' blocking times."""
+    """One mode's run in this process: pairs of phases with and without checkpoints."""
     import globalshard as gs
     import globalshard_torch as gt
 
+    raw = _RawWriter(3 * 4 * LAYERS * (WIDTH * WIDTH + WIDTH)) if mode == "raw" else None
     model, opt = _model()
     x = torch.randn(BATCH, WIDTH)
     _step(model, opt, x)  # warm-up: the optimizer's state exists from here on
@@ -116,7 +171,6 @@ def run_mode(mode: str, root: str) -> dict[str, Any]:
     dest = np.ones(state_bytes, np.uint8)
     tensors = [gt.numpy_view(t) for p in model.parameters() for t in (p.data, *opt.state[p].values()) if t.ndim]
     peak = {"host": 0}
-    base_host = _host_bytes(os.getpid(), None)
     stop = threading.Event()
 
     def sample() -> None:
@@ -127,29 +181,64 @@ def run_mode(mode: str, root: str) -> dict[str, Any]:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    steps, blocking, memcpy = [], [], []
-    for i in range(STEPS):
+    saves = 0
+
+    def save() -> None:
+        nonlocal saves
+        if raw is not None:
+            raw.save(tensors, os.path.join(root, f"s{saves}"))
+        else:
+            gt.save_checkpoint(os.path.join(root, f"s{saves}"), model=model, layout=layout, rules=rules,
+                               optimizer=opt, saver=saver)
+        saves += 1
+
+    def wait() -> None:
+        if saver is not None:
+            saver.wait()
+        if raw is not None:
+            raw.wait()
+
+    def phase(checkpoints: bool) -> dict[str, Any]:
+        steps, blocking, memcpy = [], [], []
+        for i in range(PHASE):
+            if checkpoints and i % EVERY == 0:
+                start = time.perf_counter()
+                offset = 0
+                for t in tensors:  # a memcpy of the state, the reference of the blocking time
+                    np.copyto(np.ndarray(t.shape, t.dtype, dest, offset), t)
+                    offset += t.nbytes
+                memcpy.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                save()
+                blocking.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            _step(model, opt, x)
+            steps.append(time.perf_counter() - start)
         start = time.perf_counter()
+        wait()  # the last save's background part, counted in this phase
+        wait_s = time.perf_counter() - start
+        return {"steps_s": steps, "blocking_s": blocking, "memcpy_s": memcpy, "wait_s": wait_s,
+                "cost_s": sum(steps) + sum(blocking) + wait_s}
+
+    for _ in range(2):
         _step(model, opt, x)
-        steps.append(time.perf_counter() - start)
-        if mode != "none" and (i + 1) % EVERY == 0:
-            start = time.perf_counter()
-            offset = 0
-            for t in tensors:  # a memcpy of the state, the reference of the blocking time
-                np.copyto(np.ndarray(t.shape, t.dtype, dest, offset), t)
-                offset += t.nbytes
-            memcpy.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            gt.save_checkpoint(os.path.join(root, f"step{i}"), model=model, layout=layout, rules=rules, optimizer=opt,
-                               saver=saver)
-            blocking.append(time.perf_counter() - start)
-    if saver is not None:
-        saver.wait()
+    base_peak = peak["host"]  # the training's own peak, before any save
+    start = time.perf_counter()
+    save()  # starts the writer and sizes the staging pool: a once-per-run cost, outside the pairs
+    wait()
+    first = time.perf_counter() - start
+    pairs = []
+    for k in range(PAIRS):
+        order = (False, True) if k % 2 == 0 else (True, False)
+        got = {with_: phase(with_) for with_ in order}
+        pairs.append({"none": got[False], mode: got[True]})  # the saves stay until the run ends: deleting
+        # files on this disk (mounted with discard) slows writes made soon after (bench/pagecache.py)
     stop.set()
     sampler.join()
-    return {"mode": mode, "steps_s": steps, "blocking_s": blocking, "memcpy_s": memcpy, "state_bytes": state_bytes,
-            "wall_per_step_s": (sum(steps) + sum(blocking)) / STEPS, "peak_host_bytes": peak["host"],
-            "host_before_bytes": base_host,
+    if raw is not None:
+        raw.close()
+    return {"mode": mode, "pairs": pairs, "state_bytes": state_bytes, "first_save_s": first,
+            "base_peak_host_bytes": base_peak, "peak_host_bytes": peak["host"],
             "saver_mode": saver.last_mode if saver is not None else None}
 
 
@@ -227,12 +316,6 @@ def lora(root: str) -> dict[str, Any]:
             "written_over_adapter_bytes": statistics.median(written) / adapter_bytes}
 
 
-def _per_step(run: dict[str, Any]) -> float:
-    """A run's cost per step: its median training step (robust to this shared
-    machine's spikes), plus its saves' blocking time spread over its steps."""
-    return float(statistics.median(run["steps_s"])) + sum(run["blocking_s"]) / STEPS
-
-
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--mode":
         print(json.dumps(run_mode(sys.argv[2], sys.argv[3])))
@@ -240,27 +323,19 @@ def main() -> None:
     base = os.environ.get("BENCH_DIR", "build")
     os.makedirs(base, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="globalshard-training-", dir=base)
-    rounds: list[dict[str, Any]] = []
 
-    def one(mode: str, tag: str) -> dict[str, Any]:
-        root = os.path.join(tmp, f"{mode}{tag}")
+    def one(mode: str) -> dict[str, Any]:
+        root = os.path.join(tmp, mode)
         args = [sys.executable, __file__, "--mode", mode, root] + (["--quick"] if QUICK else [])
         out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
         shutil.rmtree(root, ignore_errors=True)
         return dict(json.loads(out.strip().splitlines()[-1]))
 
     try:
-        for rep in range(ROUNDS):
-            # Each mode beside a run without checkpoints made just before or after it (the order
-            # alternating by round), so that each ratio compares two runs minutes apart at most.
-            runs: dict[str, Any] = {}
-            for mode in MODES[1:]:
-                print(f"round {rep + 1} of {ROUNDS}: {mode} beside none ...", flush=True)
-                pair = [("none", f"{mode}{rep}n"), (mode, f"{rep}")]
-                got = {m: one(m, tag) for m, tag in (pair if rep % 2 == 0 else pair[::-1])}
-                runs[mode] = got[mode]
-                runs[f"none_for_{mode}"] = got["none"]
-            rounds.append(runs)
+        runs: dict[str, Any] = {}
+        for mode in MODES:
+            print(f"{mode}: {PAIRS} pairs of phases with and without checkpoints ...", flush=True)
+            runs[mode] = one(mode)
         print("full training with base= ...", flush=True)
         pretrain = pretrain_with_base(tmp)
         print("LoRA ...", flush=True)
@@ -269,21 +344,23 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
     def ratio(mode: str) -> float:
-        return statistics.median(_per_step(r[mode]) / _per_step(r[f"none_for_{mode}"]) for r in rounds)
+        return statistics.median(p[mode]["cost_s"] / p["none"]["cost_s"] for p in runs[mode]["pairs"])
 
-    process = [r["process"] for r in rounds]
-    block = [b / m for run in process for b, m in list(zip(run["blocking_s"], run["memcpy_s"]))[1:]]
-    state = process[0]["state_bytes"]
+    process = runs["process"]
+    block = [b / m for p in process["pairs"] for b, m in zip(p["process"]["blocking_s"], p["process"]["memcpy_s"])]
+    state = process["state_bytes"]
     report = {
-        "quick": QUICK, "model": {"layers": LAYERS, "width": WIDTH, "batch": BATCH, "steps": STEPS,
-                                  "save_every": EVERY, "state_bytes": state, "threads": torch.get_num_threads()},
-        "rounds": rounds, "pretrain_with_base": pretrain, "lora": lora_report,
+        "quick": QUICK, "model": {"layers": LAYERS, "width": WIDTH, "batch": BATCH, "phase_steps": PHASE,
+                                  "save_every": EVERY, "pairs": PAIRS, "state_bytes": state,
+                                  "threads": torch.get_num_threads()},
+        "runs": runs, "pretrain_with_base": pretrain, "lora": lora_report,
         "step_time_async_process_vs_none": ratio("process"), "step_time_async_thread_vs_none": ratio("thread"),
         "step_time_sync_vs_none": ratio("sync"),
+        # The floor: a bare process writing the same bytes (write + fsync) in the background.
+        "step_time_raw_writer_vs_none": ratio("raw"),
         "async_block_vs_memcpy": statistics.median(block) if block else None,
-        # What saves add to the peak of the same training without them (trainer and writer).
-        "async_peak_rss_over_state": statistics.median(
-            (r["process"]["peak_host_bytes"] - r["none_for_process"]["peak_host_bytes"]) / state for r in rounds),
+        # What saves add to the peak of the same training before any save (trainer and writer).
+        "async_peak_rss_over_state": (process["peak_host_bytes"] - process["base_peak_host_bytes"]) / state,
         "memory_measure": MEMORY_MEASURE,
         "lora_save_bytes_over_adapter_bytes": lora_report["written_over_adapter_bytes"],
         "pretrain_save_bytes_saved_fraction": pretrain["saved_fraction"],
@@ -292,6 +369,7 @@ def main() -> None:
     with open("build/bench/training.json", "w") as f:
         json.dump(report, f, indent=1)
     for key in ("step_time_async_process_vs_none", "step_time_async_thread_vs_none", "step_time_sync_vs_none",
+                "step_time_raw_writer_vs_none",
                 "async_block_vs_memcpy", "async_peak_rss_over_state", "lora_save_bytes_over_adapter_bytes",
                 "pretrain_save_bytes_saved_fraction"):
         print(f"{key}: {report[key]:.3f}")
