@@ -265,4 +265,8 @@ def _write_chunks(fd: int, array: np.ndarray, batch: Sequence[tuple[tuple[int, .
                 data[:] = 0
             shaped[tuple(slice(0, s) for s in part.shape)] = part
         tail = _crc(data).to_bytes(4, "little")
+        # TODO(limitation): buffered writes: the kernel copies every byte into the page
+        # cache on the cores that train (an async save's writer process slows a loop that
+        # keeps every core busy); O_DIRECT needs block-aligned chunks, which a chunk
+        # followed by its 4-byte checksum is not.
         _pwritev(fd, [data, tail], offset)
