@@ -133,7 +133,7 @@ class LocalStore:
         the long way), no realpath per file."""
         full = os.path.join(self.path, name)
         try:
-            fd = os.open(full, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+            fd = os.open(full, _READ_CHECKED)
         except FileNotFoundError:
             return None
         except OSError:
@@ -151,13 +151,13 @@ class LocalStore:
         accepted) into the page cache, without waiting; a file that cannot be
         opened is skipped (its read reports it). On a cold cache the small files
         a load then reads one after the other arrive together, not one disk
-        round trip each."""
-        if not hasattr(os, "posix_fadvise"):
+        round trip each; when the first of them is cached already (a warm
+        load), nothing is asked: an open per file would only cost time."""
+        if not names or not hasattr(os, "posix_fadvise") or _cached(os.path.join(self.path, names[0])):
             return
         for name in names:
             try:
-                fd = os.open(os.path.join(self.path, name),
-                             os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+                fd = os.open(os.path.join(self.path, name), _READ_CHECKED)
             except OSError:
                 continue
             try:
@@ -347,6 +347,29 @@ class LocalStore:
             if problems:
                 bad.append(f"{path!r}: {problems[0]}")
         return bad
+
+
+#: How :meth:`LocalStore.read_checked` and :meth:`LocalStore.prefetch` open a file:
+#: never through a final symlink, never blocking on a FIFO.
+_READ_CHECKED = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+def _cached(path: str) -> bool:
+    """Whether the first byte of ``path`` is in the page cache (a read that may
+    not wait, ``RWF_NOWAIT``, gets it); False where that cannot be told."""
+    nowait = getattr(os, "RWF_NOWAIT", 0)
+    if not nowait:
+        return False
+    try:
+        fd = os.open(path, _READ_CHECKED)
+    except OSError:
+        return False
+    try:
+        return os.preadv(fd, [bytearray(1)], 0, nowait) == 1
+    except OSError:  # EAGAIN: not cached; EOPNOTSUPP: the file system cannot say
+        return False
+    finally:
+        os.close(fd)
 
 
 def _read_to_end(fd: int, size: int, full: str) -> bytes:
