@@ -238,7 +238,7 @@ def section_training(d: Data) -> str:
             for mode, key, label in (("none", "", "no checkpoints"), ("sync", "sync", "synchronous saves"),
                                      ("thread", "async_thread", "AsyncSaver, thread mode"),
                                      ("process", "async_process", "AsyncSaver, process mode"),
-                                     ("raw", "raw_writer", "a bare process writing the same bytes (the floor)"))]
+                                     ("raw", "raw_writer", "a bare process writing the same bytes"))]
     lora, pre = t["lora"], t["pretrain_with_base"]
     memory = t["memory_measure"]
     return "\n".join([
@@ -255,9 +255,9 @@ def section_training(d: Data) -> str:
         "",
         table(["", "s per step", "over none"], rows),
         "",
-        "The floor is a process forked by the loop that writes the state's bytes, copied into shared memory at "
-        "each save, to one file with `write` and `fsync` (no format, no checksums, no commit): what any "
-        "background writer costs a loop that keeps every core busy, since its system calls run on the same cores.",
+        "The bare process is forked by the loop and writes the state's bytes, copied into shared memory at each "
+        "save, to one file with `write` (64 MiB at a time) and `fsync`: no format, no checksums, no commit. Any "
+        "background writer's system calls run on the cores this loop keeps busy.",
         "",
         f"A process-mode save blocked the loop {num(t['async_block_vs_memcpy'])}x a memcpy of the state into a warm "
         "buffer (median over the saves after the first, which starts the writer and sizes the staging pool). "

@@ -6,8 +6,8 @@
    384 MiB of state; ``--quick``: smaller) trained by torch on every core,
    checkpointed through ``globalshard_torch.save_checkpoint`` with
    synchronous saves, and with an ``AsyncSaver`` in thread and in process
-   mode; beside them the floor of any background writer on this machine, a
-   bare process that writes the same bytes to one file (``_RawWriter``).
+   mode; beside them a bare background writer, a forked process that
+   writes the same bytes to one file (``_RawWriter``).
    Each mode runs in a process of its own, which alternates phases of 8
    steps with a save every 4 steps and phases of 8 steps without, 6 pairs
    (the order alternating), after a first save that starts the writer and
@@ -108,7 +108,7 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None
 
 
 class _RawWriter:
-    """The floor of any background checkpoint writer on this machine: a forked
+    """A bare background writer, to set the AsyncSaver beside: a forked
     process that writes the state's bytes, copied into shared memory, to one
     file with ``write`` and ``fsync``: no format, no checksums, no commit.
     One save in flight, as for the AsyncSaver."""
@@ -356,7 +356,7 @@ def main() -> None:
         "runs": runs, "pretrain_with_base": pretrain, "lora": lora_report,
         "step_time_async_process_vs_none": ratio("process"), "step_time_async_thread_vs_none": ratio("thread"),
         "step_time_sync_vs_none": ratio("sync"),
-        # The floor: a bare process writing the same bytes (write + fsync) in the background.
+        # A bare process writing the same bytes (write + fsync) in the background.
         "step_time_raw_writer_vs_none": ratio("raw"),
         "async_block_vs_memcpy": statistics.median(block) if block else None,
         # What saves add to the peak of the same training before any save (trainer and writer).
