@@ -148,24 +148,19 @@ class LocalStore:
 
     def prefetch(self, names: Sequence[str]) -> None:
         """Ask the kernel to start reading ``names`` (below paths :meth:`escaping`
-        accepted) into the page cache, without waiting; a file that cannot be
-        opened is skipped (its read reports it). On a cold cache the small files
-        a load then reads one after the other arrive together, not one disk
-        round trip each; when the first of them is cached already (a warm
-        load), nothing is asked: an open per file would only cost time."""
+        accepted) into the page cache, without waiting, so that on a cold cache
+        the small files a load reads one after the other arrive together. A file
+        that cannot be opened is skipped (its read reports it); nothing is asked
+        when the first is cached already (a warm load: the opens would only cost)."""
         if not names or not hasattr(os, "posix_fadvise") or _cached(os.path.join(self.path, names[0])):
             return
         for name in names:
-            try:
+            with contextlib.suppress(OSError):
                 fd = os.open(os.path.join(self.path, name), _READ_CHECKED)
-            except OSError:
-                continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                finally:
+                    os.close(fd)
 
     # ------------------------------------------------------------ writing
 
@@ -358,18 +353,13 @@ def _cached(path: str) -> bool:
     """Whether the first byte of ``path`` is in the page cache (a read that may
     not wait, ``RWF_NOWAIT``, gets it); False where that cannot be told."""
     nowait = getattr(os, "RWF_NOWAIT", 0)
-    if not nowait:
-        return False
-    try:
+    with contextlib.suppress(OSError):  # EAGAIN: not cached; EOPNOTSUPP: the file system cannot say
         fd = os.open(path, _READ_CHECKED)
-    except OSError:
-        return False
-    try:
-        return os.preadv(fd, [bytearray(1)], 0, nowait) == 1
-    except OSError:  # EAGAIN: not cached; EOPNOTSUPP: the file system cannot say
-        return False
-    finally:
-        os.close(fd)
+        try:
+            return nowait != 0 and os.preadv(fd, [bytearray(1)], 0, nowait) == 1
+        finally:
+            os.close(fd)
+    return False
 
 
 def _read_to_end(fd: int, size: int, full: str) -> bytes:
