@@ -267,6 +267,7 @@ def _write_chunks(fd: int, array: np.ndarray, batch: Sequence[tuple[tuple[int, .
         tail = _crc(data).to_bytes(4, "little")
         # TODO(limitation): buffered writes: the kernel copies every byte into the page
         # cache on the cores that train (an async save's writer process slows a loop that
-        # keeps every core busy); O_DIRECT needs block-aligned chunks, which a chunk
-        # followed by its 4-byte checksum is not.
+        # keeps every core busy). O_DIRECT needs block-aligned writes, which a chunk
+        # followed by its 4-byte checksum is not; assembled in aligned buffers it was
+        # tried (docs/limitations.md) and saved little CPU: not kept.
         _pwritev(fd, [data, tail], offset)
