@@ -224,6 +224,19 @@ def section_cold_one_process(d: Data) -> str:
     ])
 
 
+def _memory_parts(m: dict[str, int], state: int) -> str:
+    """What the peak of a loop's phases with saves holds beyond the trainer's own peak without them."""
+    moved = (m["training_with_saves"] - m["training_without"]) / 2**20
+    over = (m["host_with_saves"] - m["training_without"] - state) / 2**20
+    return (f"the largest peak over the phases with saves ({mib(m['host_with_saves'])} MiB) over the trainer's own "
+            f"largest peak over the phases without ({mib(m['training_without'])} MiB), {num(over, 0)} MiB more than "
+            f"the state's {mib(state)} MiB. It holds the staging pool "
+            f"({mib(m['pools'])} MiB) and the writer process's own memory ({mib(m['writer'])} MiB); the trainer's "
+            f"own peak was {num(abs(moved), 0)} MiB {'higher' if moved >= 0 else 'lower'} in the phases with saves. "
+            "(The loop's own peak drifts by tens of MiB from phase to phase, so it is compared with the phases "
+            "beside it, not with its first steps.)")
+
+
 def section_training(d: Data) -> str:
     t = d.get("training")
     if t is None:
@@ -262,7 +275,7 @@ def section_training(d: Data) -> str:
         f"A process-mode save blocked the loop {num(t['async_block_vs_memcpy'])}x a memcpy of the state into a warm "
         "buffer (median over the saves after the first, which starts the writer and sizes the staging pool). "
         f"Its saves raised the peak host memory ({memory}) by {num(t['async_peak_rss_over_state'])}x "
-        "the state over the peak of the same loop's steps before its first save.",
+        f"the state: {_memory_parts(t['async_memory'], m['state_bytes'])}",
         "",
         f"Full training with `base=` the previous save (every region hashed): the saves left "
         f"{num(100 * pre['saved_fraction'], 1)}% of the state's bytes unwritten, since every weight and both moments "

@@ -16,8 +16,9 @@ the training loop's figures (bench/training.py): ``step_time_async_process_vs_no
 ``step_time_async_thread_vs_none``, ``step_time_sync_vs_none`` (wall time per step with a
 checkpoint every 4 steps over none), ``async_block_vs_memcpy`` (the time a process-mode save
 blocks the loop over a memcpy of the state; this replaces bench/io_memory.py's figure of that
-name), ``async_peak_rss_over_state`` (what the saves add to the trainer's and writer's peak PSS,
-over the state), ``lora_save_bytes_over_adapter_bytes``, ``pretrain_save_bytes_saved_fraction``;
+name), ``async_peak_rss_over_state`` (the peak host memory of the phases with saves, trainer,
+pools and writer, over the trainer's own peak in the phases without, over the state),
+``lora_save_bytes_over_adapter_bytes``, ``pretrain_save_bytes_saved_fraction``;
 the fast tier's (bench/tiers.py): ``tier_local_save_vs_persistent_save`` (the time a save
 stops training, into the nodes' tier over straight to S3), ``tier_recovery_vs_persistent_recovery``
 (one node lost: recovery from the nearest copies over a load from S3),

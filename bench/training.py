@@ -21,8 +21,10 @@
    made seconds apart in one process. In process mode the time each save
    blocks the loop is compared with a memcpy of the state into a warm
    buffer just before it, and the host memory of the trainer and its writer
-   is sampled every 10 ms (see ``_host_bytes``): how far its peak exceeds
-   its peak over the steps before any save, over the state's bytes.
+   is sampled every 10 ms (see ``_host_bytes``): how far its peak over the
+   phases with saves exceeds the trainer's own peak over the phases without,
+   over the state's bytes (the loop's own peak drifts by tens of MiB from
+   phase to phase, so it too is compared with phases beside it).
 2. Full training with ``base=``: each save references the one before it and
    hashes every region; the fraction of bytes it did not write (expected:
    about none, since every weight and both moments change every step).
@@ -79,7 +81,7 @@ def _resident(pid: int) -> dict[str, int]:
     return out
 
 
-def _host_bytes(trainer: int, writer: int | None) -> int:
+def _host_bytes(trainer: int, writer: int | None) -> dict[str, int]:
     """Host memory of the trainer and its writer: the trainer's anonymous and
     shared memory (the staging pools are shared memory) and the writer's
     anonymous memory. The writer's file-backed pages are the libraries the
@@ -87,7 +89,9 @@ def _host_bytes(trainer: int, writer: int | None) -> int:
     private to it); reading its smaps_rollup at every sample instead slowed the
     trainer's steps by a quarter."""
     t = _resident(trainer)
-    return t["RssAnon"] + t["RssShmem"] + (_resident(writer)["RssAnon"] if writer is not None else 0)
+    writing = _resident(writer)["RssAnon"] if writer is not None else 0
+    return {"training": t["RssAnon"], "pools": t["RssShmem"], "writer": writing,
+            "host": t["RssAnon"] + t["RssShmem"] + writing}
 
 
 #: How the memory figures are measured (bench/pages.py says it on the page).
@@ -170,13 +174,17 @@ def run_mode(mode: str, root: str) -> dict[str, Any]:
     saver = gs.AsyncSaver(mode) if mode in ("thread", "process") else None
     dest = np.ones(state_bytes, np.uint8)
     tensors = [gt.numpy_view(t) for p in model.parameters() for t in (p.data, *opt.state[p].values()) if t.ndim]
-    peak = {"host": 0}
+    # The peaks of the current phase: the trainer's own memory (its anonymous
+    # memory), and the host's (see _host_bytes), which adds the staging pools
+    # and the writer.
+    peak = {"training": 0, "host": 0, "pools": 0, "writer": 0}
     stop = threading.Event()
 
     def sample() -> None:
         while not stop.is_set():
             writer = saver.writer.pid if saver is not None and mode == "process" and saver._writer else None
-            peak["host"] = max(peak["host"], _host_bytes(os.getpid(), writer))
+            for key, value in _host_bytes(os.getpid(), writer).items():
+                peak[key] = max(peak[key], value)
             time.sleep(0.01)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -200,6 +208,7 @@ def run_mode(mode: str, root: str) -> dict[str, Any]:
 
     def phase(checkpoints: bool) -> dict[str, Any]:
         steps, blocking, memcpy = [], [], []
+        peak.update(dict.fromkeys(peak, 0))
         for i in range(PHASE):
             if checkpoints and i % EVERY == 0:
                 start = time.perf_counter()
@@ -217,12 +226,12 @@ def run_mode(mode: str, root: str) -> dict[str, Any]:
         start = time.perf_counter()
         wait()  # the last save's background part, counted in this phase
         wait_s = time.perf_counter() - start
+        time.sleep(0.02)  # a sample after the phase's end
         return {"steps_s": steps, "blocking_s": blocking, "memcpy_s": memcpy, "wait_s": wait_s,
-                "cost_s": sum(steps) + sum(blocking) + wait_s}
+                "cost_s": sum(steps) + sum(blocking) + wait_s, "peak_bytes": dict(peak)}
 
     for _ in range(2):
         _step(model, opt, x)
-    base_peak = peak["host"]  # the training's own peak, before any save
     start = time.perf_counter()
     save()  # starts the writer and sizes the staging pool: a once-per-run cost, outside the pairs
     wait()
@@ -238,8 +247,12 @@ def run_mode(mode: str, root: str) -> dict[str, Any]:
     if raw is not None:
         raw.close()
     return {"mode": mode, "pairs": pairs, "state_bytes": state_bytes, "first_save_s": first,
-            "base_peak_host_bytes": base_peak, "peak_host_bytes": peak["host"],
             "saver_mode": saver.last_mode if saver is not None else None}
+
+
+def _peak(run: dict[str, Any], phases: str, what: str) -> int:
+    """The largest of ``what``'s peaks over a run's ``phases`` (its mode's, or ``"none"``)."""
+    return max(p[phases]["peak_bytes"][what] for p in run["pairs"])
 
 
 def pretrain_with_base(root: str) -> dict[str, Any]:
@@ -359,9 +372,14 @@ def main() -> None:
         # A bare process writing the same bytes (write + fsync) in the background.
         "step_time_raw_writer_vs_none": ratio("raw"),
         "async_block_vs_memcpy": statistics.median(block) if block else None,
-        # What saves add to the peak of the same training before any save (trainer and writer).
-        "async_peak_rss_over_state": (process["peak_host_bytes"] - process["base_peak_host_bytes"]) / state,
+        # What saves add to the same loop's peak: the host's peak over the phases with saves (the
+        # trainer, its staging pools and its writer) over the trainer's own peak over the phases without.
+        "async_peak_rss_over_state": (_peak(process, "process", "host") - _peak(process, "none", "training")) / state,
         "memory_measure": MEMORY_MEASURE,
+        "async_memory": {"host_with_saves": _peak(process, "process", "host"),
+                         "training_with_saves": _peak(process, "process", "training"),
+                         "training_without": _peak(process, "none", "training"),
+                         "pools": _peak(process, "process", "pools"), "writer": _peak(process, "process", "writer")},
         "lora_save_bytes_over_adapter_bytes": lora_report["written_over_adapter_bytes"],
         "pretrain_save_bytes_saved_fraction": pretrain["saved_fraction"],
     }

@@ -71,6 +71,8 @@ def test_the_training_and_cold_load_sections_render_what_their_benchmarks_write(
         "runs": {m: {"pairs": [{"none": phase(c), m: phase(1.1 * c)} for c in (4.0, 4.08, 4.4)]}
                  for m in ("sync", "thread", "process", "raw")},
         "memory_measure": "sampled somehow",
+        "async_memory": {"host_with_saves": 1800 << 20, "training_with_saves": 1340 << 20,
+                         "training_without": 1350 << 20, "pools": 384 << 20, "writer": 32 << 20},
         "pretrain_with_base": {"saved_fraction": 0.0012}, "lora": {"base_bytes": 1 << 30,
                                                                    "adapter_and_optimizer_bytes": 3 << 20,
                                                                    "written_over_adapter_bytes": 1.0037},
@@ -94,7 +96,10 @@ def test_the_training_and_cold_load_sections_render_what_their_benchmarks_write(
     training_part = text.split("## Checkpointing a training loop")[1].split("\n## ")[0]
     for figure in ("1.01", "1.05", "1.18", "0.88x a memcpy", "1.06x", "0.1%", "1.00x the bytes", "3 MiB",
                    "| no checkpoints | 0.510 |", "| AsyncSaver, process mode | 0.561 | 1.01 |", "(sampled somehow)",
-                   "3 pairs", "| a bare process writing the same bytes | 0.561 | 1.02 |"):
+                   "3 pairs", "| a bare process writing the same bytes | 0.561 | 1.02 |",
+                   "phases with saves (1800 MiB)", "phases without (1350 MiB), 66 MiB more than the state's 384 MiB",
+                   "staging pool (384 MiB)",
+                   "own memory (32 MiB)", "10 MiB lower"):
         assert figure in training_part, figure
     cold_part = text.split("## Cold loads in one process")[1].split("\n## ")[0]
     assert "| TP=4 -> 2, one process | 1.23 | 0.45 | 1.34 | 0.92 | 2.71 |" in cold_part
