@@ -232,8 +232,9 @@ def _memory_parts(m: dict[str, int], state: int) -> str:
             f"largest peak over the phases without ({mib(m['training_without'])} MiB), {num(over, 0)} MiB more than "
             f"the state's {mib(state)} MiB. It holds the staging pool "
             f"({mib(m['pools'])} MiB) and the writer process's own memory ({mib(m['writer'])} MiB); the trainer's "
-            f"own peak was {num(abs(moved), 0)} MiB {'higher' if moved >= 0 else 'lower'} in the phases with saves. "
-            "(The loop's own peak drifts by tens of MiB from phase to phase, so it is compared with the phases "
+            + ("own peak was the same in both. " if round(moved) == 0 else
+               f"own peak was {num(abs(moved), 0)} MiB {'higher' if moved > 0 else 'lower'} in the phases with saves. ")
+            + "(The loop's own peak drifts by tens of MiB from phase to phase, so it is compared with the phases "
             "beside it, not with its first steps.)")
 
 
