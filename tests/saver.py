@@ -164,14 +164,11 @@ def main() -> None:
     elif args.async_save:
         writer = None
         if args.writer_kill_at or args.writer_count:
-            import functools
-
             from globalshard.checkpoint.writer import Writer
 
+            # The writer imports the hook by name from this script's module.
             os.environ["PYTHONPATH"] = os.pathsep.join([HERE, *filter(None, [os.environ.get("PYTHONPATH")])])
-            import saver  # this script is __main__: the writer unpickles the hook from the module
-
-            writer = Writer(setup=functools.partial(saver.writer_hook, args.writer_kill_at, args.writer_count))
+            writer = Writer(setup=("saver:writer_hook", [args.writer_kill_at, args.writer_count]))
         background = gs.AsyncSaver(args.mode, writer=writer)
         background.save(state, args.path, trainer_state={"tag": args.tag}, overwrite=args.overwrite,
                         kvstore=kvstore)

@@ -94,3 +94,17 @@ def test_adapters_import_public_modules_of_the_core_only():
                 bad += [f"{package}/{name} imports {m}" for m in imports_of(path)
                         if any(m == i or m.startswith(i + ".") for i in internal)]
     assert bad == []
+
+
+def test_no_module_of_the_package_or_its_adapters_imports_pickle():
+    """A checkpoint is JSON and raw arrays, and so are the messages to a writer
+    process: nothing the package reads can make it run code."""
+    bad = []
+    for directory in (CORE, os.path.join(ROOT, "backends")):
+        for d, _, names in os.walk(directory):
+            for name in sorted(n for n in names if n.endswith(".py")):
+                path = os.path.join(d, name)
+                bad += [f"{os.path.relpath(path, ROOT)} imports {m}" for m in imports_of(path)
+                        if m.split(".")[0] in ("pickle", "marshal", "shelve", "dill", "cloudpickle")
+                        or m == "multiprocessing.reduction"]
+    assert bad == []

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from globalshard.checkpoint.messages import can_send
 from globalshard.checkpoint.saving import InProcess, PlannedSave, entries_of, finish_save, plan_save
 from globalshard.checkpoint.staging import StagingPool, parallel_copy
 from globalshard.checkpoint.writer import Writer, describe_items, shared_writer
@@ -163,7 +164,7 @@ class AsyncSaver:
         self.blocking_seconds = time.perf_counter() - start
 
     def _operations(self, store: Store) -> InProcess:
-        if self.mode == "process" and store.process_shared:
+        if self.mode == "process" and can_send(store):
             try:
                 self.writer.ensure()
                 self.last_mode = "process"
@@ -171,7 +172,8 @@ class AsyncSaver:
             except OSError as e:
                 _log.warning("the writer process cannot be started (%s): this save is written by a thread", e)
         elif self.mode == "process":
-            _log.info("%s is not reachable from another process: this save is written by a thread", store)
+            _log.info("%s is not reachable from another process (an in-memory or unknown kind of store): this "
+                      "save is written by a thread", store)
         self.last_mode = "thread"
         return InProcess()
 
@@ -285,7 +287,7 @@ class _InWriter(InProcess):
         return list(outcomes)
 
     def commit(self, store: Store, metadata: Metadata, stamp: Any) -> bytes:
-        data: bytes = self.writer.call("commit", store, metadata, stamp)
+        data: bytes = self.writer.call("commit", store, metadata.dumps(), stamp)
         return data
 
     def cleanup(self, store: Store, previous: Metadata | None, save_id: str) -> None:

@@ -6,18 +6,19 @@ The trainer copies its snapshot into a :class:`~globalshard.checkpoint.staging.S
 whose memory the writer maps, and sends the writer jobs over a socket: the
 items to write (where in the pool each one's bytes are), then the commit
 and the cleanup. A job's reply carries its result or its exception. The
-writer is this module's :func:`main` in a new interpreter, started with
-``subprocess`` (not ``multiprocessing``: a training script need not guard
-its ``__main__``), and it exits when the trainer does. Nothing here
-is read from a checkpoint: the pickles are the two processes' own messages.
+messages are JSON (:mod:`~globalshard.checkpoint.messages`): no code crosses
+between the two processes. The writer is this module's :func:`main` in a
+new interpreter, started with ``subprocess`` (not ``multiprocessing``: a
+training script need not guard its ``__main__``), and it exits when the
+trainer does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import mmap
 import os
-import pickle
 import queue
 import socket
 import subprocess
@@ -25,11 +26,11 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable, Sequence
-from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 
+from globalshard.checkpoint import messages
 from globalshard.checkpoint.staging import StagingPool
 from globalshard.errors import StorageError
 from globalshard.format.paths import METADATA_FILE
@@ -86,7 +87,7 @@ def _rebuild(described: Sequence[tuple[Any, ...]], pools: dict[int, np.ndarray],
                                                     for b, slot, k in members), attributes))
         else:
             _, path, dtype, slot, attributes, cut, k = d
-            out.append(ArrayItem(path, dtype, view(slot), attributes, cut, None if k is None else wait(k)))
+            out.append(ArrayItem(path, dtype, view(slot), attributes, tuple(cut), None if k is None else wait(k)))
     return out
 
 
@@ -102,14 +103,15 @@ class Writer:
         nice: added to the writer's niceness (0: none). A niced writer that a
             trainer busy on every core starves may not finish before the next
             save, which then waits for it.
-        setup: a picklable function run in the writer when it starts
-            (logging, CPU affinity); None: nothing.
+        setup: a function the writer runs when it starts (logging, CPU
+            affinity), named ``("package.module:function", [JSON
+            arguments])``: the writer imports it; None: nothing.
     """
 
-    def __init__(self, nice: int = 0, setup: Callable[[], None] | None = None) -> None:
+    def __init__(self, nice: int = 0, setup: tuple[str, Sequence[Any]] | None = None) -> None:
         self.nice, self.setup = nice, setup
         self._proc: subprocess.Popen[bytes] | None = None
-        self._conn: Connection | None = None
+        self._conn: socket.socket | None = None
         self._fds: socket.socket | None = None
         self._send_lock = threading.Lock()
         #: Held by whoever runs a job, from sending it to its reply.
@@ -137,11 +139,11 @@ class Writer:
         finally:
             ctrl_child.close()
             fds_child.close()
-        self._conn = Connection(ctrl.detach())
+        self._conn = ctrl
         self._fds = fds
         self._mapped = {}
         if self.setup is not None:
-            self._send(("setup", self.setup))
+            self._send(("setup", self.setup[0], list(self.setup[1])))
 
     def ensure(self) -> None:
         """Start the writer if it is not running.
@@ -156,7 +158,7 @@ class Writer:
         assert self._conn is not None
         with self._send_lock:
             try:
-                self._conn.send(message)
+                messages.send(self._conn, message)
             except (OSError, EOFError) as e:
                 raise self._died(f"sending it {message[0]!r} ({e})") from None
 
@@ -201,7 +203,7 @@ class Writer:
         assert self._conn is not None
         while True:
             try:
-                reply = self._conn.recv()
+                reply = messages.receive(self._conn)
             except (OSError, EOFError):
                 raise self._died(f"running job {job}") from None
             if reply[1] == job:
@@ -311,8 +313,8 @@ def _run_job(kind: str, args: tuple[Any, ...], pools: dict[int, np.ndarray],
             store.write(*trainer_state)
         return dataclasses.asdict(stats), outcomes
     if kind == "commit":
-        store, metadata, stamp = args
-        data = metadata.dumps().encode("utf-8")
+        store, text, stamp = args  # the metadata's text: the writer stores it as it is
+        data = text.encode("utf-8")
         store.commit(METADATA_FILE, data, stamp)
         return data
     if kind == "cleanup":
@@ -326,17 +328,9 @@ def _run_job(kind: str, args: tuple[Any, ...], pools: dict[int, np.ndarray],
     raise ValueError(f"unknown job {kind!r}")
 
 
-def _picklable(error: BaseException) -> Any:
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:
-        return f"{type(error).__name__}: {error}"
-
-
 def main(argv: Sequence[str]) -> None:
     """The writer process: map pools, run jobs in order, until the trainer goes."""
-    conn = Connection(int(argv[0]))
+    conn = socket.socket(fileno=int(argv[0]))
     fds = socket.socket(fileno=int(argv[1]))
     if len(argv) > 2 and int(argv[2]):
         os.nice(int(argv[2]))
@@ -355,7 +349,7 @@ def main(argv: Sequence[str]) -> None:
     def receive() -> None:
         while True:
             try:
-                message = conn.recv()
+                message = messages.receive(conn)
             except (OSError, EOFError):
                 break
             if message[0] == "pool":
@@ -382,15 +376,20 @@ def main(argv: Sequence[str]) -> None:
         if message is None:
             break
         if message[0] == "setup":
-            message[1]()
+            module, _, name = message[1].partition(":")
+            getattr(importlib.import_module(module), name)(*message[2])
             continue
         _, job, kind, args = message
         try:
             reply: tuple[Any, ...] = ("done", job, _run_job(kind, args, pools, notices.waiter(job)))
         except BaseException as e:  # sent to the trainer, which raises it at wait()
-            reply = ("error", job, _picklable(e))
+            reply = ("error", job, e)
         notices.forget(job)
         try:
-            conn.send(reply)
+            try:
+                messages.send(conn, reply)
+            except TypeError as e:  # a result no message carries (nothing was sent): reported, never a hang
+                why = StorageError(f"the writer's reply to job {job} cannot be sent: {e}")
+                messages.send(conn, ("error", job, why))
         except (OSError, EOFError):
             break

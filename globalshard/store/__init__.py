@@ -14,7 +14,7 @@ from globalshard.store.base import Stamp, Store, error_text
 from globalshard.store.kvstore import KvStore
 from globalshard.store.local import LocalStore
 
-__all__ = ["KvStore", "LocalStore", "Stamp", "Store", "open_root"]
+__all__ = ["KvStore", "LocalStore", "Stamp", "Store", "from_portable", "open_root", "portable"]
 
 
 def open_root(where: Any, kvstore: Any = None) -> Store:
@@ -59,3 +59,29 @@ def open_root(where: Any, kvstore: Any = None) -> Store:
     if spec.get("driver") == "file":
         return LocalStore(os.path.abspath(spec.get("path", "") or "."), spec)
     return KvStore(spec)
+
+
+def portable(store: Store) -> dict[str, Any] | None:
+    """``store`` as JSON that :func:`from_portable` opens in another process
+    (a writer process), or None: its root is not reachable from there (an
+    in-memory kvstore), or it is a kind of store this package does not know."""
+    if not store.process_shared:
+        return None
+    if type(store) is LocalStore:  # not a subclass: the other process would open the class, not the subclass
+        return {"local": store.path, "spec": store.spec}
+    if type(store) is KvStore:
+        return {"kvstore": store.spec}
+    return None
+
+
+def from_portable(doc: Any) -> Store:
+    """The store :func:`portable` described.
+
+    Raises:
+        StorageError: ``doc`` describes no store.
+    """
+    if isinstance(doc, dict) and isinstance(doc.get("local"), str) and isinstance(doc.get("spec"), dict):
+        return LocalStore(doc["local"], doc["spec"])
+    if isinstance(doc, dict) and isinstance(doc.get("kvstore"), dict):
+        return KvStore(doc["kvstore"])
+    raise StorageError(f"not a store's description: {doc!r}")

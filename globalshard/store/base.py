@@ -39,9 +39,9 @@ class Store(Protocol):
     #: a save directory no commit lists is then a leftover whatever its age,
     #: and temporary files of atomic replacement can be left by a crash.
     locks: bool
-    #: Whether another process of this host reaches the same root by pickling
-    #: the store (not an in-memory kvstore): an asynchronous save's writer
-    #: process then writes it.
+    #: Whether another process of this host reaches the same root (not an
+    #: in-memory kvstore): an asynchronous save's writer process then writes
+    #: it, opening it from :func:`globalshard.store.portable`'s description.
     process_shared: bool
 
     def files(self, prefix: str) -> list[str]:

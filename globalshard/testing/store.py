@@ -27,17 +27,21 @@ class StoreTests:
         assert isinstance(store, Store)
 
     def test_a_process_shared_store_reaches_the_same_root_from_another_process(self, store: Store) -> None:
-        import pickle
+        import json
         import subprocess
         import sys
 
+        from globalshard.store import portable
+
         store.write("a/file", b"written here")
         if not store.process_shared:
-            return  # an in-memory root: another process cannot reach it, and saves know it
-        script = ("import pickle, sys\nstore = pickle.loads(sys.stdin.buffer.read())\n"
+            assert portable(store) is None  # an in-memory root: another process cannot reach it, and saves know it
+            return
+        script = ("import json, sys\nfrom globalshard.store import from_portable\n"
+                  "store = from_portable(json.loads(sys.stdin.read()))\n"
                   "sys.stdout.buffer.write(store.read('a/file'))\nstore.write('a/other', b'written there')\n")
-        out = subprocess.run([sys.executable, "-c", script], input=pickle.dumps(store), capture_output=True,
-                             check=True)
+        out = subprocess.run([sys.executable, "-c", script], input=json.dumps(portable(store)).encode(),
+                             capture_output=True, check=True)
         assert out.stdout == b"written here"
         assert store.read("a/other") == b"written there"
 

@@ -176,3 +176,22 @@ def test_a_root_another_process_cannot_reach_is_written_by_a_thread():
 def test_an_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="process, thread"):
         gs.AsyncSaver("fork")
+
+
+def test_a_subclassed_store_is_written_by_a_thread_with_its_own_methods(tmp_path):
+    """The writer process would open the class a store's description names,
+    without a subclass's behaviour: such a store's saves stay in this process."""
+    from globalshard.store import LocalStore
+
+    written = []
+
+    class Recording(LocalStore):
+        def write(self, name, data):
+            written.append(name)
+            super().write(name, data)
+
+    s = gs.AsyncSaver("process")
+    s.save(saver.stamped_state(1), Recording(str(tmp_path)), trainer_state={"tag": 1})
+    s.wait()
+    assert s.last_mode == "thread" and saver.whose(tmp_path) == 1
+    assert any("trainer_state" in name for name in written), written
