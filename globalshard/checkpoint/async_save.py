@@ -287,8 +287,9 @@ class _InWriter(InProcess):
         return list(outcomes)
 
     def commit(self, store: Store, metadata: Metadata, stamp: Any) -> bytes:
-        data: bytes = self.writer.call("commit", store, metadata.dumps(), stamp)
-        return data
+        text = metadata.dumps()
+        self.writer.call("commit", store, text, stamp)
+        return text.encode("utf-8")
 
     def cleanup(self, store: Store, previous: Metadata | None, save_id: str) -> None:
         self.writer.call("cleanup", store, previous, save_id)

@@ -314,9 +314,8 @@ def _run_job(kind: str, args: tuple[Any, ...], pools: dict[int, np.ndarray],
         return dataclasses.asdict(stats), outcomes
     if kind == "commit":
         store, text, stamp = args  # the metadata's text: the writer stores it as it is
-        data = text.encode("utf-8")
-        store.commit(METADATA_FILE, data, stamp)
-        return data
+        store.commit(METADATA_FILE, text.encode("utf-8"), stamp)
+        return None
     if kind == "cleanup":
         store, previous, save_id = args
         cleanup.remove_superseded(store, previous, save_id)
