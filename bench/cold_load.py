@@ -8,7 +8,7 @@ one process, as an export, an evaluation or a TP=1 resume does, after
 evicting the files from the page cache (``POSIX_FADV_DONTNEED``). Beside it:
 torch DCP's load of its own TP=4 checkpoint of the same state, by as many
 processes as the new layout has ranks (2, then 1), and a plain 4-thread read
-of globalshard's files ("the disk"). The three take turns in each of 3
+of globalshard's files ("the disk"). The three take turns in each of 5
 rounds; each ratio is the median of the rounds' ratios. Writes
 build/bench/cold_load.json.
 """
@@ -35,7 +35,7 @@ from pagecache import evict, quiesce
 
 QUICK = "--quick" in sys.argv
 TENSORS, ROWS, COLS = (8, 512, 4096) if QUICK else (72, 1024, 3640)
-REPS = int(os.environ.get("REPS", 3))
+REPS = int(os.environ.get("REPS", 5))
 DISK_THREADS = 4
 
 

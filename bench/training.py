@@ -9,7 +9,7 @@
    mode; beside them a bare background writer, a forked process that
    writes the same bytes to one file (``_RawWriter``).
    Each mode runs in a process of its own, which alternates phases of 8
-   steps with a save every 4 steps and phases of 8 steps without, 6 pairs
+   steps with a save every 4 steps and phases of 8 steps without, 8 pairs
    (the order alternating), after a first save that starts the writer and
    sizes the staging pool. A phase's cost is its wall time: its steps, the
    time its saves block the loop and, at its end, the wait for its last
@@ -60,7 +60,7 @@ WIDTH, LAYERS, BATCH = (512, 4, 256) if QUICK else (2048, 8, 512)
 PHASE, EVERY = (4, 2) if QUICK else (8, 4)  # steps a phase, a save every EVERY steps
 LORA_WIDTH, LORA_LAYERS, RANK = (1024, 16, 16) if QUICK else (4096, 16, 16)
 MODES = ("sync", "thread", "process", "raw")
-PAIRS = 2 if QUICK else int(os.environ.get("PAIRS", 6))
+PAIRS = 2 if QUICK else int(os.environ.get("PAIRS", 8))
 
 
 def _resident(pid: int) -> dict[str, int]:
