@@ -5,18 +5,9 @@ from __future__ import annotations
 import os
 import time
 
+from globalshard.testing.pagecache import evict
 
-def evict(root: str) -> None:
-    """Drop every file under ``root`` from the page cache (fsync, then
-    POSIX_FADV_DONTNEED), so the next read comes from the disk."""
-    for d, _, files in os.walk(root):
-        for f in files:
-            fd = os.open(os.path.join(d, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+__all__ = ["SETTLE_S", "evict", "quiesce", "settle"]
 
 
 def quiesce(path: str, *, idle_s: float = 0.3, timeout_s: float = 30.0) -> float:

@@ -9,4 +9,6 @@ other implementations of the format, as ``zarr.testing`` is for zarr.
   saves and loads without processes.
 * :mod:`globalshard.testing.store`: ``StoreTests``, the tests every
   :class:`~globalshard.store.base.Store` passes (needs ``pytest``).
+* :mod:`globalshard.testing.pagecache`: ``evict``, which drops a
+  checkpoint's files from the page cache, for cold-read tests.
 """

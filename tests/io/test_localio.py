@@ -27,6 +27,7 @@ from roundtrip import assert_loaded, checkpoints, shards_of
 import globalshard as gs
 from globalshard.format import zarr
 from globalshard.io import local, localio
+from globalshard.testing.pagecache import evict
 
 ENGINES = ["localio", "tensorstore"]
 
@@ -444,14 +445,7 @@ def test_a_local_load_prefetches_each_zarr_json_it_opens_and_nothing_else(tmp_pa
     gs.save({f"h{i}": whole(value[i * 16:(i + 1) * 16].copy(), (i * 16, 0), value.shape) for i in range(4)},
             tmp_path / "c")
     regions = gs.read_metadata(tmp_path / "c").tensors["w"].regions
-    for d, _, files in os.walk(tmp_path / "c"):  # a cold load: nothing in the page cache
-        for f in files:
-            fd = os.open(os.path.join(d, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    evict(tmp_path / "c")  # a cold load: nothing in the page cache
     asked = _fadvised(monkeypatch)
     out = np.zeros((32, 8), np.float32)  # needs two of the four regions
     gs.load({"w": whole(out, (16, 0), value.shape)}, tmp_path / "c")
