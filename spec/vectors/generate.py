@@ -1,6 +1,6 @@
 """Regenerate the test vectors in spec/vectors/: small checkpoints and the arrays they hold.
 
-    python spec/vectors/generate.py
+    python spec/vectors/generate.py [OUT [NAME ...]]   (OUT: spec/vectors; NAME: only those vectors)
 
 Each vector is a directory holding a checkpoint (metadata.json, saves/) and
 ``expected.json``: for every key its dtype, global shape and the raw
@@ -21,6 +21,8 @@ with the library and with spec/reference_reader.py.
 | | members straddling 40-byte inner chunks, next to a region stored whole |
 | based | bases (section 5.2): "w" and "v" of the sibling vector "sharded" referenced (frozen and by |
 | | SHA-256), "b" changed and stored, a new key; written after "sharded", with it |
+| unbuffered | the arrays of "sharded" written as an asynchronous save writes them: each inner chunk |
+| | at a multiple of 4096 bytes in its shard, zeros between (section 5); found by the index alone |
 """
 
 from __future__ import annotations
@@ -160,12 +162,19 @@ def vector_based() -> tuple[dict[str, np.ndarray], dict[str, gs.ShardedTensor], 
     return g, state, None
 
 
+def vector_unbuffered() -> tuple[dict[str, np.ndarray], dict[str, gs.ShardedTensor], Any]:
+    return vector_sharded()
+
+
 #: save() options of the vectors that need them ("base": a sibling vector's name), and
 #: (CHUNK_BYTES, PACK_BYTES) while they are written.
 OPTIONS: dict[str, tuple[dict[str, Any], int | None, int | None]] = {
     "sharded": ({"digests": True}, 24, None),  # inner chunks of a few elements: shards even for tiny arrays
     "small_packs": ({"pack_below": 256}, 40, 256),  # packs of a few members, in 40-byte inner chunks
     "based": ({"base": "sharded", "frozen": ["w"]}, 24, None),  # "v" found equal by its SHA-256
+    # Saved by an AsyncSaver: its background part writes shards unbuffered (in a
+    # thread here, so that the chunk size set in this process applies).
+    "unbuffered": ({"async": True}, 24, None),
 }
 
 VECTORS = {name[len("vector_"):]: fn for name, fn in list(globals().items()) if name.startswith("vector_")}
@@ -177,8 +186,10 @@ def expected_json(g: dict[str, np.ndarray]) -> dict[str, Any]:
             for k, v in sorted(g.items())}
 
 
-def main(out: str = HERE) -> None:
+def main(out: str = HERE, *names: str) -> None:
     for name, fn in VECTORS.items():
+        if names and name not in names:
+            continue
         g, state, trainer = fn()
         path = os.path.join(out, name)
         shutil.rmtree(path, ignore_errors=True)
@@ -189,7 +200,12 @@ def main(out: str = HERE) -> None:
         zarr.CHUNK_BYTES = chunk_bytes or saved[0]
         planner.PACK_BYTES = pack_bytes or saved[1]
         try:
-            gs.save(state, path, trainer_state=trainer, **options)
+            if options.pop("async", False):
+                saver = gs.AsyncSaver("thread")
+                saver.save(state, path, trainer_state=trainer, **options)
+                saver.wait()
+            else:
+                gs.save(state, path, trainer_state=trainer, **options)
         finally:
             zarr.CHUNK_BYTES, planner.PACK_BYTES = saved
         os.remove(os.path.join(path, paths.LOCK_FILE))  # the writers' lock: not part of the vector

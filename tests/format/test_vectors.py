@@ -133,3 +133,21 @@ def test_both_readers_refuse_damage_the_spec_names(tmp_path, damage):
         gs.read_array(root, "qkv")
     with pytest.raises(REF.Invalid):
         REF.Checkpoint(root).read("qkv")
+
+
+def test_the_unbuffered_vector_places_every_inner_chunk_on_a_4096_byte_boundary():
+    """What the vector is for: shards whose chunks lie apart, with zeros between
+    (spec section 5), which a reader finds through the index alone."""
+    path = os.path.join(VECTORS, "unbuffered")
+    shards = 0
+    for region in (r for t in gs.read_metadata(path).tensors.values() for r in t.regions):
+        doc = json.load(open(os.path.join(path, region.path, "zarr.json")))
+        if doc["codecs"][0]["name"] != "sharding_indexed":
+            continue
+        inner = doc["codecs"][0]["configuration"]["chunk_shape"]
+        count = int(np.prod([-(-s // c) for s, c in zip(doc["shape"], inner)]))
+        data = open(os.path.join(path, region.path, "c", *["0"] * len(inner)), "rb").read()
+        index = np.frombuffer(data[len(data) - 16 * count - 4:-4], "<u8").reshape(count, 2)
+        assert count > 1 and (index[:, 0] % 4096 == 0).all() and (index[1:, 0] > index[:-1, 0] + index[:-1, 1]).all()
+        shards += 1
+    assert shards == 6
