@@ -175,7 +175,7 @@ class AsyncSaver:
             _log.info("%s is not reachable from another process (an in-memory or unknown kind of store): this "
                       "save is written by a thread", store)
         self.last_mode = "thread"
-        return InProcess()
+        return InProcess(unbuffered=True)  # in the background too: less of the training's CPU
 
     def _snapshot(self, items: list[ArrayItem | PackItem], *, copy_staged: bool
                   ) -> tuple[list[ArrayItem | PackItem], list[tuple[Callable[[], None], np.ndarray, np.ndarray]]]:

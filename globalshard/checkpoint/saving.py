@@ -304,7 +304,13 @@ def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]]
 
 
 class InProcess:
-    """The I/O that finishes a save, done by this process (its engine's threads)."""
+    """The I/O that finishes a save, done by this process (its engine's threads).
+    ``unbuffered``: local shards are written around the page cache, as an
+    asynchronous save's background part writes them (see
+    :mod:`~globalshard.io.localio.unbuffered`)."""
+
+    def __init__(self, *, unbuffered: bool = False) -> None:
+        self.unbuffered = unbuffered
 
     def write(self, planned: PlannedSave, stats: IOStats | None) -> list[list[Any]]:
         """Write this rank's arrays, but those whose SHA-256 equals the base's, and
@@ -312,7 +318,8 @@ class InProcess:
         (:func:`~globalshard.checkpoint.bases.skip_unchanged`)."""
         items, outcomes = skip_unchanged(planned.items, planned.requests) if planned.requests else \
             (planned.items, [])
-        planned.engine.write(items, stats)
+        engine = open_engine(planned.store, planned.io, unbuffered=True) if self.unbuffered else planned.engine
+        engine.write(items, stats)
         if planned.coordinator.trainer_blob is not None:
             data, ref = planned.coordinator.trainer_blob
             planned.store.write(ref.path, data)

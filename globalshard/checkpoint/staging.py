@@ -22,6 +22,15 @@ _IDENTS = itertools.count(1)
 COPY_THREADS = 2
 #: Arrays below this many bytes are copied by the calling thread alone.
 _SPLIT_BYTES = 8 << 20
+#: Arrays of more than this many bytes start at a multiple of 4096 in the pool,
+#: so that the writer process can hand their pages to the disk unbuffered
+#: (io/localio/unbuffered.py; those are the arrays stored as shards); smaller
+#: ones at a multiple of 64, so that many small tensors waste little.
+_PAGE_ALIGNED_ABOVE = 1 << 20
+
+
+def _align(nbytes: int) -> int:
+    return 4096 if nbytes > _PAGE_ALIGNED_ABOVE else 64
 
 
 def _memory_file(nbytes: int) -> int:
@@ -105,7 +114,7 @@ class StagingPool:
 
     def take(self, shape: Sequence[int], dtype: np.dtype) -> tuple[np.ndarray, int]:
         """A new C-contiguous array of ``shape`` and ``dtype`` in the pool, aligned to
-        64 bytes, and its byte offset in the pool.
+        64 bytes (4096 above 1 MiB), and its byte offset in the pool.
 
         Raises:
             MemoryError: the pool holds too little (call :meth:`reserve` first).
@@ -113,7 +122,8 @@ class StagingPool:
         dt = np.dtype(dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
         with self._lock:
-            start = -(-self._used // 64) * 64
+            align = _align(nbytes)
+            start = -(-self._used // align) * align
             if self._array is None or start + nbytes > self.nbytes:
                 raise MemoryError(f"the staging pool holds {self.nbytes} bytes, {start + nbytes} asked for")
             self._used = start + nbytes
@@ -131,7 +141,9 @@ class StagingPool:
     @staticmethod
     def needed(arrays: Sequence[np.ndarray]) -> int:
         """The bytes :meth:`take` needs for ``arrays``, alignment included."""
-        return sum(-(-a.nbytes // 64) * 64 for a in arrays)
+        # Whatever the order: an array aligned to 4096 starts at most 4096 - 64 bytes
+        # beyond the 64-byte boundary that a smaller alignment would have given it.
+        return sum(-(-a.nbytes // 64) * 64 + _align(a.nbytes) - 64 for a in arrays)
 
     def _drop(self) -> None:
         if self._array is not None and self._unpin is not None:

@@ -30,12 +30,15 @@ SYNCFS_MIN_ARRAYS = 64
 class LocalEngine(TensorStoreEngine):
     """Arrays under a :class:`~globalshard.store.local.LocalStore`: written by
     :mod:`~globalshard.io.localio`; read by it where it serves the array's
-    zarr.json, by TensorStore otherwise."""
+    zarr.json, by TensorStore otherwise. ``unbuffered``: sharded arrays are
+    written around the page cache (:mod:`~globalshard.io.localio.unbuffered`),
+    as the writer process of an asynchronous save does."""
 
     store: LocalStore
 
-    def __init__(self, store: LocalStore) -> None:
+    def __init__(self, store: LocalStore, *, unbuffered: bool = False) -> None:
         super().__init__(store)
+        self.unbuffered = unbuffered
 
     def _verify_contained(self, path: str, dtype: str, shape: tuple[int, ...] | None, want: Expect) -> int:
         """Through localio where it serves the array, else through TensorStore."""
@@ -97,7 +100,8 @@ class LocalEngine(TensorStoreEngine):
             try:
                 leaf = os.path.join(directory, "c", *["0"] * (array.ndim - 1)) if array.ndim else directory
                 _make_dirs(root, leaf, made)
-                for f in localio.write_array(directory, array, doc, pool, fsync=not batch, mkdirs=False):
+                for f in localio.write_array(directory, array, doc, pool, fsync=not batch, mkdirs=False,
+                                               unbuffered=self.unbuffered):
                     futures.append((path, f))
             except OSError as e:
                 problems.append(f"{self.store.describe(path)}: {e.strerror or e}")

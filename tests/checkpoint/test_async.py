@@ -195,3 +195,39 @@ def test_a_subclassed_store_is_written_by_a_thread_with_its_own_methods(tmp_path
     s.wait()
     assert s.last_mode == "thread" and saver.whose(tmp_path) == 1
     assert any("trainer_state" in name for name in written), written
+
+
+def _chunk_offsets(root, key):
+    """Where the inner chunks of ``key``'s one stored shard start in its file (from the shard index)."""
+    import json
+
+    from globalshard.io import localio
+
+    directory = root / gs.read_metadata(root).tensors[key].regions[0].path
+    layout = localio.parse(str(directory), json.loads((directory / "zarr.json").read_text()))
+    count = int(np.prod([o // i for o, i in zip(layout.outer, layout.inner)]))
+    data = open(layout.file_of((0, 0)), "rb").read()
+    return np.frombuffer(data[len(data) - 16 * count - 4:-4], "<u8").reshape(count, 2)
+
+
+def test_the_writer_process_writes_shards_around_the_page_cache(tmp_path):
+    """Process mode writes each shard unbuffered (io/localio/unbuffered.py): its
+    inner chunks start at multiples of 4096 bytes, straight from the staging
+    pool, whose large arrays start at multiples of 4096 too; a synchronous save
+    stores them back to back. Both load the same values."""
+    value = np.arange(3 << 20, dtype=np.float32).reshape(1536, 2048)  # 12 MiB: a shard of 1 MiB chunks
+    small = np.arange(1000, dtype=np.float32)
+    state = {"w": _shard("w", value), "b": _shard("b", small)}
+    s = gs.AsyncSaver("process")
+    s.save(state, tmp_path / "async")
+    s.wait()
+    assert s.last_mode == "process"
+    gs.save(state, tmp_path / "sync")
+    written, synchronous = _chunk_offsets(tmp_path / "async", "w"), _chunk_offsets(tmp_path / "sync", "w")
+    assert (written[:, 1] == synchronous[:, 1]).all() and len(written) > 1  # the same chunks
+    assert (written[:, 0] % 4096 == 0).all()
+    assert list(synchronous[:, 0]) == [k * synchronous[0, 1] for k in range(len(synchronous))]
+    for name in ("async", "sync"):
+        assert np.array_equal(gs.read_array(tmp_path / name, "w"), value)
+        assert np.array_equal(gs.read_array(tmp_path / name, "b"), small)
+        assert gs.Checkpoint(tmp_path / name).verify()[0] == []

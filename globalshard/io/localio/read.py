@@ -150,9 +150,10 @@ def _read_file_chunks(layout: ArrayFile, outer: tuple[int, ...],
         per_outer = [o // c for o, c in zip(layout.outer, chunk)]
         total = 0
         # Chunks that land whole in their target and lie back to back in the file
-        # are read by one preadv (each chunk's bytes, then its checksum): fewer
-        # system calls and GIL hand-overs than one preadv per 1 MiB chunk.
-        run: list[tuple[Where, np.ndarray]] = []
+        # (or apart by less than a block: an unbuffered shard's padding, read and
+        # dropped) are read by one preadv (each chunk's bytes, then its checksum):
+        # fewer system calls and GIL hand-overs than one preadv per 1 MiB chunk.
+        run: list[tuple[Where, np.ndarray, int]] = []
         run_start = run_end = 0
         for chunk_index, dests in chunks:
             local = tuple(i - o * n for i, o, n in zip(chunk_index, outer, per_outer))
@@ -161,14 +162,15 @@ def _read_file_chunks(layout: ArrayFile, outer: tuple[int, ...],
                                                   f"{list(chunk)} {layout.dtype}")
             total += nbytes
             direct = _whole_chunk_view(dests, chunk_index, chunk, dtype, layout.shape)
-            if direct is not None and run and offset == run_end and len(run) < _RUN_CHUNKS:
-                run.append((where, direct))
+            if direct is not None and run and run_end <= offset < run_end + _GAP_BYTES and len(run) < _RUN_CHUNKS:
+                run[-1] = (*run[-1][:2], offset - run_end)
+                run.append((where, direct, 0))
                 run_end = offset + length
                 continue
             _read_run(fd, run, run_start)
             run = []
             if direct is not None:
-                run, run_start, run_end = [(where, direct)], offset, offset + length
+                run, run_start, run_end = [(where, direct, 0)], offset, offset + length
             else:
                 _read_one(fd, where, offset, nbytes, chunk_index, chunk, dtype, layout.shape, dests)
         _read_run(fd, run, run_start)
@@ -179,6 +181,8 @@ def _read_file_chunks(layout: ArrayFile, outer: tuple[int, ...],
 
 #: Most chunks one preadv reads (two buffers each; IOV_MAX is 1024).
 _RUN_CHUNKS = 64
+#: Chunks of a run may lie this far apart (an unbuffered shard pads each to a 4096-byte boundary).
+_GAP_BYTES = 4096
 
 
 def _whole_chunk_view(dests: list[_Destination], chunk_index: tuple[int, ...], chunk: tuple[int, ...],
@@ -192,16 +196,18 @@ def _whole_chunk_view(dests: list[_Destination], chunk_index: tuple[int, ...], c
     return _direct_view(dests[0], lo, chunk, dtype)
 
 
-def _read_run(fd: int, run: list[tuple[Where, np.ndarray]], offset: int) -> None:
-    """Read chunks stored back to back from ``offset`` straight into their
-    targets, each checked (see :func:`_read_checked`)."""
+def _read_run(fd: int, run: list[tuple[Where, np.ndarray, int]], offset: int) -> None:
+    """Read chunks stored from ``offset`` straight into their targets, each
+    ``(where, target, bytes after its checksum up to the next)``, each checked
+    (see :func:`_read_checked`)."""
     if run:
-        _read_checked(fd, [(where, [data], bytearray(4)) for where, data in run], offset)
+        _read_checked(fd, [(where, [data], bytearray(4 + gap)) for where, data, gap in run], offset)
 
 
 def _read_checked(fd: int, run: list[tuple[Where, list[Any], bytearray]], offset: int) -> None:
     """Read chunks stored back to back from ``offset``, each ``(where, the
-    buffers its bytes fill, a 4-byte buffer for its stored crc32c)``, and
+    buffers its bytes fill, a buffer for its stored crc32c and whatever
+    follows it up to the next chunk)``, and
     check each one's crc32c (a failure names that chunk).
 
     Chunks already in the page cache are read one at a time without waiting
@@ -217,7 +223,7 @@ def _read_checked(fd: int, run: list[tuple[Where, list[Any], bytearray]], offset
                 n = os.preadv(fd, [*bufs, crc], offset, _NOWAIT)
             except OSError:  # EAGAIN: not cached; EOPNOTSUPP: the file system cannot say
                 break
-            if n != sum(map(len, bufs)) + 4:  # partly cached: the blocking read starts again at this chunk
+            if n != sum(map(len, bufs)) + len(crc):  # partly cached: the blocking read starts again at this chunk
                 break
             _check(where, bufs, crc)
             offset += n
@@ -234,7 +240,7 @@ def _check(where: Where | str, bufs: list[Any], crc: bytearray) -> None:
     value = 0
     for b in bufs:
         value = crc32c.crc32c(b, value)
-    if value != int.from_bytes(crc, "little"):
+    if value != int.from_bytes(crc[:4], "little"):
         raise ChunkError(where, "the chunk fails its crc32c checksum (damaged file)")
 
 

@@ -21,11 +21,12 @@ from globalshard.io.localio.files import TASK_BYTES, _at, _crc, _pwritev, parse
 
 def write_array(directory: str, array: np.ndarray, doc: dict[str, Any],
                 pool: concurrent.futures.Executor, *, fsync: bool = True,
-                mkdirs: bool = True) -> list[concurrent.futures.Future[Any]]:
+                mkdirs: bool = True, unbuffered: bool = False) -> list[concurrent.futures.Future[Any]]:
     """Start writing one stored region (``doc`` from :func:`globalshard.format.zarr.zarr_json`) into a new
     directory (created unless ``mkdirs=False``: the caller did); the futures end
     when every file is written and (``fsync``) fsynced. The caller makes the
-    directories durable (or calls :func:`syncfs`)."""
+    directories durable (or calls :func:`syncfs`). ``unbuffered``: a shard
+    is written around the page cache (:mod:`~globalshard.io.localio.unbuffered`)."""
     layout = parse(directory, doc)
     assert layout is not None and array.dtype.isnative
     assert all(s <= o for s, o in zip(array.shape, layout.outer)), "one outer chunk per region"
@@ -34,6 +35,10 @@ def write_array(directory: str, array: np.ndarray, doc: dict[str, Any],
         os.makedirs(os.path.dirname(path), exist_ok=True)
     if layout.inner is None:  # one chunk: the whole array in one task
         return [pool.submit(_write_whole, directory, path, array, json.dumps(doc, allow_nan=False).encode(), fsync)]
+    if unbuffered:
+        from globalshard.io.localio.unbuffered import write_shard  # it builds on this module's helpers
+
+        return write_shard(directory, path, layout, array, doc, pool, fsync)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         itemsize = array.dtype.itemsize
@@ -135,9 +140,9 @@ def _write_whole(directory: str, path: str, array: np.ndarray, zarr_json_bytes: 
         _sync_close(fd, fsync)
 
 
-def _closing(pool: concurrent.futures.Executor, fd: int,
-             futures: list[concurrent.futures.Future[Any]], fsync: bool) -> concurrent.futures.Future[Any]:
-    """A future that waits for the writes into ``fd``, fsyncs and closes it."""
+def _closing(pool: concurrent.futures.Executor, fd: int, futures: list[concurrent.futures.Future[Any]], fsync: bool,
+             size: int | None = None) -> concurrent.futures.Future[Any]:
+    """A future that waits for the writes into ``fd``, cuts the file to ``size`` (if given), fsyncs and closes it."""
     done: concurrent.futures.Future[Any] = concurrent.futures.Future()
     remaining = [len(futures)]
     lock = threading.Lock()
@@ -150,6 +155,8 @@ def _closing(pool: concurrent.futures.Executor, fd: int,
         try:
             for f in futures:
                 f.result()
+            if size is not None:
+                os.ftruncate(fd, size)
             _start_writeback(fd)  # also when a syncfs will follow: it then has less left to wait for
             pool.submit(_sync_close, fd, fsync).add_done_callback(lambda f: _settle(done, f))
         except BaseException as e:
@@ -265,9 +272,8 @@ def _write_chunks(fd: int, array: np.ndarray, batch: Sequence[tuple[tuple[int, .
                 data[:] = 0
             shaped[tuple(slice(0, s) for s in part.shape)] = part
         tail = _crc(data).to_bytes(4, "little")
-        # TODO(limitation): buffered writes: the kernel copies every byte into the page
-        # cache on the cores that train (an async save's writer process slows a loop that
-        # keeps every core busy). O_DIRECT needs block-aligned writes, which a chunk
-        # followed by its 4-byte checksum is not; assembled in aligned buffers it was
-        # tried (docs/limitations.md) and saved little CPU: not kept.
+        # TODO(limitation): buffered writes for synchronous saves, regions of one chunk
+        # and packs: the kernel copies every byte into the page cache on the cores that
+        # train. An asynchronous save's shards go around it (unbuffered.py); writing
+        # the bytes at all still costs a CPU-bound loop step time (docs/limitations.md).
         _pwritev(fd, [data, tail], offset)
