@@ -6,8 +6,11 @@
    384 MiB of state; ``--quick``: smaller) trained by torch on every core,
    checkpointed through ``globalshard_torch.save_checkpoint`` with
    synchronous saves, and with an ``AsyncSaver`` in thread and in process
-   mode; beside them a bare background writer, a forked process that
-   writes the same bytes to one file (``_RawWriter``).
+   mode; beside them two bare background writers, forked processes that
+   write the same bytes to one file (``_RawWriter``), through the page cache
+   (``raw``) and around it (``raw_direct``, ``O_DIRECT`` from the shared
+   memory's pages, as the AsyncSaver's writer writes its shards): the cost
+   of writing the bytes at all, without a format.
    Each mode runs in a process of its own, which alternates phases of 8
    steps with a save every 4 steps and phases of 8 steps without, 8 pairs
    (the order alternating), after a first save that starts the writer and
@@ -59,7 +62,7 @@ QUICK = "--quick" in sys.argv
 WIDTH, LAYERS, BATCH = (512, 4, 256) if QUICK else (2048, 8, 512)
 PHASE, EVERY = (4, 2) if QUICK else (8, 4)  # steps a phase, a save every EVERY steps
 LORA_WIDTH, LORA_LAYERS, RANK = (1024, 16, 16) if QUICK else (4096, 16, 16)
-MODES = ("sync", "thread", "process", "raw")
+MODES = ("sync", "thread", "process", "raw", "raw_direct")
 PAIRS = 2 if QUICK else int(os.environ.get("PAIRS", 8))
 
 
@@ -115,10 +118,12 @@ class _RawWriter:
     """A bare background writer, to set the AsyncSaver beside: a forked
     process that writes the state's bytes, copied into shared memory, to one
     file with ``write`` and ``fsync``: no format, no checksums, no commit.
-    One save in flight, as for the AsyncSaver."""
+    ``direct``: with ``O_DIRECT`` from the shared memory's pages (its size
+    rounded up to a page). One save in flight, as for the AsyncSaver."""
 
-    def __init__(self, nbytes: int) -> None:
-        self.buffer = mmap.mmap(-1, nbytes)  # shared with the child across fork
+    def __init__(self, nbytes: int, direct: bool = False) -> None:
+        nbytes = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE if direct else nbytes
+        self.buffer = mmap.mmap(-1, nbytes)  # shared with the child across fork; page-aligned
         self.array = np.frombuffer(self.buffer, np.uint8)
         child_from, self._to = os.pipe()  # (read end, write end)
         self._from, child_to = os.pipe()
@@ -127,12 +132,14 @@ class _RawWriter:
             os.close(self._to)
             os.close(self._from)
             with os.fdopen(child_from, "rb") as requests, os.fdopen(child_to, "wb", buffering=0) as replies:
+                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
                 for line in requests:
-                    with open(line.decode().strip(), "wb", buffering=0) as f:
-                        view = memoryview(self.buffer)
-                        for i in range(0, nbytes, 64 << 20):
-                            f.write(view[i:i + (64 << 20)])
-                        os.fsync(f.fileno())
+                    fd = os.open(line.decode().strip(), flags, 0o644)
+                    view = memoryview(self.buffer)
+                    for i in range(0, nbytes, 64 << 20):
+                        os.write(fd, view[i:i + (64 << 20)])
+                    os.fsync(fd)
+                    os.close(fd)
                     replies.write(b"x")
             os._exit(0)
         os.close(child_from)
@@ -164,7 +171,8 @@ def run_mode(mode: str, root: str) -> dict[str, Any]:
     import globalshard as gs
     import globalshard_torch as gt
 
-    raw = _RawWriter(3 * 4 * LAYERS * (WIDTH * WIDTH + WIDTH)) if mode == "raw" else None
+    raw = _RawWriter(3 * 4 * LAYERS * (WIDTH * WIDTH + WIDTH), direct=mode == "raw_direct") \
+        if mode in ("raw", "raw_direct") else None
     model, opt = _model()
     x = torch.randn(BATCH, WIDTH)
     _step(model, opt, x)  # warm-up: the optimizer's state exists from here on
@@ -369,8 +377,9 @@ def main() -> None:
         "runs": runs, "pretrain_with_base": pretrain, "lora": lora_report,
         "step_time_async_process_vs_none": ratio("process"), "step_time_async_thread_vs_none": ratio("thread"),
         "step_time_sync_vs_none": ratio("sync"),
-        # A bare process writing the same bytes (write + fsync) in the background.
+        # A bare process writing the same bytes (write + fsync) in the background, buffered and unbuffered.
         "step_time_raw_writer_vs_none": ratio("raw"),
+        "step_time_raw_unbuffered_writer_vs_none": ratio("raw_direct"),
         "async_block_vs_memcpy": statistics.median(block) if block else None,
         # What saves add to the same loop's peak: the host's peak over the phases with saves (the
         # trainer, its staging pools and its writer) over the trainer's own peak over the phases without.
@@ -387,7 +396,7 @@ def main() -> None:
     with open("build/bench/training.json", "w") as f:
         json.dump(report, f, indent=1)
     for key in ("step_time_async_process_vs_none", "step_time_async_thread_vs_none", "step_time_sync_vs_none",
-                "step_time_raw_writer_vs_none",
+                "step_time_raw_writer_vs_none", "step_time_raw_unbuffered_writer_vs_none",
                 "async_block_vs_memcpy", "async_peak_rss_over_state", "lora_save_bytes_over_adapter_bytes",
                 "pretrain_save_bytes_saved_fraction"):
         print(f"{key}: {report[key]:.3f}")
