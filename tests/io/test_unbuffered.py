@@ -228,3 +228,21 @@ def test_chunks_apart_by_their_padding_are_still_read_in_one_run_and_each_checke
     _, problems = load()
     assert [str(p) for p in problems] == [f"{layout.file_of((0, 0))} (inner chunk [5, 0]): the chunk fails its "
                                           "crc32c checksum (damaged file)"]
+
+
+def test_copied_chunks_go_through_a_buffer_of_about_one_chunk_whatever_the_batch(tmp_path):
+    # The writer process's memory beside the staging pool: each I/O thread holds one such buffer.
+    value = source(np.arange(2048 * 2048, dtype=np.float32).reshape(2048, 2048), "strided")  # every chunk copied
+    step = unbuffered.stride(1 << 20)
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        batch = [(i, j) for i in range(4) for j in range(4)]  # (512, 512) chunks: 16 MiB in one batch
+        unbuffered._write_chunks(fd, value, batch, 0, (512, 512), step)
+    finally:
+        os.close(fd)
+    assert unbuffered._local.buf.nbytes == max(step, unbuffered.SCRATCH_BYTES)
+    data = np.fromfile(tmp_path / "f", np.uint8)
+    assert len(data) == 16 * step
+    for k, (i, j) in enumerate(batch):  # each chunk where its index will say, in C order
+        got = data[k * step:k * step + (1 << 20)].view(np.float32).reshape(512, 512)
+        assert np.array_equal(got, value[i * 512:(i + 1) * 512, j * 512:(j + 1) * 512])

@@ -42,7 +42,7 @@ import numpy as np
 from globalshard.io.localio.files import TASK_BYTES, ArrayFile, _at, _crc, _pwritev
 from globalshard.io.localio.write import _closing, _write_small
 
-__all__ = ["BLOCK", "aligned", "stride", "write_shard"]
+__all__ = ["BLOCK", "SCRATCH_BYTES", "aligned", "stride", "write_shard"]
 
 #: The alignment of offsets, lengths and memory: the largest logical block
 #: size of common disks (512 and 4096 bytes).
@@ -68,12 +68,16 @@ def aligned(nbytes: int) -> np.ndarray:
 
 _local = threading.local()
 
+#: Bytes of the per-thread buffer chunks are copied into (more for a larger chunk): the writer
+#: process's memory beside the staging pool is bounded by this times its I/O threads.
+SCRATCH_BYTES = 1 << 20
+
 
 def _scratch(nbytes: int) -> np.ndarray:
     """A per-thread aligned buffer of at least ``nbytes`` (contents left over)."""
     buf = getattr(_local, "buf", None)
     if buf is None or buf.nbytes < nbytes:
-        buf = _local.buf = aligned(max(nbytes, 1 << 20))
+        buf = _local.buf = aligned(nbytes)
     return buf[:nbytes]
 
 
@@ -122,17 +126,24 @@ def write_shard(directory: str, path: str, layout: ArrayFile, array: np.ndarray,
 def _write_chunks(fd: int, array: np.ndarray, batch: Sequence[tuple[int, ...]], offset: int,
                   chunk: tuple[int, ...], step: int) -> None:
     """Write the chunks ``batch`` (chunk indices) of ``array`` back to back from file ``offset``, each
-    taking ``step`` bytes: its bytes, its crc32c, zeros."""
+    taking ``step`` bytes: its bytes, its crc32c, zeros. What is copied goes through a per-thread
+    buffer of at most ``max(step, SCRATCH_BYTES)``, written out whenever the next chunk would not fit."""
     nbytes = math.prod(chunk) * array.dtype.itemsize
     whole = nbytes // BLOCK * BLOCK  # what can be written from the array itself
     rest = step - whole
-    tails = _scratch(len(batch) * step)  # room for a chunk copied whole, in the worst case
+    room = max(step, SCRATCH_BYTES)
+    tails = _scratch(room)
     buffers: list[Any] = []
     used = 0
     for index in batch:
         lo = tuple(i * c for i, c in zip(index, chunk))
         part = array[_at(lo, chunk)]
-        if part.shape == chunk and part.flags.c_contiguous and part.ctypes.data % BLOCK == 0:
+        in_place = part.shape == chunk and part.flags.c_contiguous and part.ctypes.data % BLOCK == 0
+        if used + (rest if in_place else step) > room:  # the buffer is full: write what it holds
+            _write(fd, buffers, offset)
+            offset += sum(len(b) for b in buffers)
+            buffers, used = [], 0
+        if in_place:
             data = part.reshape(-1).view(np.uint8)
             out = tails[used:used + rest]
             out[:nbytes - whole] = data[whole:]
