@@ -15,12 +15,12 @@ first. The shard index (spec section 5: readers find chunks through it)
 records where each chunk starts; the file is cut to its exact end after the
 last write.
 
-Measured in one run of bench/training.py's loop (a save of the 384 MiB state
-every 4 steps): the AsyncSaver's writer process slowed the loop by 1.09x
-(every chunk of its 2048 x 2048 tensors copied), a bare process writing the
-same bytes by 1.24x buffered and 1.08x unbuffered. The writer's own CPU time
-hardly changes (an earlier version measured 0.37 CPU-seconds per save against
-0.43 buffered): what buffering cost the loop is the kernel's work elsewhere.
+In bench/training.py's loop (a save of the 384 MiB state every 4 steps;
+docs/benchmarks.md) a bare process writing the same bytes slows the loop by
+1.21-1.27x buffered and by 1.01-1.04x unbuffered; the writer's own CPU time
+hardly differs (0.37 against 0.43 CPU-seconds per save when measured for an
+earlier version): what buffering cost the loop is the kernel's work on those
+pages outside the writer.
 Alone, an unbuffered write takes longer (the disk, not the page cache, sets
 its pace), so synchronous saves stay buffered.
 """
