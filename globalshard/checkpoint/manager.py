@@ -134,6 +134,8 @@ class CheckpointManager:
         try:
             pointer = json.loads(self.store.read(POINTER_FILE) or b"null")
             named = next(c for c in done if c[1] == pointer["path"] and c[0] == int(pointer["step"]))
+            # TODO(limitation): saves are ordered by the millisecond they began (their save
+            # ids); a commit the pointer does not name, begun in the pointer's millisecond, loses.
             if _began_ms(named[2]) >= _began_ms(newest[2]):
                 return named[0], self._path(named[1])
         except (ValueError, KeyError, TypeError, StopIteration, GlobalShardError):

@@ -51,8 +51,13 @@ def test_a_rewind_resumes_from_the_step_saved_last(root):
 
 
 def test_a_commit_the_pointer_never_heard_of_wins_and_a_stale_pointer_is_ignored(root):
+    import time
+
     mgr = gs.CheckpointManager(root)
     mgr.save(100, state(100))
+    # Saves are ordered by the millisecond their save id says they began; within one
+    # millisecond the pointer wins (a CI run on an in-memory store saw both in one).
+    time.sleep(0.002)
     gs.save(state(200), mgr.path(200), trainer_state={"step": 200})  # killed before the pointer moved
     assert mgr.latest() == (200, mgr.path(200))
     store = open_root(root)
