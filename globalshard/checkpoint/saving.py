@@ -318,8 +318,7 @@ class InProcess:
         (:func:`~globalshard.checkpoint.bases.skip_unchanged`)."""
         items, outcomes = skip_unchanged(planned.items, planned.requests) if planned.requests else \
             (planned.items, [])
-        engine = open_engine(planned.store, planned.io, unbuffered=True) if self.unbuffered else planned.engine
-        engine.write(items, stats)
+        planned.engine.write(items, stats, unbuffered=self.unbuffered)
         if planned.coordinator.trainer_blob is not None:
             data, ref = planned.coordinator.trainer_blob
             planned.store.write(ref.path, data)

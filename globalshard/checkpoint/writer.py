@@ -309,7 +309,7 @@ def _run_job(kind: str, args: tuple[Any, ...], pools: dict[int, np.ndarray],
         items, outcomes = skip_unchanged(_rebuild(described, pools, wait), requests)
         stats = IOStats()
         # Unbuffered: this process's CPU time is the training's (io/localio/unbuffered.py).
-        open_engine(store, io, unbuffered=True).write(items, stats)
+        open_engine(store, io).write(items, stats, unbuffered=True)
         if trainer_state is not None:
             store.write(*trainer_state)
         return dataclasses.asdict(stats), outcomes

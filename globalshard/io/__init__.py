@@ -34,10 +34,10 @@ def engine_name(io: str | None = None) -> str:
     return io
 
 
-def open_engine(store: Store, io: str | None = None, *, unbuffered: bool = False) -> ArrayEngine:
+def open_engine(store: Store, io: str | None = None) -> ArrayEngine:
     """The array engine of ``store``: :class:`LocalEngine` for a local root
     unless ``io`` (see :func:`engine_name`) says ``tensorstore``;
-    :class:`TensorStoreEngine` for any other store. ``unbuffered``: see :class:`LocalEngine`."""
+    :class:`TensorStoreEngine` for any other store."""
     if isinstance(store, LocalStore) and engine_name(io) == "localio":
-        return LocalEngine(store, unbuffered=unbuffered)
+        return LocalEngine(store)
     return TensorStoreEngine(store)

@@ -129,8 +129,12 @@ class ArrayEngine(Protocol):
     listing every array affected, each named by its file.
     """
 
-    def write(self, items: Sequence[ArrayItem | PackItem], stats: IOStats | None = None) -> None:
-        """Store each item as a zarr v3 array, all in parallel."""
+    def write(self, items: Sequence[ArrayItem | PackItem], stats: IOStats | None = None, *,
+              unbuffered: bool = False) -> None:
+        """Store each item as a zarr v3 array, all in parallel. ``unbuffered``:
+        local shards go around the page cache (an asynchronous save's
+        background part; :mod:`~globalshard.io.localio.unbuffered`), where the
+        engine can; others ignore it."""
         ...
 
     def open(self, plan: LoadPlan, expect: Mapping[str, Expect]) -> OpenedPlan:

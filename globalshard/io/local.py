@@ -30,15 +30,12 @@ SYNCFS_MIN_ARRAYS = 64
 class LocalEngine(TensorStoreEngine):
     """Arrays under a :class:`~globalshard.store.local.LocalStore`: written by
     :mod:`~globalshard.io.localio`; read by it where it serves the array's
-    zarr.json, by TensorStore otherwise. ``unbuffered``: sharded arrays are
-    written around the page cache (:mod:`~globalshard.io.localio.unbuffered`),
-    as the writer process of an asynchronous save does."""
+    zarr.json, by TensorStore otherwise."""
 
     store: LocalStore
 
-    def __init__(self, store: LocalStore, *, unbuffered: bool = False) -> None:
+    def __init__(self, store: LocalStore) -> None:
         super().__init__(store)
-        self.unbuffered = unbuffered
 
     def _verify_contained(self, path: str, dtype: str, shape: tuple[int, ...] | None, want: Expect) -> int:
         """Through localio where it serves the array, else through TensorStore."""
@@ -56,7 +53,7 @@ class LocalEngine(TensorStoreEngine):
         was read (bench/cold_load.py)."""
         self.store.prefetch([f"{path}/zarr.json" for path in paths])
 
-    def _write(self, items: Sequence[ArrayItem | PackItem]) -> None:
+    def _write(self, items: Sequence[ArrayItem | PackItem], unbuffered: bool = False) -> None:
         root = self.store.path
         try:
             os.makedirs(root, exist_ok=True)  # a root no lock file created yet (a tier copy's)
@@ -101,7 +98,7 @@ class LocalEngine(TensorStoreEngine):
                 leaf = os.path.join(directory, "c", *["0"] * (array.ndim - 1)) if array.ndim else directory
                 _make_dirs(root, leaf, made)
                 for f in localio.write_array(directory, array, doc, pool, fsync=not batch, mkdirs=False,
-                                               unbuffered=self.unbuffered):
+                                               unbuffered=unbuffered):
                     futures.append((path, f))
             except OSError as e:
                 problems.append(f"{self.store.describe(path)}: {e.strerror or e}")

@@ -45,7 +45,8 @@ class TensorStoreEngine:
     def __init__(self, store: Store) -> None:
         self.store = store
 
-    def write(self, items: Sequence[ArrayItem | PackItem], stats: IOStats | None = None) -> None:
+    def write(self, items: Sequence[ArrayItem | PackItem], stats: IOStats | None = None, *,
+              unbuffered: bool = False) -> None:
         """Store each :class:`ArrayItem` (and :class:`PackItem`) as a zarr v3
         array, all in parallel; packs are built at most
         :data:`~globalshard.io.base.PACK_WINDOW_BYTES` at a time.
@@ -54,7 +55,7 @@ class TensorStoreEngine:
             StorageError: listing every array that could not be written.
         """
         start = time.perf_counter()
-        self._write(items)
+        self._write(items, unbuffered)
         if stats is not None:
             stats.arrays += len(items)
             stats.bytes_written += sum(item_bytes(item) for item in items)
@@ -75,7 +76,7 @@ class TensorStoreEngine:
         open, once their paths are known to stay inside the root (none here:
         TensorStore opens them concurrently)."""
 
-    def _write(self, items: Sequence[ArrayItem | PackItem]) -> None:
+    def _write(self, items: Sequence[ArrayItem | PackItem], unbuffered: bool = False) -> None:
         opened: list[tuple[str, Any, Any, Any]] = []
         problems: list[str] = []
         for item in items:
