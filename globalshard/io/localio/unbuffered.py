@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from globalshard.io.localio.files import TASK_BYTES, ArrayFile, _at, _crc, _pwritev
-from globalshard.io.localio.write import _closing, _write_small
+from globalshard.io.localio.write import _closing, _write_small, fill_chunk, shard_index
 
 __all__ = ["BLOCK", "SCRATCH_BYTES", "aligned", "stride", "write_shard"]
 
@@ -108,11 +108,7 @@ def write_shard(directory: str, path: str, layout: ArrayFile, array: np.ndarray,
         for start in range(0, len(order), per_task):
             batch = order[start:start + per_task]
             futures.append(pool.submit(_write_chunks, fd, array, batch, start * step, inner, step))
-        index = np.empty((len(order), 2), dtype="<u8")
-        index[:, 0] = np.arange(len(order), dtype=np.uint64) * step
-        index[:, 1] = chunk_bytes + 4
-        raw = index.tobytes()
-        tail = raw + _crc(raw).to_bytes(4, "little")
+        tail = shard_index(len(order), step, chunk_bytes + 4)
         end = len(order) * step
         padded = aligned(-(-len(tail) // BLOCK) * BLOCK)
         padded[:len(tail)] = np.frombuffer(tail, np.uint8)
@@ -151,10 +147,7 @@ def _write_chunks(fd: int, array: np.ndarray, batch: Sequence[tuple[int, ...]], 
             head = nbytes - whole
         else:  # an edge chunk (zero beyond the array, as zarr stores it), a strided or unaligned one: copied
             data = out = tails[used:used + step]
-            shaped = out[:nbytes].view(array.dtype).reshape(chunk)
-            if part.shape != chunk:
-                out[:nbytes] = 0
-            shaped[tuple(slice(0, s) for s in part.shape)] = part
+            fill_chunk(out[:nbytes], part, chunk)
             buffers.append(out)
             head = nbytes
         out[head:head + 4] = np.frombuffer(_crc(data[:nbytes]).to_bytes(4, "little"), np.uint8)

@@ -52,11 +52,7 @@ def write_array(directory: str, array: np.ndarray, doc: dict[str, Any],
         for start in range(0, len(order), per_task):
             batch = [(idx, (start + k) * chunk_bytes) for k, idx in enumerate(order[start:start + per_task])]
             futures.append(pool.submit(_write_chunks, fd, array, batch, inner, itemsize))
-        index = np.empty((len(order), 2), dtype="<u8")
-        index[:, 0] = np.arange(len(order), dtype=np.uint64) * chunk_bytes
-        index[:, 1] = chunk_bytes
-        raw = index.tobytes()
-        tail = raw + _crc(raw).to_bytes(4, "little")
+        tail = shard_index(len(order), chunk_bytes, chunk_bytes)
         futures.append(pool.submit(_pwritev, fd, [tail], len(order) * chunk_bytes))
         return [_closing(pool, fd, futures, fsync)]
     except BaseException:
@@ -108,15 +104,31 @@ def write_pack(directory: str, members: Sequence[tuple[int, np.ndarray]], doc: d
             batch = [(pieces[c], c * stored) for c in range(first, min(count, first + per_task))]
             futures.append(pool.submit(_write_pack_chunks, fd, batch))
         if layout.inner is not None:
-            index = np.empty((count, 2), dtype="<u8")
-            index[:, 0] = np.arange(count, dtype=np.uint64) * stored
-            index[:, 1] = stored
-            raw = index.tobytes()
-            futures.append(pool.submit(_pwritev, fd, [raw + _crc(raw).to_bytes(4, "little")], count * stored))
+            futures.append(pool.submit(_pwritev, fd, [shard_index(count, stored, stored)], count * stored))
         return [_closing(pool, fd, futures, fsync)]
     except BaseException:
         os.close(fd)
         raise
+
+
+def shard_index(count: int, stride: int, length: int) -> bytes:
+    """The bytes of a shard index (``index_location: "end"``) of ``count`` inner
+    chunks of ``length`` bytes each (checksum included), chunk ``k`` at byte
+    ``k * stride``, followed by the index's own crc32c."""
+    index = np.empty((count, 2), dtype="<u8")
+    index[:, 0] = np.arange(count, dtype=np.uint64) * stride
+    index[:, 1] = length
+    raw = index.tobytes()
+    return raw + _crc(raw).to_bytes(4, "little")
+
+
+def fill_chunk(out: np.ndarray, part: np.ndarray, chunk: tuple[int, ...]) -> None:
+    """Copy ``part`` (a chunk's elements, an edge chunk's fewer) into the bytes
+    ``out`` of a whole chunk of shape ``chunk``, zeros beyond the array as zarr
+    stores them."""
+    if part.shape != chunk:
+        out[:] = 0
+    out.view(part.dtype).reshape(chunk)[tuple(slice(0, s) for s in part.shape)] = part
 
 
 def _write_pack_chunks(fd: int, batch: Sequence[tuple[list[Any], int]]) -> None:
@@ -265,12 +277,8 @@ def _write_chunks(fd: int, array: np.ndarray, batch: Sequence[tuple[tuple[int, .
         if part.shape == chunk and part.flags.c_contiguous:
             data = part.reshape(-1).view(np.uint8)
         else:
-            # An edge chunk (zero beyond the array, as zarr stores it) or a strided one.
-            data = _staging(nbytes)
-            shaped = data.view(array.dtype).reshape(chunk)
-            if part.shape != chunk:
-                data[:] = 0
-            shaped[tuple(slice(0, s) for s in part.shape)] = part
+            data = _staging(nbytes)  # an edge chunk or a strided one
+            fill_chunk(data, part, chunk)
         tail = _crc(data).to_bytes(4, "little")
         # TODO(limitation): buffered writes for synchronous saves, regions of one chunk
         # and packs: the kernel copies every byte into the page cache on the cores that
