@@ -369,12 +369,12 @@ def _sabotage(path: str) -> None:
 
     original = TensorStoreEngine.write
 
-    def write_arrays(self: Any, items: Any, stats: Any = None) -> None:
+    def write_arrays(self: Any, items: Any, stats: Any = None, **options: Any) -> None:
         for p, *_ in items[:1]:
             os.makedirs(os.path.join(path, os.path.dirname(p)), exist_ok=True)
             with open(os.path.join(path, p), "w") as f:
                 f.write("in the way")
-        original(self, items, stats)
+        original(self, items, stats, **options)
 
     TensorStoreEngine.write = write_arrays  # type: ignore[method-assign]
 
