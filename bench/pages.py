@@ -238,6 +238,10 @@ def _memory_parts(m: dict[str, int], state: int) -> str:
             "beside it, not with its first steps.)")
 
 
+def _threads(runs: dict[str, Any], mode: str) -> str:
+    return str(runs[mode].get("threads", "?")) if mode in runs else "?"
+
+
 def section_training(d: Data) -> str:
     t = d.get("training")
     if t is None:
@@ -248,10 +252,19 @@ def section_training(d: Data) -> str:
         run = runs["process" if mode == "none" else mode]  # "none": the phases beside the process mode's
         return float(statistics.median(p[mode]["cost_s"] / m["phase_steps"] for p in run["pairs"]))
 
-    rows = [[label, num(per_step(mode), 3), "1.00" if mode == "none" else num(t[f"step_time_{key}_vs_none"])]
+    cpu = t.get("background_cpu_s_per_save", {})
+
+    def background(mode: str) -> str:
+        return num(cpu[mode], 2) if cpu.get(mode) is not None else ""
+
+    rows = [[label, num(per_step(mode), 3), "1.00" if mode == "none" else num(t[f"step_time_{key}_vs_none"]),
+             background(mode)]
             for mode, key, label in (("none", "", "no checkpoints"), ("sync", "sync", "synchronous saves"),
                                      ("thread", "async_thread", "AsyncSaver, thread mode"),
                                      ("process", "async_process", "AsyncSaver, process mode"),
+                                     ("process_spare", "async_process_spare_core",
+                                      f"AsyncSaver, process mode, torch on {_threads(runs, 'process_spare')} "
+                                      "thread(s): a core left to the writer"),
                                      ("raw", "raw_writer", "a bare process writing the same bytes"),
                                      ("raw_direct", "raw_unbuffered_writer",
                                       "a bare process writing the same bytes unbuffered"))
@@ -270,7 +283,12 @@ def section_training(d: Data) -> str:
         "wait for its last save's background part); seconds per step are medians over the pairs, and each "
         "ratio the median over the pairs of the phase with checkpoints over the phase without it beside it:",
         "",
-        table(["", "s per step", "over none"], rows),
+        table(["", "s per step", "over none", "background CPU s per save"], rows),
+        "",
+        "The background CPU is the user and system time of the writer process (or bare process) over the "
+        "phases with saves, per save: on a loop that keeps every core busy, the training loses about that "
+        "much. With torch on one core fewer, the phases without saves are slower too, and the ratio is "
+        "taken against them.",
         "",
         "The bare processes are forked by the loop and write the state's bytes, copied into shared memory at each "
         "save, to one file with `write` (64 MiB at a time) and `fsync`: no format, no checksums, no commit; "
@@ -539,10 +557,13 @@ def readme_table(d: Data) -> str:
         out += ["", f"A training loop saving its {mib(m['state_bytes'])} MiB of weights and AdamW moments every "
                 f"{m['save_every']} steps, wall time per step over the same loop without checkpoints:", "",
                 table(["synchronous saves", "AsyncSaver, thread", "AsyncSaver, process",
+                       "AsyncSaver, process, a core left to the writer",
                        "a bare write+fsync process (buffered / O_DIRECT)", "a process-mode save blocks",
                        "a LoRA save of a 1 GiB frozen base writes"],
                       [[num(t["step_time_sync_vs_none"]) + "x", num(t["step_time_async_thread_vs_none"]) + "x",
                         num(t["step_time_async_process_vs_none"]) + "x",
+                        (num(t["step_time_async_process_spare_core_vs_none"]) + "x"
+                         if "step_time_async_process_spare_core_vs_none" in t else "not measured"),
                         num(t["step_time_raw_writer_vs_none"]) + "x / " +
                         (num(t["step_time_raw_unbuffered_writer_vs_none"]) + "x"
                          if "step_time_raw_unbuffered_writer_vs_none" in t else "not measured"),

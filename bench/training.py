@@ -10,7 +10,12 @@
    write the same bytes to one file (``_RawWriter``), through the page cache
    (``raw``) and around it (``raw_direct``, ``O_DIRECT`` from the shared
    memory's pages, as the AsyncSaver's writer writes its shards): the cost
-   of writing the bytes at all, without a format.
+   of writing the bytes at all, without a format. The process mode runs
+   again with torch on one core fewer (``process_spare``): the writer then
+   has a core of its own, as on a GPU trainer's host, whose cores the
+   training leaves mostly idle. For the background processes, their CPU
+   time per save is recorded too: on a loop that keeps every core busy it
+   is taken from training.
    Each mode runs in a process of its own, which alternates phases of 8
    steps with a save every 4 steps and phases of 8 steps without, 8 pairs
    (the order alternating), after a first save that starts the writer and
@@ -62,7 +67,9 @@ QUICK = "--quick" in sys.argv
 WIDTH, LAYERS, BATCH = (512, 4, 256) if QUICK else (2048, 8, 512)
 PHASE, EVERY = (4, 2) if QUICK else (8, 4)  # steps a phase, a save every EVERY steps
 LORA_WIDTH, LORA_LAYERS, RANK = (1024, 16, 16) if QUICK else (4096, 16, 16)
-MODES = ("sync", "thread", "process", "raw", "raw_direct")
+MODES = ("sync", "thread", "process", "process_spare", "raw", "raw_direct")
+#: Torch's threads in the ``process_spare`` mode: one core left to the writer, as a GPU trainer's host leaves them.
+SPARE_THREADS = max(1, (os.cpu_count() or 2) - 1)
 PAIRS = 2 if QUICK else int(os.environ.get("PAIRS", 8))
 
 
@@ -82,6 +89,16 @@ def _resident(pid: int) -> dict[str, int]:
     except OSError:
         pass
     return out
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU time a process has used (/proc/PID/stat), 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _host_bytes(trainer: int, writer: int | None) -> dict[str, int]:
@@ -173,13 +190,15 @@ def run_mode(mode: str, root: str) -> dict[str, Any]:
 
     raw = _RawWriter(3 * 4 * LAYERS * (WIDTH * WIDTH + WIDTH), direct=mode == "raw_direct") \
         if mode in ("raw", "raw_direct") else None
+    if mode == "process_spare":
+        torch.set_num_threads(SPARE_THREADS)
     model, opt = _model()
     x = torch.randn(BATCH, WIDTH)
     _step(model, opt, x)  # warm-up: the optimizer's state exists from here on
     rules = gt.ShardingRules([(r".*", gt.Replicated())])
     layout = gt.ParallelLayout()
     state_bytes = sum(p.numel() * 4 * 3 for p in model.parameters())  # weights and two moments
-    saver = gs.AsyncSaver(mode) if mode in ("thread", "process") else None
+    saver = gs.AsyncSaver(mode.split("_")[0]) if mode in ("thread", "process", "process_spare") else None
     dest = np.ones(state_bytes, np.uint8)
     tensors = [gt.numpy_view(t) for p in model.parameters() for t in (p.data, *opt.state[p].values()) if t.ndim]
     # The peaks of the current phase: the trainer's own memory (its anonymous
@@ -190,10 +209,16 @@ def run_mode(mode: str, root: str) -> dict[str, Any]:
 
     def sample() -> None:
         while not stop.is_set():
-            writer = saver.writer.pid if saver is not None and mode == "process" and saver._writer else None
+            writer = background()
             for key, value in _host_bytes(os.getpid(), writer).items():
                 peak[key] = max(peak[key], value)
             time.sleep(0.01)
+
+    def background() -> int | None:
+        """The process that writes this mode's saves in the background, if any."""
+        if raw is not None:
+            return raw.pid
+        return saver.writer.pid if saver is not None and saver.mode == "process" and saver._writer else None
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -217,6 +242,8 @@ def run_mode(mode: str, root: str) -> dict[str, Any]:
     def phase(checkpoints: bool) -> dict[str, Any]:
         steps, blocking, memcpy = [], [], []
         peak.update(dict.fromkeys(peak, 0))
+        writer = background()
+        cpu = _cpu_seconds(writer) if writer is not None else 0.0
         for i in range(PHASE):
             if checkpoints and i % EVERY == 0:
                 start = time.perf_counter()
@@ -234,9 +261,13 @@ def run_mode(mode: str, root: str) -> dict[str, Any]:
         start = time.perf_counter()
         wait()  # the last save's background part, counted in this phase
         wait_s = time.perf_counter() - start
+        # The background process's CPU time over the phase: on a trainer that keeps every core busy,
+        # time taken from training. (Its first save started the writer, before the pairs.)
+        background_cpu = _cpu_seconds(writer) - cpu if writer is not None and writer == background() else None
         time.sleep(0.02)  # a sample after the phase's end
         return {"steps_s": steps, "blocking_s": blocking, "memcpy_s": memcpy, "wait_s": wait_s,
-                "cost_s": sum(steps) + sum(blocking) + wait_s, "peak_bytes": dict(peak)}
+                "cost_s": sum(steps) + sum(blocking) + wait_s, "peak_bytes": dict(peak), "saves": len(blocking),
+                "background_cpu_s": background_cpu}
 
     for _ in range(2):
         _step(model, opt, x)
@@ -255,7 +286,7 @@ def run_mode(mode: str, root: str) -> dict[str, Any]:
     if raw is not None:
         raw.close()
     return {"mode": mode, "pairs": pairs, "state_bytes": state_bytes, "first_save_s": first,
-            "saver_mode": saver.last_mode if saver is not None else None}
+            "saver_mode": saver.last_mode if saver is not None else None, "threads": torch.get_num_threads()}
 
 
 def _peak(run: dict[str, Any], phases: str, what: str) -> int:
@@ -367,6 +398,13 @@ def main() -> None:
     def ratio(mode: str) -> float:
         return statistics.median(p[mode]["cost_s"] / p["none"]["cost_s"] for p in runs[mode]["pairs"])
 
+    def cpu_per_save(mode: str) -> float | None:
+        """The background process's CPU seconds per save, over the phases with saves."""
+        phases = [p[mode] for p in runs[mode]["pairs"]]
+        if any(p["background_cpu_s"] is None for p in phases):
+            return None
+        return sum(p["background_cpu_s"] for p in phases) / sum(p["saves"] for p in phases)
+
     process = runs["process"]
     block = [b / m for p in process["pairs"] for b, m in zip(p["process"]["blocking_s"], p["process"]["memcpy_s"])]
     state = process["state_bytes"]
@@ -380,6 +418,10 @@ def main() -> None:
         # A bare process writing the same bytes (write + fsync) in the background, buffered and unbuffered.
         "step_time_raw_writer_vs_none": ratio("raw"),
         "step_time_raw_unbuffered_writer_vs_none": ratio("raw_direct"),
+        # The process mode with torch on one core fewer: the writer has a core of its own.
+        "step_time_async_process_spare_core_vs_none": ratio("process_spare"),
+        "background_cpu_s_per_save": {mode: cpu_per_save(mode) for mode in ("process", "process_spare", "raw",
+                                                                            "raw_direct")},
         "async_block_vs_memcpy": statistics.median(block) if block else None,
         # What saves add to the same loop's peak: the host's peak over the phases with saves (the
         # trainer, its staging pools and its writer) over the trainer's own peak over the phases without.
@@ -397,8 +439,8 @@ def main() -> None:
         json.dump(report, f, indent=1)
     for key in ("step_time_async_process_vs_none", "step_time_async_thread_vs_none", "step_time_sync_vs_none",
                 "step_time_raw_writer_vs_none", "step_time_raw_unbuffered_writer_vs_none",
-                "async_block_vs_memcpy", "async_peak_rss_over_state", "lora_save_bytes_over_adapter_bytes",
-                "pretrain_save_bytes_saved_fraction"):
+                "step_time_async_process_spare_core_vs_none", "async_block_vs_memcpy", "async_peak_rss_over_state",
+                "lora_save_bytes_over_adapter_bytes", "pretrain_save_bytes_saved_fraction"):
         print(f"{key}: {report[key]:.3f}")
 
 
