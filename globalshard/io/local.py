@@ -95,9 +95,6 @@ class LocalEngine(TensorStoreEngine):
             shape = tuple(array.shape)
             doc = zarr_json(dtype, shape, attributes, cut=cut)
             try:
-                # TODO(limitation): each region is a directory tree (<key>/<n>/zarr.json, c/0/0), 4-6
-                # file-system entries whose creation costs kernel CPU (about 0.3 ms each on ext4 here,
-                # docs/limitations.md); fewer would need a "." chunk key separator in the format.
                 leaf = os.path.join(directory, "c", *["0"] * (array.ndim - 1)) if array.ndim else directory
                 _make_dirs(root, leaf, made)
                 for f in localio.write_array(directory, array, doc, pool, fsync=not batch, mkdirs=False,
