@@ -8,9 +8,12 @@ one process, as an export, an evaluation or a TP=1 resume does, after
 evicting the files from the page cache (``POSIX_FADV_DONTNEED``). Beside it:
 torch DCP's load of its own TP=4 checkpoint of the same state, by as many
 processes as the new layout has ranks (2, then 1), and a plain 4-thread read
-of globalshard's files ("the disk"). The three take turns in each of 5
-rounds; each ratio is the median of the rounds' ratios. Writes
-build/bench/cold_load.json.
+of globalshard's files ("the disk"). The five loads take turns in each of 7
+rounds, in the reverse order every other round: this disk's speed drifts
+from minute to minute (one run's four-thread reads took 0.61-1.02 s for the
+same GiB), and a fixed order would give each load the same place in every
+drift. Each ratio is the median of the rounds' ratios, with their range
+beside it. Writes build/bench/cold_load.json.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from pagecache import evict, quiesce
 
 QUICK = "--quick" in sys.argv
 TENSORS, ROWS, COLS = (8, 512, 4096) if QUICK else (72, 1024, 3640)
-REPS = int(os.environ.get("REPS", 5))
+REPS = int(os.environ.get("REPS", 7))
 DISK_THREADS = 4
 
 
@@ -167,10 +170,14 @@ def main() -> None:
                      if "/c/" in os.path.join(d, f))
         rounds: list[dict[str, float]] = []
         for rep in range(REPS):
-            print(f"round {rep + 1} of {REPS}: disk, globalshard TP4->2 and ->1, DCP with 2 and 1 ...", flush=True)
-            rounds.append({"disk_s": _disk(ours), "globalshard_tp2_s": _globalshard(ours, 2),
-                           "globalshard_tp1_s": _globalshard(ours, 1), "dcp_tp2_s": _dcp(2, "load", theirs),
-                           "dcp_tp1_s": _dcp(1, "load", theirs)})
+            loads: list[tuple[str, Any]] = [
+                ("disk_s", lambda: _disk(ours)), ("globalshard_tp2_s", lambda: _globalshard(ours, 2)),
+                ("globalshard_tp1_s", lambda: _globalshard(ours, 1)), ("dcp_tp2_s", lambda: _dcp(2, "load", theirs)),
+                ("dcp_tp1_s", lambda: _dcp(1, "load", theirs))]
+            if rep % 2:
+                loads.reverse()
+            print(f"round {rep + 1} of {REPS}: {', '.join(name[:-2] for name, _ in loads)} ...", flush=True)
+            rounds.append({name: run() for name, run in loads})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     state_bytes = TENSORS * ROWS * COLS * 4
@@ -184,7 +191,9 @@ def main() -> None:
             lambda r, tp=tp: r[f"globalshard_tp{tp}_s"]), "dcp_gbs": state_bytes / 1e9 / med(
             lambda r, tp=tp: r[f"dcp_tp{tp}_s"]), "disk_gbs": state_bytes / 1e9 / med(lambda r: r["disk_s"]),
             "globalshard_vs_disk": med(lambda r, tp=tp: r["disk_s"] / r[f"globalshard_tp{tp}_s"]),
-            "globalshard_vs_dcp": med(lambda r, tp=tp: r[f"dcp_tp{tp}_s"] / r[f"globalshard_tp{tp}_s"])})
+            "globalshard_vs_dcp": med(lambda r, tp=tp: r[f"dcp_tp{tp}_s"] / r[f"globalshard_tp{tp}_s"]),
+            "globalshard_vs_dcp_range": [f(r[f"dcp_tp{tp}_s"] / r[f"globalshard_tp{tp}_s"] for r in rounds)
+                                         for f in (min, max)]})
     report = {"quick": QUICK, "state_bytes": state_bytes, "stored_bytes": stored, "tensors": TENSORS,
               "rounds": rounds, "disk_threads": DISK_THREADS, "cases": cases,
               # The worse of the two loads, under the names of report.json.

@@ -208,8 +208,12 @@ def section_cold_one_process(d: Data) -> str:
     c = d.get("cold_load")
     if c is None:
         return "## Cold loads in one process\n\n" + _missing("bench/cold_load.py")
+    def spread(case: dict[str, Any]) -> str:
+        low_high = case.get("globalshard_vs_dcp_range")  # runs before 2026-12-04 did not record it
+        return f" ({num(low_high[0])}-{num(low_high[1])})" if low_high else ""
+
     rows = [[case["load"], num(case["globalshard_gbs"]), num(case["dcp_gbs"]), num(case["disk_gbs"]),
-             num(case["globalshard_vs_disk"]), num(case["globalshard_vs_dcp"])] for case in c["cases"]]
+             num(case["globalshard_vs_disk"]), num(case["globalshard_vs_dcp"]) + spread(case)] for case in c["cases"]]
     return "\n".join([
         "## Cold loads in one process",
         "",
@@ -217,8 +221,9 @@ def section_cold_one_process(d: Data) -> str:
         "loaded at TP=2 and TP=1 with every target in one process (as an export, an evaluation or a TP=1 resume "
         "does), the files evicted from the page cache before each load. DCP loads its own TP=4 checkpoint of "
         f"the same state with as many processes as the new layout has ranks; the disk is a plain "
-        f"{c['disk_threads']}-thread read of globalshard's files. GB/s of state, median of {len(c['rounds'])} "
-        "rounds; ratios the median of the rounds' ratios:",
+        f"{c['disk_threads']}-thread read of globalshard's files. The loads take turns, in the reverse order "
+        f"every other round (this disk's speed drifts). GB/s of state, median of {len(c['rounds'])} rounds; "
+        "ratios the median of the rounds' ratios (globalshard / DCP: their range beside it):",
         "",
         table(["load", "globalshard", "DCP", "disk", "globalshard / disk", "globalshard / DCP"], rows),
     ])

@@ -85,7 +85,10 @@ def test_the_training_and_cold_load_sections_render_what_their_benchmarks_write(
         "lora_save_bytes_over_adapter_bytes": 1.0037}
     cold = {"state_bytes": 1 << 30, "tensors": 72, "disk_threads": 4, "rounds": [{}, {}, {}],
             "cases": [{"load": "TP=4 -> 2, one process", "globalshard_gbs": 1.23, "dcp_gbs": 0.45, "disk_gbs": 1.34,
-                       "globalshard_vs_disk": 0.917, "globalshard_vs_dcp": 2.71}]}
+                       "globalshard_vs_disk": 0.917, "globalshard_vs_dcp": 2.71},
+                      {"load": "TP=4 -> 1, one process", "globalshard_gbs": 1.2, "dcp_gbs": 0.9, "disk_gbs": 1.34,
+                       "globalshard_vs_disk": 0.9, "globalshard_vs_dcp": 1.333,
+                       "globalshard_vs_dcp_range": [0.91, 1.756]}]}
     tiers = {"nodes": 4, "ranks_per_node": 2, "replicas": 1, "state_bytes": 128 << 20,
              "rounds": [{"tier_save_s": 0.4, "plain_save_s": 2.0, "tier_load_s": 0.5, "plain_load_s": 1.5}],
              "tier_local_save_vs_persistent_save": 0.2012, "tier_recovery_vs_persistent_recovery": 0.3345,
@@ -112,3 +115,4 @@ def test_the_training_and_cold_load_sections_render_what_their_benchmarks_write(
     assert "| 1.01x | 1.01x | 1.02x / 1.07x |" in pages.readme_table(data)
     cold_part = text.split("## Cold loads in one process")[1].split("\n## ")[0]
     assert "| TP=4 -> 2, one process | 1.23 | 0.45 | 1.34 | 0.92 | 2.71 |" in cold_part
+    assert "| TP=4 -> 1, one process | 1.20 | 0.90 | 1.34 | 0.90 | 1.33 (0.91-1.76) |" in cold_part
