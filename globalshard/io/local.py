@@ -34,9 +34,6 @@ class LocalEngine(TensorStoreEngine):
 
     store: LocalStore
 
-    def __init__(self, store: LocalStore) -> None:
-        super().__init__(store)
-
     def _verify_contained(self, path: str, dtype: str, shape: tuple[int, ...] | None, want: Expect) -> int:
         """Through localio where it serves the array, else through TensorStore."""
         layout = self._open_local(path, dtype, shape, want)
