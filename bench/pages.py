@@ -262,8 +262,16 @@ def section_training(d: Data) -> str:
     def background(mode: str) -> str:
         return num(cpu[mode], 2) if cpu.get(mode) is not None else ""
 
+    intervals = t.get("step_time_intervals", {})
+
+    def interval(mode: str) -> str:
+        return span(intervals[mode]) if mode in intervals else ""
+
+    def pairs(mode: str) -> str:
+        return str(len(runs["process" if mode == "none" else mode]["pairs"]))
+
     rows = [[label, num(per_step(mode), 3), "1.00" if mode == "none" else num(t[f"step_time_{key}_vs_none"]),
-             background(mode)]
+             interval(mode), pairs(mode), background(mode)]
             for mode, key, label in (("none", "", "no checkpoints"), ("sync", "sync", "synchronous saves"),
                                      ("thread", "async_thread", "AsyncSaver, thread mode"),
                                      ("process", "async_process", "AsyncSaver, process mode"),
@@ -283,12 +291,16 @@ def section_training(d: Data) -> str:
         f"({mib(m['state_bytes'])} MiB of weights and moments) by torch on {m['threads']} threads, batch "
         f"{m['batch']}. Each mode runs in a process of its own that alternates phases of {m['phase_steps']} steps "
         f"with a `save_checkpoint` every {m['save_every']} steps and phases of {m['phase_steps']} steps without, "
-        f"{m['pairs']} pairs (the order alternating), after a first save that starts the writer and sizes the "
-        "staging pool. A phase's cost is its wall time (its steps, the time its saves block the loop, and the "
-        "wait for its last save's background part); seconds per step are medians over the pairs, and each "
-        "ratio the median over the pairs of the phase with checkpoints over the phase without it beside it:",
+        "in pairs (the order alternating; how many: the table's last but one column), after a first save "
+        "that starts the writer and sizes the staging pool. A phase's cost is its wall time (its steps, the "
+        "time its saves block the loop, and the wait for its last save's background part); seconds per step "
+        "are medians over the pairs, and each ratio the median over the pairs of the phase with checkpoints "
+        "over the phase without it beside it, with the interval that holds the true median with at least "
+        f"{100 * t.get('step_time_confidence', 0.95):.0f}% confidence whatever the pairs' distribution (two of "
+        "the sorted pair ratios: `median_interval`). The process mode, whose ratio the target is, and the bare "
+        "unbuffered writer, its floor, run more pairs:",
         "",
-        table(["", "s per step", "over none", "background CPU s per save"], rows),
+        table(["", "s per step", "over none", "95% interval", "pairs", "background CPU s per save"], rows),
         "",
         "The background CPU is the user and system time of the writer process (or bare process) over the "
         "phases with saves, per save: on a loop that keeps every core busy, the training loses about that "
@@ -566,7 +578,9 @@ def readme_table(d: Data) -> str:
                        "a bare write+fsync process (buffered / O_DIRECT)", "a process-mode save blocks",
                        "a LoRA save of a 1 GiB frozen base writes"],
                       [[num(t["step_time_sync_vs_none"]) + "x", num(t["step_time_async_thread_vs_none"]) + "x",
-                        num(t["step_time_async_process_vs_none"]) + "x",
+                        num(t["step_time_async_process_vs_none"]) + "x" + (
+                            f" (95% interval {span(t['step_time_intervals']['process'])})"
+                            if "process" in t.get("step_time_intervals", {}) else ""),
                         (num(t["step_time_async_process_spare_core_vs_none"]) + "x"
                          if "step_time_async_process_spare_core_vs_none" in t else "not measured"),
                         num(t["step_time_raw_writer_vs_none"]) + "x / " +

@@ -18,15 +18,20 @@
    is taken from training.
    Each mode runs in a process of its own, which alternates phases of 8
    steps with a save every 4 steps and phases of 8 steps without, 8 pairs
-   (the order alternating), after a first save that starts the writer and
-   sizes the staging pool. A phase's cost is its wall time: its steps, the
+   (24 for the process mode, whose ratio the target is, and the bare
+   unbuffered writer, its floor; the order alternating), after a first save
+   that starts the writer and sizes the staging pool. A phase's cost is its wall time: its steps, the
    time its saves block the loop and, at its end, the wait for its last
    save's background part (so every slower step a background save causes
    is counted). Each ratio is the median over the pairs of the phase with
    checkpoints over the phase without it beside it: on this shared machine
    a process's step time drifts by more than the effect (runs of the same
    loop in separate processes differed by up to 40%), so each comparison is
-   made seconds apart in one process. In process mode the time each save
+   made seconds apart in one process. Beside each median, the interval
+   between two of the sorted pair ratios that holds the true median with at
+   least 95% confidence whatever their distribution (``median_interval``):
+   a single pair ranges over tenths, so this says whether a ratio is beyond
+   the noise. In process mode the time each save
    blocks the loop is compared with a memcpy of the state into a warm
    buffer just before it, and the host memory of the trainer and its writer
    is sampled every 10 ms (see ``_host_bytes``): how far its peak over the
@@ -48,6 +53,7 @@ Writes build/bench/training.json.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import shutil
@@ -71,6 +77,34 @@ MODES = ("sync", "thread", "process", "process_spare", "raw", "raw_direct")
 #: Torch's threads in the ``process_spare`` mode: one core left to the writer, as a GPU trainer's host leaves them.
 SPARE_THREADS = max(1, (os.cpu_count() or 2) - 1)
 PAIRS = 2 if QUICK else int(os.environ.get("PAIRS", 8))
+#: The modes measured with more pairs: the process mode, whose ratio the target is, and the bare unbuffered
+#: writer beside it (what writing the bytes at all costs). With 8 pairs the median's 95% interval spans about
+#: 0.2 here (1.04-1.23 at 7de0fda), too wide to tell 1.07x from 1.05x; with 30, 0.03 (1.041-1.072).
+TARGET_MODES, TARGET_PAIRS = ("process", "raw_direct"), 2 if QUICK else int(os.environ.get("TARGET_PAIRS", 24))
+CONFIDENCE = 0.95
+
+
+def median_interval(values: list[float], confidence: float = CONFIDENCE) -> tuple[float, float, float]:
+    """The distribution-free interval for the median of ``values``' population:
+    the ``k``-th smallest and ``k``-th largest values, with the largest ``k`` for
+    which both lie on one side of the median with probability at most
+    ``1 - confidence`` (each value lies below it with probability 1/2, so the
+    count below is binomial). Returns ``(low, high, coverage)``, the coverage
+    exact and at least ``confidence`` (the whole range when too few values
+    allow more).
+
+    >>> median_interval([float(v) for v in range(1, 9)])  # 8 values: only the extremes reach 95%
+    (1.0, 8.0, 0.9921875)
+    >>> median_interval([float(v) for v in range(1, 25)])[:2]
+    (7.0, 18.0)
+    """
+    ordered, n = sorted(values), len(values)
+    below = [math.comb(n, i) / 2 ** n for i in range(n + 1)]  # P(exactly i values below the median)
+    k, tail = 1, below[0]  # P(fewer than k values below it)
+    while k < n // 2 and 2 * (tail + below[k]) <= 1 - confidence:
+        tail += below[k]
+        k += 1
+    return ordered[k - 1], ordered[n - k], 1 - 2 * tail
 
 
 def _resident(pid: int) -> dict[str, int]:
@@ -185,6 +219,7 @@ class _RawWriter:
 
 def run_mode(mode: str, root: str) -> dict[str, Any]:
     """One mode's run in this process: pairs of phases with and without checkpoints."""
+    pair_count = TARGET_PAIRS if mode in TARGET_MODES else PAIRS
     import globalshard as gs
     import globalshard_torch as gt
 
@@ -276,7 +311,7 @@ def run_mode(mode: str, root: str) -> dict[str, Any]:
     wait()
     first = time.perf_counter() - start
     pairs = []
-    for k in range(PAIRS):
+    for k in range(pair_count):
         order = (False, True) if k % 2 == 0 else (True, False)
         got = {with_: phase(with_) for with_ in order}
         pairs.append({"none": got[False], mode: got[True]})  # the saves stay until the run ends: deleting
@@ -386,7 +421,8 @@ def main() -> None:
     try:
         runs: dict[str, Any] = {}
         for mode in MODES:
-            print(f"{mode}: {PAIRS} pairs of phases with and without checkpoints ...", flush=True)
+            count = TARGET_PAIRS if mode in TARGET_MODES else PAIRS
+            print(f"{mode}: {count} pairs of phases with and without checkpoints ...", flush=True)
             runs[mode] = one(mode)
         print("full training with base= ...", flush=True)
         pretrain = pretrain_with_base(tmp)
@@ -395,8 +431,11 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
+    def ratios(mode: str) -> list[float]:
+        return [p[mode]["cost_s"] / p["none"]["cost_s"] for p in runs[mode]["pairs"]]
+
     def ratio(mode: str) -> float:
-        return statistics.median(p[mode]["cost_s"] / p["none"]["cost_s"] for p in runs[mode]["pairs"])
+        return statistics.median(ratios(mode))
 
     def cpu_per_save(mode: str) -> float | None:
         """The background process's CPU seconds per save, over the phases with saves."""
@@ -410,7 +449,8 @@ def main() -> None:
     state = process["state_bytes"]
     report = {
         "quick": QUICK, "model": {"layers": LAYERS, "width": WIDTH, "batch": BATCH, "phase_steps": PHASE,
-                                  "save_every": EVERY, "pairs": PAIRS, "state_bytes": state,
+                                  "save_every": EVERY, "pairs": PAIRS, "target_pairs": TARGET_PAIRS,
+                                  "target_modes": list(TARGET_MODES), "state_bytes": state,
                                   "threads": torch.get_num_threads()},
         "runs": runs, "pretrain_with_base": pretrain, "lora": lora_report,
         "step_time_async_process_vs_none": ratio("process"), "step_time_async_thread_vs_none": ratio("thread"),
@@ -420,6 +460,9 @@ def main() -> None:
         "step_time_raw_unbuffered_writer_vs_none": ratio("raw_direct"),
         # The process mode with torch on one core fewer: the writer has a core of its own.
         "step_time_async_process_spare_core_vs_none": ratio("process_spare"),
+        # Each mode's ratio: the interval that holds the median with at least this confidence.
+        "step_time_confidence": CONFIDENCE,
+        "step_time_intervals": {mode: median_interval(ratios(mode))[:2] for mode in MODES},
         "background_cpu_s_per_save": {mode: cpu_per_save(mode) for mode in ("process", "process_spare", "raw",
                                                                             "raw_direct")},
         "async_block_vs_memcpy": statistics.median(block) if block else None,

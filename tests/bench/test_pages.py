@@ -82,7 +82,8 @@ def test_the_training_and_cold_load_sections_render_what_their_benchmarks_write(
         "step_time_raw_unbuffered_writer_vs_none": 1.0678, "step_time_async_process_spare_core_vs_none": 1.0089,
         "background_cpu_s_per_save": {"process": 0.1712, "process_spare": 0.1834, "raw": 0.0312, "raw_direct": 0.0},
         "async_block_vs_memcpy": 0.8765, "async_peak_rss_over_state": 1.0571,
-        "lora_save_bytes_over_adapter_bytes": 1.0037}
+        "lora_save_bytes_over_adapter_bytes": 1.0037, "step_time_confidence": 0.95,
+        "step_time_intervals": {"process": [0.9812, 1.0734], "raw_direct": [1.0011, 1.0923]}}
     cold = {"state_bytes": 1 << 30, "tensors": 72, "disk_threads": 4, "rounds": [{}, {}, {}],
             "cases": [{"load": "TP=4 -> 2, one process", "globalshard_gbs": 1.23, "dcp_gbs": 0.45, "disk_gbs": 1.34,
                        "globalshard_vs_disk": 0.917, "globalshard_vs_dcp": 2.71},
@@ -101,18 +102,20 @@ def test_the_training_and_cold_load_sections_render_what_their_benchmarks_write(
     assert "0.20x as long as one straight to S3" in pages.readme_table(data)
     training_part = text.split("## Checkpointing a training loop")[1].split("\n## ")[0]
     for figure in ("1.01", "1.05", "1.18", "0.88x a memcpy", "1.06x", "0.1%", "1.00x the bytes", "3 MiB",
-                   "| no checkpoints | 0.510 | 1.00 |  |", "| AsyncSaver, process mode | 0.561 | 1.01 | 0.17 |",
+                   "| no checkpoints | 0.510 | 1.00 |  | 3 |  |",
+                   "| AsyncSaver, process mode | 0.561 | 1.01 | 0.98-1.07 | 3 | 0.17 |",
                    "| AsyncSaver, process mode, torch on 1 thread(s): a core left to the writer | 0.561 | 1.01 "
-                   "| 0.18 |",
-                   "| synchronous saves | 0.561 | 1.18 |  |",
-                   "| a bare process writing the same bytes unbuffered | 0.561 | 1.07 | 0.00 |", "(sampled somehow)",
-                   "3 pairs", "| a bare process writing the same bytes | 0.561 | 1.02 |",
+                   "|  | 3 | 0.18 |",
+                   "| synchronous saves | 0.561 | 1.18 |  | 3 |  |",
+                   "| a bare process writing the same bytes unbuffered | 0.561 | 1.07 | 1.00-1.09 | 3 | 0.00 |",
+                   "(sampled somehow)", "at least 95% confidence",
+                   "| a bare process writing the same bytes | 0.561 | 1.02 |",
                    "| a bare process writing the same bytes unbuffered | 0.561 | 1.07 |",
                    "phases with saves (1800 MiB)", "phases without (1350 MiB), 66 MiB more than the state's 384 MiB",
                    "staging pool (384 MiB)",
                    "own memory (32 MiB)", "10 MiB lower"):
         assert figure in training_part, figure
-    assert "| 1.01x | 1.01x | 1.02x / 1.07x |" in pages.readme_table(data)
+    assert "| 1.01x (95% interval 0.98-1.07) | 1.01x | 1.02x / 1.07x |" in pages.readme_table(data)
     cold_part = text.split("## Cold loads in one process")[1].split("\n## ")[0]
     assert "| TP=4 -> 2, one process | 1.23 | 0.45 | 1.34 | 0.92 | 2.71 |" in cold_part
     assert "| TP=4 -> 1, one process | 1.20 | 0.90 | 1.34 | 0.90 | 1.33 (0.91-1.76) |" in cold_part
