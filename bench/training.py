@@ -20,9 +20,9 @@
    steps with a save every 4 steps and phases of 8 steps without, 8 pairs
    (24 for the process mode, whose ratio the target is, and the bare
    unbuffered writer, its floor; the order alternating), after a first save
-   that starts the writer and sizes the staging pool. A phase's cost is its wall time: its steps, the
-   time its saves block the loop and, at its end, the wait for its last
-   save's background part (so every slower step a background save causes
+   that starts the writer and sizes the staging pool. A phase's cost is its
+   wall time: its steps, the time its saves block the loop and, at its end,
+   the wait for its last save's background part (so every slower step a background save causes
    is counted). Each ratio is the median over the pairs of the phase with
    checkpoints over the phase without it beside it: on this shared machine
    a process's step time drifts by more than the effect (runs of the same
@@ -86,12 +86,13 @@ CONFIDENCE = 0.95
 
 def median_interval(values: list[float], confidence: float = CONFIDENCE) -> tuple[float, float, float]:
     """The distribution-free interval for the median of ``values``' population:
-    the ``k``-th smallest and ``k``-th largest values, with the largest ``k`` for
-    which both lie on one side of the median with probability at most
-    ``1 - confidence`` (each value lies below it with probability 1/2, so the
-    count below is binomial). Returns ``(low, high, coverage)``, the coverage
-    exact and at least ``confidence`` (the whole range when too few values
-    allow more).
+    the ``k``-th smallest and ``k``-th largest values, with the largest ``k``
+    for which the median lies outside them with probability at most
+    ``1 - confidence`` (each value lies below the median with probability 1/2,
+    so the count below it is binomial, and the median lies below the ``k``-th
+    smallest when fewer than ``k`` do). Returns ``(low, high, coverage)``, the
+    coverage exact and at least ``confidence`` (the whole range when too few
+    values reach it).
 
     >>> median_interval([float(v) for v in range(1, 9)])  # 8 values: only the extremes reach 95%
     (1.0, 8.0, 0.9921875)
@@ -105,6 +106,10 @@ def median_interval(values: list[float], confidence: float = CONFIDENCE) -> tupl
         tail += below[k]
         k += 1
     return ordered[k - 1], ordered[n - k], 1 - 2 * tail
+
+
+def _pairs(mode: str) -> int:
+    return TARGET_PAIRS if mode in TARGET_MODES else PAIRS
 
 
 def _resident(pid: int) -> dict[str, int]:
@@ -219,7 +224,6 @@ class _RawWriter:
 
 def run_mode(mode: str, root: str) -> dict[str, Any]:
     """One mode's run in this process: pairs of phases with and without checkpoints."""
-    pair_count = TARGET_PAIRS if mode in TARGET_MODES else PAIRS
     import globalshard as gs
     import globalshard_torch as gt
 
@@ -311,7 +315,7 @@ def run_mode(mode: str, root: str) -> dict[str, Any]:
     wait()
     first = time.perf_counter() - start
     pairs = []
-    for k in range(pair_count):
+    for k in range(_pairs(mode)):
         order = (False, True) if k % 2 == 0 else (True, False)
         got = {with_: phase(with_) for with_ in order}
         pairs.append({"none": got[False], mode: got[True]})  # the saves stay until the run ends: deleting
@@ -421,8 +425,7 @@ def main() -> None:
     try:
         runs: dict[str, Any] = {}
         for mode in MODES:
-            count = TARGET_PAIRS if mode in TARGET_MODES else PAIRS
-            print(f"{mode}: {count} pairs of phases with and without checkpoints ...", flush=True)
+            print(f"{mode}: {_pairs(mode)} pairs of phases with and without checkpoints ...", flush=True)
             runs[mode] = one(mode)
         print("full training with base= ...", flush=True)
         pretrain = pretrain_with_base(tmp)
