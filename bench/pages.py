@@ -210,7 +210,7 @@ def section_cold_one_process(d: Data) -> str:
         return "## Cold loads in one process\n\n" + _missing("bench/cold_load.py")
     def spread(case: dict[str, Any]) -> str:
         low_high = case.get("globalshard_vs_dcp_range")  # runs before 2026-12-04 did not record it
-        return f" ({num(low_high[0])}-{num(low_high[1])})" if low_high else ""
+        return f" ({span(low_high)})" if low_high else ""
 
     rows = [[case["load"], num(case["globalshard_gbs"]), num(case["dcp_gbs"]), num(case["disk_gbs"]),
              num(case["globalshard_vs_disk"]), num(case["globalshard_vs_dcp"]) + spread(case)] for case in c["cases"]]
