@@ -201,6 +201,15 @@ def _committed(target: Store, save_id: str) -> bool:
     return parse_metadata(data).save_id == save_id
 
 
+def _marked(persistent: Store, marks: str, world: int) -> int:
+    """How many ranks have finished their drain: the marks named by a rank.
+    A mark still being written is a temporary file beside them (a local
+    store writes it and renames it into place); counted, it let rank 0
+    commit and delete the marks' directory under the rename of the last."""
+    ranks = {str(r) for r in range(world)}
+    return sum(name in ranks for name in persistent.list_dir(marks))
+
+
 def _start_drain(comm: Comm, step: int, metadata: Metadata, local: Store, target: Store, persistent: Store,
                  mine: list[str], stamp: Any, held: contextlib.ExitStack,
                  on_persisted: Callable[[int], None] | None) -> Drain:
@@ -224,7 +233,7 @@ def _start_drain(comm: Comm, step: int, metadata: Metadata, local: Store, target
                 persistent.write(f"{marks}/{rank}", b"")
                 if rank == 0:
                     deadline = time.monotonic() + DRAIN_TIMEOUT_S
-                    while len(persistent.list_dir(marks)) < world:
+                    while _marked(persistent, marks, world) < world:
                         if time.monotonic() > deadline:
                             raise StorageError(f"step {step}: not every rank drained its arrays to {target}; "
                                                "it is not persisted (the tier copies still hold it)")

@@ -170,3 +170,25 @@ def test_a_nodes_ranks_default_to_the_launchers_local_world_size(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     with pytest.raises(gs.LayoutError, match="8 ranks do not make nodes of 3"):
         gs.LocalTier("/tmp/x").nodes(comm)
+
+
+def test_rank_0_commits_a_drain_only_once_every_mark_is_in_place_not_while_one_is_written(tmp_path, monkeypatch):
+    """A mark is written as a temporary file renamed into place: rank 0 once
+    counted the temporary file, committed, and deleted the marks' directory
+    under the last rank's rename (seen in CI: that step not persisted, and
+    the next save's collectives broken). Here rank 3's rename waits until
+    rank 0 has had time to list the temporary file."""
+    import re
+    import time
+
+    import globalshard.store.local as local_store
+
+    replace = os.replace
+
+    def slow_mark(src, dst, *args, **kwargs):
+        if re.search(r"/\.drain/[0-9a-f]+/3$", str(dst)):
+            time.sleep(0.5)
+        return replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(local_store.os, "replace", slow_mark)
+    train(tmp_path, [10, 20])  # every rank: step 20 persisted, so step 10's drain did not break the next save
