@@ -153,6 +153,38 @@ def test_missing_key_is_named(tmp_path):
         gj.load(tmp_path, {"v": jax.ShapeDtypeStruct((3,), np.float32)})
 
 
+def test_typed_prng_keys_are_stored_as_their_key_data_and_come_back_as_keys(tmp_path):
+    # jax.random.key (the typed keys jax recommends) is no numpy dtype: stored as jax.random.key_data
+    # (uint32, the implementation's key shape last), wrapped again with the target's key dtype.
+    a, b = mesh("8"), mesh("2x4")
+    keys = jax.device_put(jax.random.split(jax.random.key(7), 16).reshape(8, 2), NamedSharding(a, P("x")))
+    rbg = jax.random.key(3, impl="rbg")
+    gj.save(tmp_path, {"rng": jax.random.key(5), "dropout": keys, "rbg": rbg})
+    stored = gs.read_metadata(tmp_path).tensors
+    assert {k: (t.dtype, t.global_shape) for k, t in stored.items()} == {
+        "rng": ("uint32", (2,)), "dropout": ("uint32", (8, 2, 2)), "rbg": ("uint32", (4,))}
+    target = NamedSharding(b, P("y", "x"))
+    abstract = jax.eval_shape(lambda: {"rng": jax.random.key(0), "dropout": jax.random.split(
+        jax.random.key(0), 16).reshape(8, 2), "rbg": jax.random.key(0, impl="rbg")})
+    abstract["dropout"] = jax.ShapeDtypeStruct((8, 2), keys.dtype, sharding=target)
+    got, _ = gj.load(tmp_path, abstract)
+    assert got["dropout"].dtype == keys.dtype and got["dropout"].sharding == target
+    assert got["rbg"].dtype == rbg.dtype and got["rng"].dtype == jax.random.key(0).dtype
+    for name, want in (("rng", jax.random.key(5)), ("dropout", keys), ("rbg", rbg)):
+        assert np.array_equal(np.asarray(jax.random.key_data(got[name])), np.asarray(jax.random.key_data(want)))
+    # The keys draw what the saved ones draw; an array target's sharding is reused.
+    draw = jax.vmap(jax.vmap(lambda k: jax.random.uniform(k)))
+    assert np.array_equal(np.asarray(draw(got["dropout"])), np.asarray(draw(keys)))
+    like = jax.device_put(jax.random.split(jax.random.key(0), 16).reshape(8, 2),
+                          NamedSharding(mesh("4x2"), P("x", "y")))
+    again, _ = gj.load(tmp_path, {"rng": jax.random.key(0), "dropout": like, "rbg": jax.random.key(0, impl="rbg")})
+    assert again["dropout"].sharding == like.sharding
+    assert np.array_equal(np.asarray(jax.random.key_data(again["dropout"])), np.asarray(jax.random.key_data(keys)))
+    # A key of another implementation (4 words, not 2) is a shape error naming the key, never a guess.
+    with pytest.raises(gs.GlobalShardError, match=r"'rng'"):
+        gj.load(tmp_path, {**abstract, "rng": jax.random.key(0, impl="rbg")})
+
+
 # ----------------------------------------------------------------- torch <-> JAX
 
 
@@ -217,13 +249,19 @@ WORKER = textwrap.dedent("""
     mesh = Mesh(np.array(jax.devices()).reshape(8), ("x",))
     sharding = NamedSharding(mesh, P("x"))
     x = jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
-    gj.save(path, {"w": x}, trainer_state={"step": 1})
+    keys = jax.jit(lambda: jax.random.split(jax.random.key(9), 16), out_shardings=sharding)()
+    gj.save(path, {"w": x, "keys": keys}, trainer_state={"step": 1})
     mesh2 = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
     target = NamedSharding(mesh2, P("b", "a"))
     stats = gs.IOStats()
-    got, ts = gj.load(path, {"w": jax.ShapeDtypeStruct(value.shape, np.float32, sharding=target)}, stats=stats)
+    got, ts = gj.load(path, {"w": jax.ShapeDtypeStruct(value.shape, np.float32, sharding=target),
+                             "keys": jax.ShapeDtypeStruct((16,), keys.dtype, sharding=NamedSharding(mesh2, P("b")))},
+                      stats=stats)
     for shard in got["w"].addressable_shards:
         assert np.array_equal(np.asarray(shard.data), value[shard.index]), shard.index
+    bits = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(9), 16)))
+    for shard in got["keys"].addressable_shards:
+        assert np.array_equal(np.asarray(jax.random.key_data(shard.data)), bits[shard.index]), shard.index
     assert ts == {"step": 1}
     print("ok", jax.process_index(), len(got["w"].addressable_shards), stats.bytes_needed)
 """)
@@ -243,8 +281,9 @@ def test_two_processes_through_jax_distributed(tmp_path):
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
         assert out.startswith("ok"), out
-    # Each process read only its own devices' boxes: half the array each.
-    assert [int(o.split()[3]) for o, _ in outs] == [16 * 6 * 4 // 2] * 2
+    # Each process read only its own devices' boxes: half the array each; the keys (2 uint32 each) are cut
+    # along mesh axis "b" only, which each process's 4 devices span, so each reads them all.
+    assert [int(o.split()[3]) for o, _ in outs] == [16 * 6 * 4 // 2 + 16 * 2 * 4] * 2
     assert gs.read_metadata(tmp_path / "ckpt").tensors["w"].global_shape == (16, 6)
 
 
