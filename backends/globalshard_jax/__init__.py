@@ -203,11 +203,12 @@ def _leaf_spec(key: str, leaf: Any) -> tuple[tuple[int, ...], np.dtype[Any], Any
     if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
         raise LayoutError(f"{key!r}: a load target leaf of type {type(leaf).__name__} is not an array, a "
                           "jax.ShapeDtypeStruct or a Python number")
+    sharding = _concrete(key, getattr(leaf, "sharding", None))
     if _is_key(leaf.dtype):
         # TODO(limitation): the key implementation is not stored, only the key data: data saved from rbg keys
         # loads into unsafe_rbg keys (both 4 words) as the target asks; threefry's 2 words are a shape error.
         data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
-        return tuple(int(n) for n in data.shape), np.dtype(data.dtype), getattr(leaf, "sharding", None)
+        return tuple(int(n) for n in data.shape), np.dtype(data.dtype), sharding
     try:
         dtype = np.dtype(leaf.dtype)
     except TypeError as e:
@@ -219,7 +220,24 @@ def _leaf_spec(key: str, leaf: Any) -> tuple[tuple[int, ...], np.dtype[Any], Any
         raise gs.CastError(f"{key!r}: a {dtype} leaf would be narrowed to {canonical} by jax (64-bit types are "
                            "off); enable them with jax.config.update('jax_enable_x64', True), or ask for "
                            f"{canonical} (allow_lossy_cast=True if the stored values need it)")
-    return tuple(int(n) for n in leaf.shape), dtype, getattr(leaf, "sharding", None)
+    return tuple(int(n) for n in leaf.shape), dtype, sharding
+
+
+def _concrete(key: str, sharding: Any) -> Any:
+    """``sharding``, a ``NamedSharding`` over an ``AbstractMesh`` (what ``jax.eval_shape`` and
+    ``nnx.eval_shape`` give inside ``jax.set_mesh``) resolved to the mesh set around the load, as
+    Orbax does: an abstract mesh has no devices to put the boxes on."""
+    abstract = getattr(jax.sharding, "AbstractMesh", None)
+    if abstract is None or not isinstance(getattr(sharding, "mesh", None), abstract):
+        return sharding
+    current = jax.sharding.get_mesh() if hasattr(jax.sharding, "get_mesh") else None
+    if current is None or not current.axis_names:
+        raise LayoutError(f"{key!r}: its sharding is over an AbstractMesh {dict(sharding.mesh.shape)}, which has no "
+                          "devices; load inside `with jax.set_mesh(mesh)`, or give a sharding over a Mesh")
+    if current.abstract_mesh != sharding.mesh:
+        raise LayoutError(f"{key!r}: its sharding is over an AbstractMesh {dict(sharding.mesh.shape)}, not the mesh "
+                          f"set around the load ({dict(current.shape)}, devices {current.device_ids.tolist()})")
+    return jax.sharding.NamedSharding(current, sharding.spec, memory_kind=sharding.memory_kind)
 
 
 def load(path: Any, abstract_pytree: Any, *, comm: Comm | None = None, keys: KeyMap = None,

@@ -185,6 +185,22 @@ def test_typed_prng_keys_are_stored_as_their_key_data_and_come_back_as_keys(tmp_
         gj.load(tmp_path, {**abstract, "rng": jax.random.key(0, impl="rbg")})
 
 
+def test_an_abstract_mesh_is_resolved_to_the_mesh_set_around_the_load(tmp_path):
+    # jax.eval_shape (and flax's nnx.eval_shape) inside jax.set_mesh(mesh) gives shardings over an AbstractMesh,
+    # which has no devices: the load resolves it to the concrete mesh set around it, as Orbax does.
+    value = np.arange(64, dtype=np.float32).reshape(8, 8)
+    gj.save(tmp_path, {"w": jax.device_put(value, NamedSharding(mesh("8"), P("x")))})
+    m = mesh("4x2")
+    abstract = {"w": jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(m.abstract_mesh, P("y", "x")))}
+    with jax.set_mesh(m):
+        got, _ = gj.load(tmp_path, abstract)
+    assert got["w"].sharding == NamedSharding(m, P("y", "x")) and np.array_equal(np.asarray(got["w"]), value)
+    with pytest.raises(gs.LayoutError, match=r"'w': .*AbstractMesh.*jax.set_mesh"):
+        gj.load(tmp_path, abstract)  # no mesh set
+    with jax.set_mesh(mesh("2x4")), pytest.raises(gs.LayoutError, match=r"'w': .*AbstractMesh.*not the mesh set"):
+        gj.load(tmp_path, abstract)  # another mesh set: never a guess
+
+
 # ----------------------------------------------------------------- torch <-> JAX
 
 
