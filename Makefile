@@ -18,11 +18,12 @@ test: $(STAMP)
 	$(VENV)/bin/mypy globalshard backends/globalshard_torch backends/globalshard_jax
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --ignore=tests/frameworks
 
-# The real frameworks as oracles (Megatron-Core, torchtitan, transformers), on CPU over gloo.
+# The real frameworks as oracles (Megatron-Core, torchtitan, transformers on CPU over gloo; Flax and optax
+# against Orbax on 8 CPU devices).
 FRAMEWORKS := $(VENV)/.frameworks-installed
 $(FRAMEWORKS): $(STAMP) requirements/frameworks.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/ci.txt -c requirements/frameworks.txt \
-		megatron-core psutil einops transformers triton spmd_types tyro
+		megatron-core psutil einops transformers triton spmd_types tyro flax optax orbax-checkpoint
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -c requirements/frameworks.txt torchtitan
 	touch $@
 
