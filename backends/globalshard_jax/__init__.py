@@ -250,7 +250,10 @@ def load(path: Any, abstract_pytree: Any, *, comm: Comm | None = None, keys: Key
     default device), an array whose shape, dtype and sharding are reused,
     or a Python number (it comes back as one). Each process reads only the
     boxes its devices hold, each once. A 64-bit leaf loads exactly when
-    jax's x64 mode is on, and is an error naming it otherwise.
+    jax's x64 mode is on, and is an error naming it otherwise. An integer
+    leaf narrower than what is stored (a Python int saved as int64, asked
+    for as int32) loads when every value fits, and is a ``CastError`` naming
+    it on every process otherwise.
 
     ``strict`` (the default): every leaf's key must be in the checkpoint and
     every checkpoint key must be asked for by some process; ``strict=False``
@@ -277,12 +280,14 @@ def load(path: Any, abstract_pytree: Any, *, comm: Comm | None = None, keys: Key
         raise kind(gs.errors.format_problems("cannot load into this pytree", problems))
     checkpoint = gs.Checkpoint(path, kvstore=kvstore)
     missing: list[str] = []
+    narrowed: list[tuple[str, np.dtype[Any], dict[Any, Any]]] = []  # integer leaves read at the wider stored dtype
     for (key, leaf), (shape, dtype, sharding) in zip(named, specs):
         ckpt_key, axes = _resolve(keys, key)
         if ckpt_key not in checkpoint.metadata.tensors:
             missing.append(ckpt_key)
             plans.append(None)
             continue
+        read = _read_dtype(dtype, checkpoint.metadata.tensors[ckpt_key].dtype)
         boxes: dict[tuple[tuple[int, int], ...], tuple[np.ndarray, list[Any]]] = {}
         lead, whole = shape, shape[:0]  # the axes the sharding cuts, and those every box holds whole
         if _is_key(getattr(leaf, "dtype", None)):  # key data: the keys' boxes, each with the key shape whole
@@ -295,13 +300,15 @@ def load(path: Any, abstract_pytree: Any, *, comm: Comm | None = None, keys: Key
             index = (*index, *(slice(0, n) for n in whole))
             span = tuple((s.start or 0, s.stop if s.stop is not None else n_) for s, n_ in zip(index, shape))
             if span not in boxes:
-                host = np.empty(tuple(b - a for a, b in span), dtype)
+                host = np.empty(tuple(b - a for a, b in span), read)
                 t = gs.ShardedTensor.from_offset(ckpt_key, host, global_shape=shape,
                                                  global_offset=tuple(a for a, _ in span))
                 targets[f"{key}#{len(boxes)}"] = t.transposed(axes) if axes else t
                 boxes[span] = (host, [])
             boxes[span][1].append(device)
         plans.append((sharding, shape, dtype, boxes))
+        if read != dtype:
+            narrowed.append((key, dtype, boxes))
     if strict and missing:
         raise gs.MissingKeyError(gs.errors.format_problems(
             f"{path}: the pytree asks for keys the checkpoint does not hold (strict=False leaves them as given)",
@@ -313,6 +320,11 @@ def load(path: Any, abstract_pytree: Any, *, comm: Comm | None = None, keys: Key
             f"{path}: checkpoint keys that no process's pytree asks for (pass strict=False to load a part)",
             [repr(k) for k in unexpected]))
     trainer_state = checkpoint.load(targets, comm=comm, allow_lossy_cast=allow_lossy_cast, stats=stats)
+    if narrowed:  # the same leaves on every process: each checks its own boxes, all raise if one fails
+        local = [why for key, dtype, boxes in narrowed if (why := _narrow(key, boxes, dtype)) is not None]
+        problems = list(dict.fromkeys(why for part in comm.all_gather(local) for why in part))
+        if problems:
+            raise gs.CastError(gs.errors.format_problems(f"{path}: integers that do not fit their leaves", problems))
     out: list[Any] = []
     for (_, leaf), plan in zip(named, plans):
         if plan is None:
@@ -326,6 +338,32 @@ def load(path: Any, abstract_pytree: Any, *, comm: Comm | None = None, keys: Key
         is_key = _is_key(leaf.dtype)
         out.append(_array(tuple(leaf.shape) if is_key else shape, sharding, boxes, leaf.dtype if is_key else None))
     return Restored(jax.tree_util.tree_unflatten(treedef, out), trainer_state, missing, unexpected)
+
+
+def _read_dtype(dtype: np.dtype[Any], stored: str) -> np.dtype[Any]:
+    """What an integer leaf is read as: the stored dtype where it is a wider integer (a Python int saved as
+    int64, asked for as jax's int32 with 64-bit types off), then narrowed by :func:`_narrow` only if every
+    value fits; ``dtype`` itself otherwise (the core checks that cast)."""
+    if dtype.kind not in "iu":
+        return dtype
+    try:
+        wide = np.dtype(stored)
+    except TypeError:
+        return dtype
+    return wide if wide.kind in "iu" and not np.can_cast(wide, dtype, "safe") else dtype
+
+
+def _narrow(key: str, boxes: dict[Any, tuple[np.ndarray, list[Any]]], dtype: np.dtype[Any]) -> str | None:
+    """Each box's integers converted to ``dtype`` in place, or why not: a value that does not fit."""
+    info = np.iinfo(dtype)
+    for span, (host, devices) in boxes.items():
+        if host.size and (host.min() < info.min or host.max() > info.max):
+            bad = host.min() if host.min() < info.min else host.max()
+            hint = ("; with jax's 64-bit types on (jax.config.update('jax_enable_x64', True)) it loads whole"
+                    if dtype.itemsize == 4 and not jax.config.jax_enable_x64 else "")
+            return f"{key!r}: stored as {host.dtype}, holds {bad}, which does not fit {dtype}{hint}"
+        boxes[span] = (host.astype(dtype), devices)
+    return None
 
 
 def _array(shape: tuple[int, ...], sharding: Any, boxes: dict[Any, tuple[np.ndarray, list[Any]]],

@@ -115,6 +115,28 @@ def test_64_bit_leaves_are_never_narrowed(tmp_path):
     assert got == {"n": 2**40 + 3, "x": 1 / 3}
 
 
+def test_an_integer_stored_wider_than_its_target_loads_when_every_value_fits(tmp_path):
+    # flax's TrainState.create holds step as the Python int 0 (stored as int64); jax.eval_shape of that state
+    # asks for int32. Integers narrower than stored load exactly when every value fits, else a CastError.
+    m = mesh("8")
+    counts = jax.device_put(np.arange(16, dtype=np.int32) - 8, NamedSharding(m, P("x")))
+    gj.save(tmp_path, {"step": 0, "counts": np.asarray(counts).astype(np.int64), "big": 2**40, "neg": -1})
+    abstract = jax.eval_shape(lambda: {"step": 0, "counts": counts, "big": 0, "neg": 0})
+    assert abstract["step"].dtype == np.int32 and abstract["step"].weak_type
+    abstract["counts"] = jax.ShapeDtypeStruct((16,), np.int32, sharding=NamedSharding(mesh("2x4"), P("y")))
+    got, _ = gj.load(tmp_path, {k: abstract[k] for k in ("step", "counts")}, strict=False)
+    assert got["step"].dtype == np.int32 and int(got["step"]) == 0
+    assert got["counts"].sharding == abstract["counts"].sharding
+    assert np.array_equal(np.asarray(got["counts"]), np.arange(16) - 8)
+    with pytest.raises(gs.CastError, match=r"'big': .* holds 1099511627776, which does not fit int32; with jax's"):
+        gj.load(tmp_path, abstract)
+    with pytest.raises(gs.CastError, match=r"'neg': stored as int64, holds -1, which does not fit uint8$"):
+        gj.load(tmp_path, {**abstract, "big": 0, "neg": jax.ShapeDtypeStruct((), np.uint8)})
+    with pytest.raises(gs.CastError, match=r"'f'.*float64.*float32"):  # floats stay refused: 0.1 is not exact
+        gj.save(tmp_path / "f", {"f": 0.1})
+        gj.load(tmp_path / "f", {"f": jax.ShapeDtypeStruct((), np.float32)})
+
+
 def test_64_bit_leaves_load_exactly_with_x64_on(tmp_path):
     big = np.array([2**40 + 3, -(2**40)], np.int64)
     gj.save(tmp_path, {"i": big})
@@ -266,19 +288,20 @@ WORKER = textwrap.dedent("""
     sharding = NamedSharding(mesh, P("x"))
     x = jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
     keys = jax.jit(lambda: jax.random.split(jax.random.key(9), 16), out_shardings=sharding)()
-    gj.save(path, {"w": x, "keys": keys}, trainer_state={"step": 1})
+    gj.save(path, {"w": x, "keys": keys, "step": 7}, trainer_state={"step": 1})
     mesh2 = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
     target = NamedSharding(mesh2, P("b", "a"))
     stats = gs.IOStats()
     got, ts = gj.load(path, {"w": jax.ShapeDtypeStruct(value.shape, np.float32, sharding=target),
-                             "keys": jax.ShapeDtypeStruct((16,), keys.dtype, sharding=NamedSharding(mesh2, P("b")))},
+                             "keys": jax.ShapeDtypeStruct((16,), keys.dtype, sharding=NamedSharding(mesh2, P("b"))),
+                             "step": jax.ShapeDtypeStruct((), np.int32, sharding=NamedSharding(mesh2, P()))},
                       stats=stats)
     for shard in got["w"].addressable_shards:
         assert np.array_equal(np.asarray(shard.data), value[shard.index]), shard.index
     bits = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(9), 16)))
     for shard in got["keys"].addressable_shards:
         assert np.array_equal(np.asarray(jax.random.key_data(shard.data)), bits[shard.index]), shard.index
-    assert ts == {"step": 1}
+    assert ts == {"step": 1} and got["step"].dtype == np.int32 and int(got["step"]) == 7  # stored as int64
     print("ok", jax.process_index(), len(got["w"].addressable_shards), stats.bytes_needed)
 """)
 
@@ -298,8 +321,8 @@ def test_two_processes_through_jax_distributed(tmp_path):
         assert p.returncode == 0, err[-3000:]
         assert out.startswith("ok"), out
     # Each process read only its own devices' boxes: half the array each; the keys (2 uint32 each) are cut
-    # along mesh axis "b" only, which each process's 4 devices span, so each reads them all.
-    assert [int(o.split()[3]) for o, _ in outs] == [16 * 6 * 4 // 2 + 16 * 2 * 4] * 2
+    # along mesh axis "b" only, which each process's 4 devices span, so each reads them all; and the int64 step.
+    assert [int(o.split()[3]) for o, _ in outs] == [16 * 6 * 4 // 2 + 16 * 2 * 4 + 8] * 2
     assert gs.read_metadata(tmp_path / "ckpt").tensors["w"].global_shape == (16, 6)
 
 
