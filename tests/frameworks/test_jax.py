@@ -7,7 +7,9 @@ by Orbax's ``StandardCheckpointer``, then restored by each onto other meshes
 the way Flax documents it (``nnx.eval_shape`` inside ``jax.set_mesh``): every
 leaf, its dtype and its sharding equal Orbax's restore, and training goes on
 from either with the same losses, within 1e-6 of the run that never
-stopped (a dropout key restored wrong moves them by far more)."""
+stopped (a dropout key restored wrong moves them by far more). And a Linen
+``TrainState`` saved as ``create`` returns it (its step a Python int),
+restored from ``jax.eval_shape(create)`` as Orbax restores it."""
 
 import numpy as np
 import pytest
@@ -189,3 +191,49 @@ def test_an_optax_chain_over_a_parameter_dict_reshards_as_orbax_restores_it(opta
             params, opt_state, loss = optax_step(params, opt_state)
             ours.append(float(loss))
     np.testing.assert_allclose(ours, after, rtol=1e-6, atol=0)
+
+
+# ----------------------------------------------------------------- a Linen TrainState
+
+
+def test_a_linen_train_state_saved_at_step_0_resumes_as_orbax_resumes_it(tmp_path):
+    # TrainState.create holds step as the Python int 0 (stored as int64); jax.eval_shape of the state asks
+    # for int32: the first checkpoint of a run, resumed as Flax documents it.
+    linen = pytest.importorskip("flax.linen")
+    train_state = pytest.importorskip("flax.training.train_state")
+
+    class Net(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            return linen.Dense(4)(linen.relu(linen.Dense(32)(x)))
+
+    net = Net()
+
+    def create():
+        return train_state.TrainState.create(apply_fn=net.apply, params=net.init(jax.random.key(0), BATCH),
+                                             tx=optax.adamw(1e-2))
+
+    @jax.jit
+    def step(state):
+        grads = jax.grad(lambda p: (state.apply_fn(p, BATCH) ** 2).mean())(state.params)
+        return state.apply_gradients(grads=grads)
+
+    state = create()
+    assert type(state.step) is int
+    gj.save(tmp_path / "gs", state)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "orbax", state)
+    checkpointer.wait_until_finished()
+    m = mesh(*SAVED_AT)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(
+        m, P(None, "tp") if a.ndim == 2 and a.shape[1] % 4 == 0 else P())), jax.eval_shape(create))
+    assert abstract.step.dtype == np.int32
+    restored, _ = gj.load(tmp_path / "gs", abstract)
+    oracle = checkpointer.restore(tmp_path / "orbax", abstract)
+    same_leaves(restored, oracle)
+    for _ in range(2):
+        state, restored, oracle = step(state), step(restored), step(oracle)
+    assert int(restored.step) == int(oracle.step) == 2
+    same_leaves(restored, oracle)
+    for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(state.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
