@@ -135,8 +135,6 @@ def _is_key(dtype: Any) -> bool:
 
 def _shards(key: str, leaf: Any, axes: tuple[int, ...] | None, rank: int) -> list[gs.ShardedTensor]:
     """This process's pieces of one leaf, each addressable shard once."""
-    if isinstance(leaf, jax.Array) and _is_key(leaf.dtype):
-        leaf = jax.random.key_data(leaf)  # sharded as the keys, the key shape whole on every device
     if isinstance(leaf, jax.Array):
         out = []
         for shard in leaf.addressable_shards:
@@ -157,7 +155,7 @@ def _shards(key: str, leaf: Any, axes: tuple[int, ...] | None, rank: int) -> lis
 def save(path: Any, pytree: Any, *, trainer_state: dict[str, Any] | None = None, comm: Comm | None = None,
          keys: KeyMap = None, overwrite: bool = False, kvstore: Any = None,
          stats: gs.IOStats | None = None, pack_below: int = 0, base: Any = None, frozen: Any = (),
-         digests: bool | None = None) -> None:
+         digests: bool | None = None, saver: gs.AsyncSaver | None = None) -> None:
     """Save a pytree of arrays (``jax.Array``, numpy, Python scalars) as one checkpoint.
 
     Every process calls it with its own view of the same pytree. ``keys``
@@ -166,15 +164,28 @@ def save(path: Any, pytree: Any, *, trainer_state: dict[str, Any] | None = None,
     ``pack_below``, ``base``, ``frozen``, ``digests``: as for :func:`globalshard.save`
     (small regions stored in a few packs; regions equal to a base checkpoint's
     stored as references to it, ``frozen`` naming checkpoint keys).
+    ``saver`` (a :class:`globalshard.AsyncSaver`): the call returns once the
+    shards are copied into the saver's staging pool, and the writing goes on
+    in its writer process; the arrays may then be donated or deleted. Call
+    ``saver.wait()`` before exiting or loading.
     """
     comm = comm if comm is not None else default_comm()
+    leaves = [(key, jax.random.key_data(leaf) if isinstance(leaf, jax.Array) and _is_key(leaf.dtype) else leaf)
+              for key, leaf in pytree_keys(pytree)]
+    for _, leaf in leaves:  # every device-to-host copy started before the first is waited for
+        if isinstance(leaf, jax.Array):
+            leaf.copy_to_host_async()
     state: dict[str, gs.ShardedTensor] = {}
-    for key, leaf in pytree_keys(pytree):
+    for key, leaf in leaves:
         ckpt_key, axes = _resolve(keys, key)
         for i, t in enumerate(_shards(ckpt_key, leaf, axes, comm.rank)):
             state[f"{key}#{i}"] = t
-    gs.save(state, path, trainer_state=trainer_state, comm=comm, overwrite=overwrite, kvstore=kvstore, stats=stats,
-            pack_below=pack_below, base=base, frozen=frozen, digests=digests)
+    options = dict(trainer_state=trainer_state, comm=comm, overwrite=overwrite, kvstore=kvstore, stats=stats,
+                   pack_below=pack_below, base=base, frozen=frozen, digests=digests)
+    if saver is not None:
+        saver.save(state, path, **options)
+    else:
+        gs.save(state, path, **options)
 
 
 class Restored(tuple):
@@ -360,7 +371,7 @@ def _narrow(key: str, boxes: dict[Any, tuple[np.ndarray, list[Any]]], dtype: np.
         if host.size and (host.min() < info.min or host.max() > info.max):
             bad = host.min() if host.min() < info.min else host.max()
             hint = ("; with jax's 64-bit types on (jax.config.update('jax_enable_x64', True)) it loads whole"
-                    if dtype.itemsize == 4 and not jax.config.jax_enable_x64 else "")
+                    if dtype.itemsize == 4 and jax.dtypes.canonicalize_dtype(np.int64) != np.int64 else "")
             return f"{key!r}: stored as {host.dtype}, holds {bad}, which does not fit {dtype}{hint}"
         boxes[span] = (host.astype(dtype), devices)
     return None

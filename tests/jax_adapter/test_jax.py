@@ -223,6 +223,25 @@ def test_an_abstract_mesh_is_resolved_to_the_mesh_set_around_the_load(tmp_path):
         gj.load(tmp_path, abstract)  # another mesh set: never a guess
 
 
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_an_async_save_keeps_the_values_it_was_given_after_the_arrays_are_deleted(tmp_path, mode):
+    # As a jitted step that donates its state does: the buffers are gone once gj.save returns.
+    value = np.arange(24 * 24, dtype=np.float32).reshape(24, 24)
+    x = jax.device_put(value, NamedSharding(mesh("4x2"), P("x", "y")))
+    key = jax.random.key(4)
+    saver = gs.AsyncSaver(mode)
+    gj.save(tmp_path, {"w": x, "rng": key, "step": 9}, trainer_state={"step": 9}, saver=saver)
+    x.delete()
+    key.delete()
+    saver.wait()
+    target = {"w": jax.ShapeDtypeStruct((24, 24), np.float32, sharding=NamedSharding(mesh("8"), P(None, "x"))),
+              "rng": jax.random.key(0), "step": 0}
+    got, ts = gj.load(tmp_path, target)
+    assert ts == {"step": 9} and got["step"] == 9 and np.array_equal(np.asarray(got["w"]), value)
+    assert np.array_equal(np.asarray(jax.random.key_data(got["rng"])), np.asarray(jax.random.key_data(
+        jax.random.key(4))))
+
+
 # ----------------------------------------------------------------- torch <-> JAX
 
 
