@@ -4,8 +4,8 @@ Orbax-shaped::
 
     import globalshard_jax as gj
     gj.save(path, {"params": params, "opt": opt_state}, trainer_state={"step": 100})
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=new_sharding), params)
-    restored, trainer_state = gj.load(path, {"params": abstract})
+    like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=new_sharding)
+    restored, trainer_state = gj.load(path, jax.tree.map(like, {"params": params, "opt": opt_state}))
 
 Keys are the pytree paths joined with dots (``params.dense.kernel``,
 ``opt.0.mu.dense.kernel``). Typed PRNG keys (``jax.random.key``) are stored
