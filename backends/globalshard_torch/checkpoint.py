@@ -62,6 +62,9 @@ _OPT = "optimizer."
 class LoadResult:
     """What :func:`load_checkpoint` restored."""
 
+    #: What the save was given as ``trainer_state`` (the adapter's own entries: parallel config,
+    #: optimizer groups, scheduler, RNG, extra and per-rank state, are not in it), so that it can be
+    #: passed to the next save as it is.
     trainer_state: dict[str, Any]
     rng_restored: bool
     stats: gs.IOStats = field(default_factory=gs.IOStats)
@@ -424,7 +427,8 @@ def load_checkpoint(
     # TODO(limitation): per-rank state (a dataloader's position) comes back only on the
     # layout that saved it, like RNG states.
     own = trainer["rank_state"][comm.rank] if same_layout and trainer.get("rank_state") else None
-    return LoadResult(trainer, restored, stats, own, sorted(set(missing)), unexpected)
+    user = {k: v for k, v in trainer.items() if k not in _RESERVED}
+    return LoadResult(user, restored, stats, own, sorted(set(missing)), unexpected)
 
 
 def _fit_padding(targets: dict[str, gs.ShardedTensor], metadata: gs.Metadata) -> None:

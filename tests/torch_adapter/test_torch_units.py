@@ -237,12 +237,15 @@ def test_single_process_round_trip_with_optimizer_and_scheduler(tmp_path):
     sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=0.5)
     result = gt.load_checkpoint(tmp_path / "c", model=other, layout=gt.ParallelLayout(), rules=RULES,
                                 optimizer=opt2, scheduler=sched2)
-    assert result.trainer_state["step"] == 1 and result.rng_restored
+    assert result.trainer_state == {"step": 1} and result.rng_restored  # what the save was given, as given
     for a, b in zip(model.parameters(), other.parameters()):
         assert torch.equal(a, b)
         for k in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(opt.state[a][k], opt2.state[b][k])
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] and opt2.param_groups[0]["betas"] == (0.8, 0.9)
+    # ... so that a resumed run carries it forward into its next save.
+    gt.save_checkpoint(tmp_path / "d", model=other, layout=gt.ParallelLayout(), rules=RULES, optimizer=opt2,
+                       scheduler=sched2, trainer_state=result.trainer_state)
     assert sched2.state_dict() == sched.state_dict()
 
 
