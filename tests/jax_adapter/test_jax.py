@@ -234,6 +234,8 @@ def test_an_async_save_keeps_the_values_it_was_given_after_the_arrays_are_delete
     x.delete()
     key.delete()
     saver.wait()
+    with pytest.raises(gs.LayoutError, match=r"'w': the array has been deleted"):  # a save after donation
+        gj.save(tmp_path / "late", {"w": x}, saver=saver)
     target = {"w": jax.ShapeDtypeStruct((24, 24), np.float32, sharding=NamedSharding(mesh("8"), P(None, "x"))),
               "rng": jax.random.key(0), "step": 0}
     got, ts = gj.load(tmp_path, target)
