@@ -664,9 +664,10 @@ def run_tolerating_deaths(world: int, fn_name: str, out_dir: str, **args: Any) -
         return outcomes
 
 
-def state_dict_save_job(rank: int, *, path: str, dump: str) -> None:
+def state_dict_save_job(rank: int, *, path: str, dump: str, saver: str | None = None) -> None:
     """2 ranks, DTensor parameters (rows sharded), AdamW after a step; the DCP
-    state dict saved through globalshard_torch.save."""
+    state dict saved through globalshard_torch.save (with ``saver``, an
+    AsyncSaver of that mode, the parameters changing while it writes)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -684,7 +685,16 @@ def state_dict_save_job(rank: int, *, path: str, dump: str) -> None:
     held = {"w": _full(model.w), "b": _full(model.b), "exp_avg.w": _full(opt.state[model.w]["exp_avg"])}
     if rank == 0:
         np.savez(dump, **held)
-    gt.save({"model": model_sd, "optim": optim_sd, "step": 7}, path)
+    if saver is None:
+        gt.save({"model": model_sd, "optim": optim_sd, "step": 7}, path)
+        return
+    background = gs.AsyncSaver(saver)
+    gt.save({"model": model_sd, "optim": optim_sd, "step": 7}, path, saver=background)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1000.0)
+            opt.state[p]["exp_avg"].add_(1000.0)
+    background.wait()
 
 
 def state_dict_load_job(rank: int, *, path: str) -> dict[str, Any]:

@@ -148,11 +148,15 @@ def _tensor_shard(key: str, t: torch.Tensor, staging: HostStaging, rank: int, *,
 
 def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, overwrite: bool = False,
          kvstore: Any = None, stats: gs.IOStats | None = None, pack_below: int = 0, base: Any = None,
-         frozen: Sequence[str] = (), digests: bool | None = None) -> None:
+         frozen: Sequence[str] = (), digests: bool | None = None, saver: gs.AsyncSaver | None = None) -> None:
     """Save a nested state dict (see the module docstring). Call on every rank.
     ``pack_below``, ``base``, ``frozen``, ``digests``: as for :func:`globalshard.save`
     (small regions stored in a few packs; regions equal to a base checkpoint's
-    stored as references to it).
+    stored as references to it). ``saver`` (a :class:`globalshard.AsyncSaver`),
+    as DCP's ``async_save``: the call returns once this rank's tensors are
+    copied to host memory (CUDA tensors into the saver's page-locked pool, on
+    a side stream), and the writing goes on in the background; training may
+    change them meanwhile. Call ``saver.wait()`` before exiting or loading.
 
     Raises:
         LayoutError: a leaf that cannot be saved (named by its key), or
@@ -160,7 +164,9 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
     """
     _check_root(state_dict)
     comm = comm if comm is not None else (default_comm() or SingleProcessComm())
-    staging = HostStaging()
+    if saver is not None:
+        saver.wait()  # the save before it may still be writing from the saver's pools
+    staging = HostStaging(overlap=saver is not None, pool=saver.host_pool if saver is not None else None)
     shards: dict[str, gs.ShardedTensor] = {}
     values: dict[str, Any] = {}
     byte_keys: list[str] = []
@@ -193,9 +199,14 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
             raise LayoutError(format_problems("cannot save the state dict", problems))
 
     run_collectively(comm, "save: describing the state dict", describe)
-    gs.save(shards, path, trainer_state={_VALUES: values, _BYTES: sorted(byte_keys)}, comm=comm,
-            overwrite=overwrite, kvstore=kvstore, stats=stats, pack_below=pack_below, base=base, frozen=frozen,
-            digests=digests)
+    trainer_state = {_VALUES: values, _BYTES: sorted(byte_keys)}
+    if saver is not None:  # device-to-host copies overlap with the writes
+        saver.save(shards, path, trainer_state=trainer_state, comm=comm, overwrite=overwrite, kvstore=kvstore,
+                   stats=stats, staged=staging.staged(shards), pack_below=pack_below, base=base, frozen=frozen,
+                   digests=digests)
+    else:
+        gs.save(shards, path, trainer_state=trainer_state, comm=comm, overwrite=overwrite, kvstore=kvstore,
+                stats=stats, pack_below=pack_below, base=base, frozen=frozen, digests=digests)
 
 
 def _like(template: Any, value: Any) -> Any:

@@ -74,6 +74,35 @@ def test_a_nested_state_dict_round_trips_exactly(tmp_path):
     assert state["config"] == {"layers": [1, 2], "name": "x"}
 
 
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_an_async_save_holds_the_values_of_when_it_returned_as_dcp_async_save(tmp_path, mode):
+    model, opt = _trained()
+    loader = Loader()
+    loader.index = 40
+    saver = gs.AsyncSaver(mode)
+    state = _state(model, opt, loader, torch.amp.GradScaler("cpu"), {"0.weight": model[0].weight.detach() * 2})
+    held = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moments = {n: opt.state[p]["exp_avg"].clone() for n, p in model.named_parameters()}
+    gt.save(state, tmp_path / "c", saver=saver)
+    with torch.no_grad():  # training goes on while the writer writes
+        for p in model.parameters():
+            p.add_(100.0)
+            opt.state[p]["exp_avg"].add_(100.0)
+    loader.index = 41
+    saver.wait()
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    model2 = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
+    loader2 = Loader()
+    state2 = _state(model2, opt2, loader2, torch.amp.GradScaler("cpu"), {"0.weight": torch.zeros(3, 4)})
+    gt.load(state2, tmp_path / "c")
+    set_state_dict(model2, opt2, model_state_dict=state2["model"], optim_state_dict=state2["optim"])
+    for n, p in model2.named_parameters():
+        assert torch.equal(p, held[n]) and torch.equal(opt2.state[p]["exp_avg"], moments[n]), n
+    assert loader2.index == 40 and state2["step"] == 12
+
+
 def test_wrapper_prefixes_are_normalised(tmp_path):
     model, _ = _trained()
     wrapped = {f"module._orig_mod.{k}": v for k, v in model.state_dict().items()}
@@ -173,9 +202,11 @@ def test_strict_by_default_and_the_keys_reported_either_way(tmp_path):
     assert torch.equal(sd["extra"], torch.full((2,), 7.0))
 
 
-def test_dtensor_state_dicts_reshard_between_placements(tmp_path):
+@pytest.mark.parametrize("saver", [None, "process"])
+def test_dtensor_state_dicts_reshard_between_placements(tmp_path, saver):
+    # saver: as DCP's async_save, the parameters changed on every rank while the writer writes.
     ckpt, dump = str(tmp_path / "ckpt"), str(tmp_path / "held.npz")
-    values_of(run(2, "state_dict_save_job", str(tmp_path / "s"), path=ckpt, dump=dump))
+    values_of(run(2, "state_dict_save_job", str(tmp_path / "s"), path=ckpt, dump=dump, saver=saver))
     held = dict(np.load(dump))
     for got in values_of(run(2, "state_dict_load_job", str(tmp_path / "l"), path=ckpt)):
         assert np.array_equal(np.array(got["w"], np.float32), held["w"])
