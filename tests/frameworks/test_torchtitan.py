@@ -2,7 +2,9 @@
 ``debugmodel``, ``ModelWrapper``, ``OptimizersContainer`` and
 ``LRSchedulersContainer``, passed directly and flattened as its
 CheckpointManager passes them, saved and loaded with globalshard and with
-torch DCP; every model and optimizer tensor equal to DCP's load."""
+torch DCP; every model and optimizer tensor equal to DCP's load. Saved in the
+background too (``saver=`` against DCP's ``async_save``) while a training
+step runs: both hold the state of the call."""
 
 import pytest
 
@@ -15,6 +17,7 @@ from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.optimizer.optimizer import default_adamw
 from torchtitan.models.llama3 import model_registry
 
+import globalshard as gs
 import globalshard_torch as gt
 
 
@@ -68,3 +71,33 @@ def test_torchtitans_own_containers_round_trip_as_dcp_loads_them(tmp_path, flatt
         else:
             assert ours_opt[key] == value, key
     assert ours[2].state_dict() == theirs[2].state_dict() == saved[2].state_dict()
+
+
+def test_an_async_save_holds_what_dcps_async_save_holds_while_training_goes_on(tmp_path):
+    saved = trainer(0, steps=2)
+    saver = gs.AsyncSaver("process")
+    gt.save(states(*saved, True), tmp_path / "ours", saver=saver)
+    future = dcp.async_save(states(*saved, True), checkpoint_id=str(tmp_path / "dcp"))
+    for p in saved[0].parameters():  # a training step while both write
+        p.grad = torch.randn_like(p)
+    saved[1].step()
+    saved[2].step()
+    saver.wait()
+    future.result()
+
+    ours, theirs = trainer(5, steps=1), trainer(7, steps=1)
+    ours_state, theirs_state = states(*ours, True), states(*theirs, True)
+    assert gt.load(ours_state, tmp_path / "ours") == gt.LoadedKeys([], [])
+    dcp.load(theirs_state, checkpoint_id=str(tmp_path / "dcp"))
+    for model, state in ((ours[0], ours_state), (theirs[0], theirs_state)):
+        model.load_state_dict({k: v for k, v in state.items() if torch.is_tensor(v)})
+    moved = 0
+    for (name, a), b, c in zip(saved[0].named_parameters(), ours[0].parameters(), theirs[0].parameters()):
+        assert torch.equal(b, c), name
+        moved += not torch.equal(a, b)  # the step after the save is not in either checkpoint
+    assert moved == len(list(saved[0].parameters()))
+    ours_opt, theirs_opt = ours[1].state_dict(), theirs[1].state_dict()
+    assert set(ours_opt) == set(theirs_opt)
+    for key, value in theirs_opt.items():
+        assert torch.equal(ours_opt[key], value) if torch.is_tensor(value) else ours_opt[key] == value, key
+    assert ours[2].state_dict() == theirs[2].state_dict() != saved[2].state_dict()
