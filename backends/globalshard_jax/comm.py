@@ -13,6 +13,12 @@ from globalshard.comm import Comm, SingleProcessComm
 
 __all__ = ["JaxComm", "default_comm"]
 
+#: Exchanges of this process, over every JaxComm it makes: each gj.save and gj.load makes its own, and
+#: every process makes the same exchanges in the same order, so the numbers agree across processes and
+#: one exchange's keys and barrier are never another's (rank 0 deletes a round's keys after its barrier,
+#: while the others may already be in the next exchange).
+_ROUNDS = itertools.count()
+
 
 class JaxComm:
     """A :class:`globalshard.Comm` over ``jax.distributed``'s key-value store
@@ -31,7 +37,6 @@ class JaxComm:
             raise gs.CommError("jax.distributed is not initialized (call jax.distributed.initialize first)")
         self._client = client
         self._timeout_ms = int(timeout_s * 1000)
-        self._round = itertools.count()
 
     @property
     def rank(self) -> int:
@@ -42,7 +47,7 @@ class JaxComm:
         return int(jax.process_count())
 
     def all_gather(self, obj: Any) -> list[Any]:
-        n = next(self._round)
+        n = next(_ROUNDS)
         prefix = f"globalshard/{n}"
         try:
             self._client.key_value_set(f"{prefix}/{self.rank}", json.dumps(obj, allow_nan=False))

@@ -327,24 +327,62 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def test_two_processes_through_jax_distributed(tmp_path):
+def two_processes(tmp_path, worker, *args):
+    """Run ``worker`` in 2 processes joined by jax.distributed on 127.0.0.1; their stdouts."""
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
     script = tmp_path / "worker.py"
-    script.write_text(WORKER)
+    script.write_text(worker)
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-    procs = [subprocess.Popen([sys.executable, str(script), f"127.0.0.1:{port}", str(i), str(tmp_path / "ckpt")],
+    procs = [subprocess.Popen([sys.executable, str(script), f"127.0.0.1:{port}", str(i), *map(str, args)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
         assert out.startswith("ok"), out
+    return [out for out, _ in outs]
+
+
+def test_two_processes_through_jax_distributed(tmp_path):
+    outs = two_processes(tmp_path, WORKER, tmp_path / "ckpt")
     # Each process read only its own devices' boxes: half the array each; the keys (2 uint32 each) are cut
     # along mesh axis "b" only, which each process's 4 devices span, so each reads them all; and the int64 step.
-    assert [int(o.split()[3]) for o, _ in outs] == [16 * 6 * 4 // 2 + 16 * 2 * 4 + 8] * 2
+    assert [int(o.split()[3]) for o in outs] == [16 * 6 * 4 // 2 + 16 * 2 * 4 + 8] * 2
     assert gs.read_metadata(tmp_path / "ckpt").tensors["w"].global_shape == (16, 6)
+
+
+SLOW_CLEANUP = textwrap.dedent("""
+    import os, sys, time
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+    import globalshard_jax as gj
+
+    class SlowDelete:  # rank 0 late to delete an exchange's keys, as after a GC pause
+        def __init__(self, client):
+            self.client = client
+        def __getattr__(self, name):
+            return getattr(self.client, name)
+        def key_value_delete(self, key):
+            time.sleep(1.0)
+            return self.client.key_value_delete(key)
+
+    first = gj.JaxComm(timeout_s=20)
+    if jax.process_index() == 0:
+        first._client = SlowDelete(first._client)
+    assert first.all_gather(jax.process_index() * 10) == [0, 10]
+    second = gj.JaxComm(timeout_s=20)  # as the next gj.save or gj.load makes its own
+    assert second.all_gather(jax.process_index() + 100) == [100, 101]
+    print("ok")
+""")
+
+
+def test_the_next_exchange_does_not_collide_with_a_late_cleanup_of_the_last(tmp_path):
+    # Every JaxComm numbered its exchanges from 0: the other process set the next exchange's key before rank 0
+    # had deleted the last one's (ALREADY_EXISTS on rank 1, a timeout on rank 0).
+    two_processes(tmp_path, SLOW_CLEANUP)
 
 
 def test_a_padding_companion_is_not_an_unexpected_key(tmp_path):
