@@ -185,13 +185,9 @@ def _read_dtype(dtype: np.dtype[Any], stored: str) -> np.dtype[Any]:
     """What an integer leaf is read as: the stored dtype where it is a wider integer (a Python int saved as
     int64, asked for as jax's int32 with 64-bit types off), then narrowed by :func:`_narrow` only if every
     value fits; ``dtype`` itself otherwise (the core checks that cast)."""
-    if dtype.kind not in "iu":
+    if dtype.kind not in "iu" or not stored.startswith(("int", "uint")) or gs.is_exact_cast(stored, dtype.name):
         return dtype
-    try:
-        wide = np.dtype(stored)
-    except TypeError:
-        return dtype
-    return wide if wide.kind in "iu" and not np.can_cast(wide, dtype, "safe") else dtype
+    return np.dtype(stored)
 
 
 def _narrow(key: str, boxes: dict[Any, tuple[np.ndarray, list[Any]]], dtype: np.dtype[Any]) -> str | None:
