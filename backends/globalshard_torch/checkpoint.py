@@ -173,9 +173,7 @@ def save_checkpoint(
             raise LayoutError(f"a TieredManager's save takes none of {given}: it returns once the tier copies are "
                               "committed, writes every region itself and keeps its steps in its persistent tier")
     shards: dict[str, gs.ShardedTensor] = {}
-    if saver is not None:
-        saver.wait()  # the save before it may still be writing from the saver's pools
-    staging = HostStaging(overlap=saver is not None, pool=saver.host_pool if saver is not None else None)
+    staging = HostStaging.for_save(saver)
 
     zero = _is_zero_redundancy(optimizer)
     if zero:
@@ -240,12 +238,9 @@ def save_checkpoint(
         state["rank_state"] = [g["rank_state"] for g in gathered]
     if isinstance(path, _TierStep):
         path.manager.save_state(path.step, shards, trainer_state=state, stats=stats)
-    elif saver is not None:  # device-to-host copies overlap with the writes
-        saver.save(shards, path, trainer_state=state, comm=comm, overwrite=overwrite, kvstore=kvstore, stats=stats,
-                   staged=staging.staged(shards), pack_below=pack_below, base=base, frozen=frozen, digests=digests)
     else:
-        gs.save(shards, path, trainer_state=state, comm=comm, overwrite=overwrite, kvstore=kvstore, stats=stats,
-                pack_below=pack_below, base=base, frozen=frozen, digests=digests)
+        staging.save(shards, path, saver, trainer_state=state, comm=comm, overwrite=overwrite, kvstore=kvstore,
+                     stats=stats, pack_below=pack_below, base=base, frozen=frozen, digests=digests)
 
 
 def load_checkpoint(

@@ -164,9 +164,7 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
     """
     _check_root(state_dict)
     comm = comm if comm is not None else (default_comm() or SingleProcessComm())
-    if saver is not None:
-        saver.wait()  # the save before it may still be writing from the saver's pools
-    staging = HostStaging(overlap=saver is not None, pool=saver.host_pool if saver is not None else None)
+    staging = HostStaging.for_save(saver)
     shards: dict[str, gs.ShardedTensor] = {}
     values: dict[str, Any] = {}
     byte_keys: list[str] = []
@@ -199,14 +197,9 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
             raise LayoutError(format_problems("cannot save the state dict", problems))
 
     run_collectively(comm, "save: describing the state dict", describe)
-    trainer_state = {_VALUES: values, _BYTES: sorted(byte_keys)}
-    if saver is not None:  # device-to-host copies overlap with the writes
-        saver.save(shards, path, trainer_state=trainer_state, comm=comm, overwrite=overwrite, kvstore=kvstore,
-                   stats=stats, staged=staging.staged(shards), pack_below=pack_below, base=base, frozen=frozen,
-                   digests=digests)
-    else:
-        gs.save(shards, path, trainer_state=trainer_state, comm=comm, overwrite=overwrite, kvstore=kvstore,
-                stats=stats, pack_below=pack_below, base=base, frozen=frozen, digests=digests)
+    staging.save(shards, path, saver, trainer_state={_VALUES: values, _BYTES: sorted(byte_keys)}, comm=comm,
+                 overwrite=overwrite, kvstore=kvstore, stats=stats, pack_below=pack_below, base=base,
+                 frozen=frozen, digests=digests)
 
 
 def _like(template: Any, value: Any) -> Any:

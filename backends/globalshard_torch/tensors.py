@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
+import globalshard as gs
 from globalshard.errors import LayoutError
 
 __all__ = ["HostStaging", "numpy_view", "torch_dtype"]
@@ -167,6 +168,24 @@ class HostStaging:
         self._syncs.clear()
         for device, side in self._side.items():
             torch.cuda.current_stream(device).wait_stream(side)
+
+    @classmethod
+    def for_save(cls, saver: gs.AsyncSaver | None) -> HostStaging:
+        """A save's staging: plain without ``saver``; with one, once the save
+        before it is done, into its pool with the copies overlapping the writes."""
+        if saver is None:
+            return cls()
+        saver.wait()  # the save before it may still be writing from the saver's pools
+        return cls(overlap=True, pool=saver.host_pool)
+
+    def save(self, shards: Mapping[str, Any], path: Any, saver: gs.AsyncSaver | None, **options: Any) -> None:
+        """:func:`globalshard.save` of the staged ``shards``; with ``saver``, its
+        ``save``, whose writer waits for each copy still in flight just before
+        writing that shard."""
+        if saver is None:
+            gs.save(shards, path, **options)
+        else:
+            saver.save(shards, path, staged=self.staged(shards), **options)
 
     def staged(self, shards: Mapping[str, Any]) -> dict[str, Callable[[], None]]:
         """The shards (name -> ShardedTensor) whose data views a buffer still
