@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import textwrap
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,7 +39,9 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  #
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.tensor_parallel import random as mrandom  # noqa: E402
 from megatron.core.transformer.moe import moe_utils  # noqa: E402
+from megatron.core.transformer.transformer_block import get_num_layers_to_build  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset  # noqa: E402
 
 moe_utils.te_general_gemm = None  # 0.16's router references it undefined without Transformer Engine
 
@@ -79,41 +82,74 @@ def _distributed_optimizer_on_cpu() -> Iterator[None]:
 SEQ, BATCH = 8, 2
 
 
-def setup(tp: int, pp: int, ep: int = 1) -> gt.ParallelLayout:
-    """Megatron-Core's parallel state for a layout, and the same layout for globalshard."""
+def setup(m: dict[str, Any], tp: int, pp: int, ep: int = 1, vpp: int = 1, first: int | None = None,
+          pp_layout: str | None = None) -> gt.ParallelLayout:
+    """Megatron-Core's parallel state for a layout, and the same layout for globalshard.
+
+    ``vpp``: virtual pipeline chunks per stage. An uneven pipeline, by
+    Megatron's ``num_layers_in_first_pipeline_stage`` (``first``) or its
+    ``pipeline_model_parallel_layout`` (``pp_layout``), is told to globalshard
+    as Megatron assigns it (``stage_layers``)."""
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
                                  expert_model_parallel_size=ep)
     torch.manual_seed(1)
     mrandom.model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
-    return gt.ParallelLayout(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
-                             pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp,
-                             dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
-                             ep_size=ep, num_layers=NUM_LAYERS)
+    cfg = config(m, vpp=vpp, first=first, pp_layout=pp_layout)
+    stages = megatron_stage_layers(cfg) if first or pp_layout else None
+    layout = gt.ParallelLayout(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
+                               pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp, vpp_size=vpp,
+                               dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+                               ep_size=ep, num_layers=NUM_LAYERS, stage_layers=stages)
+    CONFIGS[layout] = cfg
+    return layout
+
+
+CONFIGS: dict[gt.ParallelLayout, TransformerConfig] = {}  # the config each layout's models are built with
+
+
+def megatron_stage_layers(config: TransformerConfig) -> list[list[list[int]]]:
+    """``stage_layers`` as Megatron-Core assigns layers, by docs/torch.md's recipe run as printed."""
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "torch.md")).read()
+    block = doc[doc.index("  from functools import partial"):doc.index("  layout = gt.ParallelLayout(..., vpp_size=vpp")]
+    names: dict[str, Any] = {"config": config}
+    exec(textwrap.dedent(block), names)
+    return names["stage_layers"]
 
 
 NUM_LAYERS = 4
 
 
-def build(m: dict[str, Any]) -> GPTModel:
+def config(m: dict[str, Any], vpp: int = 1, first: int | None = None,
+           pp_layout: str | None = None) -> TransformerConfig:
     moe = dict(num_moe_experts=m["experts"], moe_router_topk=2, moe_token_dispatcher_type="allgather",
                moe_aux_loss_coeff=0.0) if m.get("experts") else {}
     # A Llama: RMSNorm and SwiGLU (Megatron's defaults are LayerNorm and GeLU).
     llama = dict(normalization="RMSNorm", activation_func=torch.nn.functional.silu) if m.get("llama") else {}
-    cfg = TransformerConfig(**moe, **llama, num_layers=NUM_LAYERS, hidden_size=m["hidden"],
-                            num_attention_heads=m["heads"],
-                            num_query_groups=m["groups"], ffn_hidden_size=m["ffn"],
-                            gated_linear_unit=m["glu"], add_bias_linear=m["bias"], use_cpu_initialization=True,
-                            hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32,
-                            pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-                            tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size())
-    spec = get_gpt_layer_local_spec(num_experts=m.get("experts"), normalization=llama.get("normalization"))
-    return GPTModel(cfg, transformer_layer_spec=spec,
-                    vocab_size=m["vocab"],
-                    max_sequence_length=SEQ, position_embedding_type="rope",
-                    share_embeddings_and_output_weights=m["tied"],
-                    pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
+    return TransformerConfig(**moe, **llama, num_layers=NUM_LAYERS, hidden_size=m["hidden"],
+                             num_attention_heads=m["heads"],
+                             num_query_groups=m["groups"], ffn_hidden_size=m["ffn"],
+                             gated_linear_unit=m["glu"], add_bias_linear=m["bias"], use_cpu_initialization=True,
+                             hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32,
+                             pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+                             virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                             num_layers_in_first_pipeline_stage=first, pipeline_model_parallel_layout=pp_layout,
+                             tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size())
+
+
+def build(m: dict[str, Any], layout: gt.ParallelLayout) -> list[GPTModel]:
+    """This rank's model: its virtual pipeline chunks, in local order (one without VPP)."""
+    vpp, cfg = layout.vpp_size, CONFIGS[layout]
+    spec = get_gpt_layer_local_spec(num_experts=m.get("experts"), normalization=cfg.normalization
+                                    if m.get("llama") else None)
+    return [GPTModel(cfg, transformer_layer_spec=spec, vocab_size=m["vocab"], max_sequence_length=SEQ,
+                     position_embedding_type="rope", share_embeddings_and_output_weights=m["tied"],
+                     vp_stage=c if vpp > 1 else None,
+                     pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=c if vpp > 1 else None),
+                     post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=c if vpp > 1 else None))
+            for c in range(vpp)]
 
 
 def rules(m: dict[str, Any]) -> gt.ShardingRules:
@@ -137,41 +173,47 @@ def rules(m: dict[str, Any]) -> gt.ShardingRules:
     ])
 
 
-def global_name(layout: gt.ParallelLayout, name: str, m: dict[str, Any]) -> str:
-    name = layout.global_name(name, 0)
+def global_name(layout: gt.ParallelLayout, name: str, chunk: int, m: dict[str, Any]) -> str:
+    name = layout.global_name(name, chunk)
     return "embedding.word_embeddings.weight" if m["tied"] and name == "output_layer.weight" else name
 
 
-def scramble(model: GPTModel, layout: gt.ParallelLayout, m: dict[str, Any], salt: str) -> None:
+def scramble(chunks: list[GPTModel], layout: gt.ParallelLayout, m: dict[str, Any], salt: str) -> None:
     """Values unlike any initialisation, equal on every replica (DP, and TP for
     replicated tensors, and both ends of tied embeddings), so the model is
     one consistent global model whatever its layout."""
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            sharded = getattr(p, "tensor_model_parallel", False)
-            key = f"{salt}/{global_name(layout, name, m)}/{layout.tp_rank if sharded else 0}"
-            seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little")
-            g = torch.Generator().manual_seed(seed)
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        for chunk, model in enumerate(chunks):
+            for name, p in model.named_parameters():
+                sharded = getattr(p, "tensor_model_parallel", False)
+                key = f"{salt}/{global_name(layout, name, chunk, m)}/{layout.tp_rank if sharded else 0}"
+                seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little")
+                g = torch.Generator().manual_seed(seed)
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
 
 
-def logits(model: GPTModel, layout: gt.ParallelLayout) -> list[float] | None:
-    """The full logits of a fixed batch, run by hand through the pipeline
-    (send/recv between stages) and gathered over TP; returned by the rank
-    that holds them whole (last stage, TP rank 0, DP rank 0)."""
+def logits(chunks: list[GPTModel], layout: gt.ParallelLayout) -> list[float] | None:
+    """The full logits of a fixed batch, run by hand through the pipeline's
+    chunks in Megatron's order (chunk 0 of every stage, then chunk 1, ...;
+    send/recv between stages, around the ring between chunks) and gathered
+    over TP; returned by the rank that holds them whole (last stage, TP rank 0,
+    DP rank 0)."""
     ids = (torch.arange(BATCH * SEQ).reshape(BATCH, SEQ) * 7) % 50
     pos = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
     mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1).view(1, 1, SEQ, SEQ)
-    model.eval()
-    hidden_shape = (SEQ, BATCH, model.config.hidden_size)
+    hidden_shape = (SEQ, BATCH, chunks[0].config.hidden_size)
     with torch.no_grad():
-        if not ps.is_pipeline_first_stage():
-            recv = torch.empty(hidden_shape)
-            dist.recv(recv, src=ps.get_pipeline_model_parallel_prev_rank())
-            model.set_input_tensor(recv)
-        out = model(ids, pos, mask)
-        if not ps.is_pipeline_last_stage():
-            dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+        for c, model in enumerate(chunks):
+            model.eval()
+            first, last = c == 0 and ps.is_pipeline_first_stage(), c == len(chunks) - 1 and ps.is_pipeline_last_stage()
+            if not first:
+                recv = torch.empty(hidden_shape)
+                dist.recv(recv, src=ps.get_pipeline_model_parallel_prev_rank())
+                model.set_input_tensor(recv)
+            out = model(ids, pos, mask)
+            if not last:
+                dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+        if not last:
             return None
     group = ps.get_tensor_model_parallel_group()
     parts = [torch.empty_like(out) for _ in range(layout.tp_size)]
@@ -180,14 +222,22 @@ def logits(model: GPTModel, layout: gt.ParallelLayout) -> list[float] | None:
     return full.flatten().tolist() if layout.tp_rank == 0 and layout.dp_rank == 0 else None
 
 
-def _named(model: GPTModel, layout: gt.ParallelLayout) -> dict[str, torch.Tensor]:
-    return {layout.global_name(n, 0): p.detach().clone() for n, p in model.named_parameters()}
+def _named(chunks: list[GPTModel], layout: gt.ParallelLayout) -> dict[str, torch.Tensor]:
+    return {layout.global_name(n, c): p.detach().clone()
+            for c, model in enumerate(chunks) for n, p in model.named_parameters()}
 
 
-def saved_with_globalshard(path: str, save: dict[str, int], model: dict[str, Any]) -> tuple[GPTModel, Any, Any]:
+def _megatron(chunks: list[GPTModel]) -> dict[str, Any]:
+    """The sharded state dict Megatron's trainer saves: one entry per chunk
+    (``model0``, ``model1``, ... with VPP; its keys are global)."""
+    return {f"model{c}": chunk.sharded_state_dict() for c, chunk in enumerate(chunks)}
+
+
+def saved_with_globalshard(path: str, save: dict[str, int],
+                           model: dict[str, Any]) -> tuple[list[GPTModel], Any, Any]:
     """A model at layout ``save`` with values unlike any initialisation, its logits, saved to ``path``."""
-    layout = setup(**save)
-    a = build(model)
+    layout = setup(model, **save)
+    a = build(model, layout)
     scramble(a, layout, model, "saved")
     before = logits(a, layout)
     gt.save_checkpoint(path, model=a, layout=layout, rules=rules(model))
@@ -204,16 +254,18 @@ def scenario(rank: int, *, path: str, save: dict[str, int], load: dict[str, int]
     if rank == 0:
         os.makedirs(theirs, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(a.sharded_state_dict(), theirs)
+    dist_checkpointing.save(_megatron(a), theirs)
     del a
 
-    layout = setup(**load)
-    b = build(model)
+    layout = setup(model, **load)
+    b = build(model, layout)
     scramble(b, layout, model, "fresh")
     result = gt.load_checkpoint(ours, model=b, layout=layout, rules=rules(model))
-    c = build(model)
+    c = build(model, layout)
     scramble(c, layout, model, "fresh")
-    c.load_state_dict(dist_checkpointing.load(c.sharded_state_dict(), theirs))
+    loaded = dist_checkpointing.load(_megatron(c), theirs)
+    for i, chunk in enumerate(c):
+        chunk.load_state_dict(loaded.get(f"model{i}", {}))  # a chunk without layers holds nothing
     ours_t, theirs_t = _named(b, layout), _named(c, layout)
     differ = sorted(k for k in ours_t if not torch.equal(ours_t[k], theirs_t[k]))
     after = logits(b, layout)
@@ -244,8 +296,8 @@ def export_scenario(rank: int, *, path: str, save: dict[str, int], load: dict[st
         with torch.no_grad():
             exported = reference(ids).logits.flatten().tolist()
     dist.barrier()
-    layout = setup(**load)
-    b = build(model)
+    layout = setup(model, **load)
+    b = build(model, layout)
     scramble(b, layout, model, "fresh")
     gt.load_hf(hf, b, layout, rules(model), mapping="megatron_gpt", params=params)
     return {"before": before, "exported": exported, "after": logits(b, layout)}
@@ -254,8 +306,8 @@ def export_scenario(rank: int, *, path: str, save: dict[str, int], load: dict[st
 def trained(model: dict[str, Any], layout: gt.ParallelLayout, salt: str) -> tuple[GPTModel, Any, Any]:
     """A GPTModel in Megatron's DDP wrapper with its distributed optimizer, after one
     Adam step (gradients a function of the weights, so equal on every replica)."""
-    gpt = build(model)
-    scramble(gpt, layout, model, salt)
+    (gpt,) = build(model, layout)
+    scramble([gpt], layout, model, salt)
     # TODO(limitation): fp32 parameters and torch's AdamW only; not Megatron's fused Adams, nor
     # fp16/bf16 parameters with fp32 main copies.
     ddp = DistributedDataParallel(config=gpt.config, module=gpt, ddp_config=DistributedDataParallelConfig(
@@ -294,7 +346,7 @@ def distopt_scenario(rank: int, *, path: str, save: dict[str, int], load: dict[s
     at ``load`` by each into another distributed optimizer; every Adam moment compared."""
     ours, theirs = os.path.join(path, name, "globalshard"), os.path.join(path, name, "megatron")
     meta = {"distrib_optim_sharding_type": "fully_reshardable"}
-    layout = setup(**save)
+    layout = setup(model, **save)
     gpt, ddp, opt = trained(model, layout, "saved")
     pieces, same_ranges_saved = flat_shards(gpt, opt, layout, ddp)
     gt.save_checkpoint(ours, model=gpt, layout=layout, rules=rules(model), optimizer=opt.optimizer,
@@ -306,7 +358,7 @@ def distopt_scenario(rank: int, *, path: str, save: dict[str, int], load: dict[s
                              "optimizer": opt.sharded_state_dict(gpt.sharded_state_dict(), metadata=meta)}, theirs)
     del gpt, ddp, opt
 
-    layout = setup(**load)
+    layout = setup(model, **load)
     b, b_ddp, b_opt = trained(model, layout, "fresh")
     b_pieces, same_ranges_loaded = flat_shards(b, b_opt, layout, b_ddp)
     result = gt.load_checkpoint(ours, model=b, layout=layout, rules=rules(model), optimizer=b_opt.optimizer,
@@ -338,7 +390,7 @@ def distopt_scenario(rank: int, *, path: str, save: dict[str, int], load: dict[s
                     differ.append(f"group {i} shard {j} {item}")
             if not torch.equal(x, y):
                 differ.append(f"group {i} shard {j} main param")
-    ours_t, theirs_t = _named(b, layout), _named(c, layout)
+    ours_t, theirs_t = _named([b], layout), _named([c], layout)
     differ += sorted(k for k in ours_t if not torch.equal(ours_t[k], theirs_t[k]))
     return {"differ": differ, "tensors": sum(len(g) for g in b_opt.shard_fp32_groups),
             "unexpected": result.unexpected_keys, "same_ranges": same_ranges_saved and same_ranges_loaded}

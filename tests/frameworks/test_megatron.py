@@ -37,6 +37,23 @@ CASES = [
          model={**DENSE, "experts": 4}),
     dict(name="moe_tp2_to_ep2", save=dict(tp=2, pp=1, ep=1), load=dict(tp=1, pp=1, ep=2),
          model={**DENSE, "experts": 4}),
+    # Interleaved virtual pipeline (2 chunks per stage: layers 0 and 2 on stage 0, 1 and 3 on
+    # stage 1), traded for data parallelism, for TP and for a plain pipeline, with tied embeddings.
+    dict(name="vpp2_to_pp1", save=dict(tp=1, pp=2, vpp=2), load=dict(tp=1, pp=1), model=DENSE),
+    dict(name="tp2_to_vpp2_tied", save=dict(tp=2, pp=1), load=dict(tp=1, pp=2, vpp=2),
+         model={**DENSE, "tied": True}),
+    dict(name="vpp2_to_pp2_tied", save=dict(tp=1, pp=2, vpp=2), load=dict(tp=1, pp=2),
+         model={**DENSE, "tied": True}),
+    # An uneven pipeline (num_layers_in_first_pipeline_stage=1: layer 0 on stage 0, 1-3 on stage 1),
+    # told to globalshard as Megatron assigns it, to and from an even one.
+    dict(name="uneven_pp2_to_tp2", save=dict(tp=1, pp=2, first=1), load=dict(tp=2, pp=1), model=DENSE),
+    dict(name="pp2_to_uneven_pp2_tied", save=dict(tp=1, pp=2), load=dict(tp=1, pp=2, first=3),
+         model={**DENSE, "tied": True}),
+    # Megatron's pipeline_model_parallel_layout: 3 layers then 1, and interleaved 1, 2 | 0, 1.
+    dict(name="layout_3_1_to_vpp2", save=dict(tp=1, pp=2, pp_layout="Ettt|tL"), load=dict(tp=1, pp=2, vpp=2),
+         model=DENSE),
+    dict(name="tp2_to_layout_vpp2", save=dict(tp=2, pp=1), load=dict(tp=1, pp=2, vpp=2, pp_layout="Et|tt||tL"),
+         model={**DENSE, "tied": True}),
 ]
 # Megatron-Core's DistributedOptimizer (DDP wrapper, fp32 main params): DP traded for TP both ways.
 DISTOPT = [
