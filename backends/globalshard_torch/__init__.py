@@ -27,6 +27,7 @@ from globalshard_torch.parallel import ParallelLayout
 from globalshard_torch.rules import (
     ColumnParallel,
     Experts,
+    FirstStage,
     MegatronQKV,
     PackedQKV,
     PackedSwiGLU,
@@ -51,6 +52,7 @@ __all__ = [
     "TieredManager",
     "ColumnParallel",
     "Experts",
+    "FirstStage",
     "FlatShard",
     "Entry",
     "HostStaging",

@@ -41,7 +41,7 @@ from globalshard_torch.comm import default_comm
 from globalshard_torch.extra_state import finish as extra_state_finish
 from globalshard_torch.extra_state import restore_targets as extra_state_restore
 from globalshard_torch.model import Entry, model_entries, outside_mesh
-from globalshard_torch.parallel import ParallelLayout
+from globalshard_torch.parallel import LAYERS, ParallelLayout
 from globalshard_torch.rules import ShardingRules
 from globalshard_torch.state import from_jsonable, jsonable, rng_state, set_rng_state
 from globalshard_torch.tensors import HostStaging, numpy_view, torch_dtype
@@ -50,7 +50,6 @@ from globalshard_torch.zero import FlatShard, zero_redundancy_shards
 __all__ = ["CheckpointManager", "LoadResult", "load_checkpoint", "save_checkpoint"]
 
 _RESERVED = ("parallel_config", "lr_scheduler", "optimizer", "rng", "extra_state", "rank_state")
-_LAYERS = r"(^|\.)layers\.(\d+)(?=\.|$)"  # model_entries' default: local layer indices in names
 
 
 def _chunks(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
@@ -207,7 +206,7 @@ def save_checkpoint(
         for kind, e, tensor in _shadow_items(shadows, entries):
             shards.update(e.shards(f"shadow/{kind}/{e.name}", f"{kind}.{e.key}",
                                                         numpy_view(staging.host(_local(tensor), for_save=True))))
-        extra = extra_state.collect(_chunks(model), layout, _LAYERS, shards)
+        extra = extra_state.collect(_chunks(model), layout, LAYERS, shards)
         staging.ready()
         return {"rng": rng_state(), "membership": membership, "extra": extra,
                 "rank_state": jsonable(rank_state, "$.rank_state")}
@@ -325,7 +324,7 @@ def load_checkpoint(
                 if target.key not in metadata.tensors and not gs.is_padding_key(target.key):
                     missing.append(target.key)
                     del targets[name]
-        extras.extend(extra_state_restore(_chunks(model), layout, _LAYERS, ts.get("extra_state") or {},
+        extras.extend(extra_state_restore(_chunks(model), layout, LAYERS, ts.get("extra_state") or {},
                                           metadata, targets, extra_state))
         if optimizer is None and optimizer_shards is None:
             return

@@ -19,7 +19,7 @@ from torch import nn
 
 import globalshard as gs
 from globalshard.errors import LayoutError, format_problems
-from globalshard_torch.parallel import ParallelLayout
+from globalshard_torch.parallel import LAYERS, ParallelLayout
 from globalshard_torch.rules import Placement, ShardingRules
 
 __all__ = ["Entry", "model_entries", "outside_mesh", "unwrapped_name"]
@@ -202,7 +202,7 @@ def model_entries(
     layout: ParallelLayout,
     rules: ShardingRules | None,
     *,
-    layer_pattern: str = r"(^|\.)layers\.(\d+)(?=\.|$)",
+    layer_pattern: str = LAYERS,
 ) -> list[Entry]:
     """Every parameter and persistent buffer of this rank's model chunks.
 
@@ -249,7 +249,7 @@ def model_entries(
                     continue
                 if rules is None:
                     raise LayoutError("not a DTensor, and no sharding rules were given")
-                key, rule, tied_copy = rules.resolve_on(gname, layout)
+                key, rule, tied_copy = rules.resolve_on(gname, layout, c)
                 placement = rule.place(tuple(tensor.shape), layout)
                 replica_rank = layout.expert_dp_rank if placement.expert else layout.dp_rank
                 main = placement.tp_main and replica_rank == 0 and not tied_copy

@@ -14,7 +14,12 @@ from typing import Any
 
 from globalshard.errors import LayoutError
 
-__all__ = ["ParallelLayout"]
+__all__ = ["LAYERS", "ParallelLayout"]
+
+# Where a parameter name holds its local layer number (the second group): the first
+# ``layers.<i>`` component, except Megatron-Core's multi-token-prediction layers
+# (``mtp.layers.<i>``), which it numbers apart from the decoder's and keeps on one stage.
+LAYERS = r"(^|\.)(?<!mtp\.)layers\.(\d+)(?=\.|$)"
 
 
 @dataclass(frozen=True)
@@ -117,7 +122,7 @@ class ParallelLayout:
         """Which copy of its experts this rank holds (0: the main one)."""
         return self.dp_rank // self.ep_size
 
-    def global_name(self, name: str, chunk: int, pattern: str = r"(^|\.)layers\.(\d+)(?=\.|$)") -> str:
+    def global_name(self, name: str, chunk: int, pattern: str = LAYERS) -> str:
         """``name`` with its local layer index replaced by the global one."""
 
         def swap(m: re.Match[str]) -> str:

@@ -16,6 +16,7 @@ rule                        local tensor on TP rank r of T
 ``MegatronQKV(heads, ng)``  Megatron-Core's ``linear_qkv``: per query group, its q heads, then k, then v (any ng/TP)
 ``PackedSwiGLU()``          ``[gate_r; up_r]`` of a global ``[gate; up]``
 ``Tied("embedding.weight")`` a copy of another parameter (tied input/output embeddings), stored once under its key
+``FirstStage(rule)``        ``rule``, held by stage 0's chunk 0; the same name in another chunk is a copy of it
 ``Experts(E, inner)``       one module per expert (``local_experts.<i>.`` or ``weight<i>``), global ``[E, ...]``
 ``StackedExperts(E, inner)`` an EP rank's experts stacked on axis 0 (grouped GEMM), the same global ``[E, ...]``
 ==========================  ==================================================
@@ -38,6 +39,7 @@ from globalshard_torch.parallel import ParallelLayout
 __all__ = [
     "ColumnParallel",
     "Experts",
+    "FirstStage",
     "MegatronQKV",
     "PackedQKV",
     "PackedSwiGLU",
@@ -360,6 +362,20 @@ class Tied(Rule):
     canonical: str
 
 
+@dataclass(frozen=True)
+class FirstStage(Rule):
+    """``rule``, for a parameter the pipeline's first (virtual) stage holds
+    (stage 0, chunk 0) and another chunk holds again under the same name:
+    Megatron-Core's word embeddings, which its multi-token-prediction stage
+    keeps a copy of. The copy is a replica on save and is filled from the same
+    stored values on load."""
+
+    rule: Rule
+
+    def place(self, local_shape: tuple[int, ...], layout: ParallelLayout) -> Placement:
+        return self.rule.place(local_shape, layout)
+
+
 def _axis(axis: int, shape: tuple[int, ...]) -> int:
     if not -len(shape) <= axis < len(shape):
         raise LayoutError(f"axis {axis} does not exist in a tensor of shape {shape}")
@@ -399,9 +415,12 @@ class ShardingRules:
             return rule.canonical, target, True
         return name, rule, False
 
-    def resolve_on(self, name: str, layout: ParallelLayout) -> tuple[str, Rule, bool]:
-        """:meth:`resolve`, with per-expert rules bound to this rank's experts."""
+    def resolve_on(self, name: str, layout: ParallelLayout, chunk: int = 0) -> tuple[str, Rule, bool]:
+        """:meth:`resolve` in virtual chunk ``chunk`` of this rank: per-expert rules
+        bound to its experts, a :class:`FirstStage` tensor a copy outside stage 0's chunk 0."""
         key, rule, tied = self.resolve(name)
+        if isinstance(rule, FirstStage):
+            rule, tied = rule.rule, tied or layout.pp_rank > 0 or chunk > 0
         if isinstance(rule, Experts):
             key, rule = rule.bind(key, layout)
         return key, rule, tied

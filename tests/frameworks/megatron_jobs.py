@@ -35,13 +35,12 @@ from megatron.core import dist_checkpointing  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.tensor_parallel import random as mrandom  # noqa: E402
 from megatron.core.transformer.moe import moe_utils  # noqa: E402
-from megatron.core.transformer.transformer_block import get_num_layers_to_build  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
-from megatron.core.transformer.transformer_layer import get_transformer_layer_offset  # noqa: E402
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group  # noqa: E402
 
 moe_utils.te_general_gemm = None  # 0.16's router references it undefined without Transformer Engine
 
@@ -112,8 +111,9 @@ CONFIGS: dict[gt.ParallelLayout, TransformerConfig] = {}  # the config each layo
 
 def megatron_stage_layers(config: TransformerConfig) -> list[list[list[int]]]:
     """``stage_layers`` as Megatron-Core assigns layers, by docs/torch.md's recipe run as printed."""
-    doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "torch.md")).read()
-    block = doc[doc.index("  from functools import partial"):doc.index("  layout = gt.ParallelLayout(..., vpp_size=vpp")]
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "torch.md")) as f:
+        doc = f.read()
+    block = doc[doc.index("  from functools import partial"):doc.index("  layout = gt.ParallelLayout(..., vpp_size=")]
     names: dict[str, Any] = {"config": config}
     exec(textwrap.dedent(block), names)
     return names["stage_layers"]
@@ -126,9 +126,10 @@ def config(m: dict[str, Any], vpp: int = 1, first: int | None = None,
            pp_layout: str | None = None) -> TransformerConfig:
     moe = dict(num_moe_experts=m["experts"], moe_router_topk=2, moe_token_dispatcher_type="allgather",
                moe_aux_loss_coeff=0.0) if m.get("experts") else {}
+    mtp = dict(mtp_num_layers=1) if m.get("mtp") else {}  # multi-token prediction (DeepSeek-V3's)
     # A Llama: RMSNorm and SwiGLU (Megatron's defaults are LayerNorm and GeLU).
     llama = dict(normalization="RMSNorm", activation_func=torch.nn.functional.silu) if m.get("llama") else {}
-    return TransformerConfig(**moe, **llama, num_layers=NUM_LAYERS, hidden_size=m["hidden"],
+    return TransformerConfig(**moe, **llama, **mtp, num_layers=NUM_LAYERS, hidden_size=m["hidden"],
                              num_attention_heads=m["heads"],
                              num_query_groups=m["groups"], ffn_hidden_size=m["ffn"],
                              gated_linear_unit=m["glu"], add_bias_linear=m["bias"], use_cpu_initialization=True,
@@ -144,21 +145,24 @@ def build(m: dict[str, Any], layout: gt.ParallelLayout) -> list[GPTModel]:
     vpp, cfg = layout.vpp_size, CONFIGS[layout]
     spec = get_gpt_layer_local_spec(num_experts=m.get("experts"), normalization=cfg.normalization
                                     if m.get("llama") else None)
+    stages = [c if vpp > 1 else None for c in range(vpp)]
     return [GPTModel(cfg, transformer_layer_spec=spec, vocab_size=m["vocab"], max_sequence_length=SEQ,
                      position_embedding_type="rope", share_embeddings_and_output_weights=m["tied"],
-                     vp_stage=c if vpp > 1 else None,
-                     pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=c if vpp > 1 else None),
-                     post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=c if vpp > 1 else None))
-            for c in range(vpp)]
+                     mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False, vp_stage=stage)
+                     if m.get("mtp") else None,
+                     vp_stage=stage, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                     post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage))
+            for stage in stages]
 
 
 def rules(m: dict[str, Any]) -> gt.ShardingRules:
     """The rules a Megatron-Core GPTModel (local layer spec) needs."""
-    layer = r"decoder\.layers\.\d+\."
+    layer = r"(decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\."
     fc1 = gt.PackedSwiGLU() if m["glu"] else gt.ColumnParallel()
     vocab = m.get("true_vocab", m["vocab"])  # GPTModel gets the padded size, as Megatron's trainer pads it
     return gt.ShardingRules([
-        (r"embedding\.word_embeddings\.weight", gt.VocabParallel(vocab)),
+        # With MTP, the stage of its layers (the last) holds the word embeddings again.
+        (r"embedding\.word_embeddings\.weight", gt.FirstStage(gt.VocabParallel(vocab))),
         (r"output_layer\.weight", gt.Tied("embedding.word_embeddings.weight") if m["tied"]
          else gt.VocabParallel(vocab)),
         (layer + r"self_attention\.linear_qkv\.(weight|bias)", gt.MegatronQKV(m["heads"], m["groups"])),
@@ -169,7 +173,8 @@ def rules(m: dict[str, Any]) -> gt.ShardingRules:
         (layer + r"mlp\.experts\.local_experts\.\d+\.linear_fc1\.weight", gt.Experts(m.get("experts") or 1, fc1)),
         (layer + r"mlp\.experts\.local_experts\.\d+\.linear_fc2\.weight",
          gt.Experts(m.get("experts") or 1, gt.RowParallel())),
-        (r".*(layernorm\.(weight|bias)|linear_proj\.bias|linear_fc2\.bias)", gt.Replicated()),
+        (r"mtp\.layers\.\d+\.eh_proj\.weight", gt.ColumnParallel()),
+        (r".*(layernorm\.(weight|bias)|norm\.(weight|bias)|linear_proj\.bias|linear_fc2\.bias)", gt.Replicated()),
     ])
 
 
@@ -197,28 +202,36 @@ def logits(chunks: list[GPTModel], layout: gt.ParallelLayout) -> list[float] | N
     chunks in Megatron's order (chunk 0 of every stage, then chunk 1, ...;
     send/recv between stages, around the ring between chunks) and gathered
     over TP; returned by the rank that holds them whole (last stage, TP rank 0,
-    DP rank 0)."""
+    DP rank 0). With multi-token prediction, whose forward needs labels: the
+    per-token loss and the MTP block's hidden states instead."""
     ids = (torch.arange(BATCH * SEQ).reshape(BATCH, SEQ) * 7) % 50
     pos = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
     mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1).view(1, 1, SEQ, SEQ)
+    mtp = bool(chunks[0].config.mtp_num_layers)
+    labels = {"labels": torch.roll(ids, -1, dims=1)} if mtp else {}
     hidden_shape = (SEQ, BATCH, chunks[0].config.hidden_size)
+    mtp_out: list[torch.Tensor] = []
     with torch.no_grad():
         for c, model in enumerate(chunks):
             model.eval()
+            if getattr(model, "mtp_process", False):
+                model.mtp.register_forward_hook(lambda _m, _i, out: mtp_out.append(out))
             first, last = c == 0 and ps.is_pipeline_first_stage(), c == len(chunks) - 1 and ps.is_pipeline_last_stage()
             if not first:
                 recv = torch.empty(hidden_shape)
                 dist.recv(recv, src=ps.get_pipeline_model_parallel_prev_rank())
                 model.set_input_tensor(recv)
-            out = model(ids, pos, mask)
+            out = model(ids, pos, mask, **labels)
             if not last:
                 dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
         if not last:
             return None
-    group = ps.get_tensor_model_parallel_group()
-    parts = [torch.empty_like(out) for _ in range(layout.tp_size)]
-    dist.all_gather(parts, out.contiguous(), group=group)
-    full = torch.cat(parts, dim=-1)
+    if mtp:  # the loss is reduced over TP already, and the hidden states are whole
+        full = torch.cat([out.flatten(), mtp_out[0].flatten()])
+    else:
+        parts = [torch.empty_like(out) for _ in range(layout.tp_size)]
+        dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
+        full = torch.cat(parts, dim=-1)
     return full.flatten().tolist() if layout.tp_rank == 0 and layout.dp_rank == 0 else None
 
 
@@ -229,8 +242,11 @@ def _named(chunks: list[GPTModel], layout: gt.ParallelLayout) -> dict[str, torch
 
 def _megatron(chunks: list[GPTModel]) -> dict[str, Any]:
     """The sharded state dict Megatron's trainer saves: one entry per chunk
-    (``model0``, ``model1``, ... with VPP; its keys are global)."""
-    return {f"model{c}": chunk.sharded_state_dict() for c, chunk in enumerate(chunks)}
+    (``model0``, ``model1``, ... with VPP; its keys are global). The metadata
+    names the data-parallel group, as the trainer's does: an MTP stage's
+    embedding copy needs it."""
+    meta = ensure_metadata_has_dp_cp_group(None)
+    return {f"model{c}": chunk.sharded_state_dict(metadata=meta) for c, chunk in enumerate(chunks)}
 
 
 def saved_with_globalshard(path: str, save: dict[str, int],

@@ -54,6 +54,13 @@ CASES = [
          model=DENSE),
     dict(name="tp2_to_layout_vpp2", save=dict(tp=2, pp=1), load=dict(tp=1, pp=2, vpp=2, pp_layout="Et|tt||tL"),
          model={**DENSE, "tied": True}),
+    # Multi-token prediction (one MTP layer, on the last stage, which then holds the word embeddings
+    # again): its layer numbered apart from the decoder's, the embeddings' copy a replica. (Tied
+    # embeddings with MTP at PP > 1 fail in Megatron's own sharded_state_dict.)
+    dict(name="mtp_pp2_to_tp2", save=dict(tp=1, pp=2), load=dict(tp=2, pp=1), model={**DENSE, "mtp": True}),
+    dict(name="mtp_tp2_to_vpp2", save=dict(tp=2, pp=1), load=dict(tp=1, pp=2, vpp=2), model={**DENSE, "mtp": True}),
+    dict(name="mtp_tied_tp2_to_tp1", save=dict(tp=2, pp=1), load=dict(tp=1, pp=1),
+         model={**DENSE, "mtp": True, "tied": True}),
 ]
 # Megatron-Core's DistributedOptimizer (DDP wrapper, fp32 main params): DP traded for TP both ways.
 DISTOPT = [

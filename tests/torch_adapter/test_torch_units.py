@@ -112,6 +112,45 @@ def test_pp_stages_hold_a_tied_copy_as_a_replica():
     assert e.key == "embedding.weight" and not e.main
 
 
+def mtp_chunk(embedding: bool, layers: int) -> nn.Module:
+    """A Megatron-Core GPTModel chunk's names: word embeddings (held again by the
+    multi-token-prediction stage), decoder layers, one MTP layer."""
+    chunk = nn.Module()
+    if embedding:
+        chunk.embedding = nn.Module()
+        chunk.embedding.word_embeddings = nn.Embedding(6, 4)
+    chunk.decoder = nn.Module()
+    chunk.decoder.layers = nn.ModuleList([nn.Linear(4, 4, bias=False) for _ in range(layers)])
+    chunk.mtp = nn.Module()
+    chunk.mtp.layers = nn.ModuleList([nn.Linear(4, 4, bias=False)])
+    return chunk
+
+
+MTP_RULES = gt.ShardingRules([(r"embedding\.word_embeddings\.weight", gt.FirstStage(gt.VocabParallel(6))),
+                              (r"(decoder|mtp)\.layers\.\d+\.weight", gt.ColumnParallel())])
+
+
+@pytest.mark.parametrize("pp_rank,vpp_size,chunk", [(1, 1, 0), (0, 2, 1), (1, 2, 1)])
+def test_a_first_stage_tensor_held_again_by_another_chunk_is_a_replica_of_it(pp_rank, vpp_size, chunk):
+    layout = gt.ParallelLayout(pp_rank=pp_rank, pp_size=2, vpp_size=vpp_size, num_layers=4 * vpp_size)
+    chunks = [mtp_chunk(embedding=c in (0, chunk), layers=4 // 2) for c in range(vpp_size)]
+    held = [e for e in gt.model_entries(chunks, layout, MTP_RULES) if e.key == "embedding.word_embeddings.weight"]
+    assert [e.main for e in held] == [pp_rank == 0 and c == 0 for c in range(vpp_size) if c in (0, chunk)]
+    (first,) = gt.model_entries(mtp_chunk(True, 2), gt.ParallelLayout(pp_size=2, num_layers=4), MTP_RULES)[:1]
+    assert first.key == "embedding.word_embeddings.weight" and first.main
+
+
+def test_megatron_mtp_layers_keep_their_own_numbers_on_every_stage():
+    """Megatron-Core numbers its multi-token-prediction layers apart from the
+    decoder's (all on one stage): ``mtp.layers.0`` on the last of 2 stages is
+    ``mtp.layers.0``, not the stage's first decoder layer (2)."""
+    layout = gt.ParallelLayout(pp_rank=1, pp_size=2, num_layers=4)
+    keys = sorted(e.key for e in gt.model_entries(mtp_chunk(False, 2), layout, MTP_RULES))
+    assert keys == ["decoder.layers.2.weight", "decoder.layers.3.weight", "mtp.layers.0.weight"]
+    assert layout.global_name("mtp.layers.0.eh_proj.weight", 0) == "mtp.layers.0.eh_proj.weight"
+    assert layout.global_name("model.layers.1.mlp.weight", 0) == "model.layers.3.mlp.weight"
+
+
 # ----------------------------------------------------------------------- layout
 
 
