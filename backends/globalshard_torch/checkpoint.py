@@ -184,6 +184,8 @@ def save_checkpoint(
             shards.update(e.shards(f"model/{e.name}", e.key, numpy_view(staging.host(e.tensor, for_save=True))))
         membership: dict[str, int] = {}
         if optimizer_shards is not None:
+            if not zero:
+                _check_main_copies(optimizer, optimizer_shards, entries)
             for fs, e, item, key, t in _flat_items(optimizer_shards, entries):
                 host = staging.host(t.detach(), for_save=True)
                 _add_flat(shards, fs, e, item, key, numpy_view(host).copy() if t.ndim == 0 else numpy_view(host))
@@ -335,6 +337,8 @@ def load_checkpoint(
             if optimizer is not None and not zero:
                 _check_groups(optimizer, ts.get("optimizer"))
             pieces = _zero_targets(optimizer, entries, metadata) if zero else list(optimizer_shards or [])
+            if not zero:
+                _check_main_copies(optimizer, pieces, entries)
             zero_pieces.extend(pieces)
             problems = []
             for fs, e, item, key, t in _flat_items(pieces, entries):
@@ -342,7 +346,7 @@ def load_checkpoint(
                     problems.append(f"{key!r}: not in the checkpoint ({item} of {e.key!r})")
                     continue
                 if t.ndim:
-                    t.zero_()  # elements no region covers (padding) read as zeros
+                    t.detach().zero_()  # elements no region covers (padding) read as zeros
                 _add_flat(targets, fs, e, item, key, numpy_view(t if t.ndim == 0 else staging.host(t, for_save=False)))
             if problems:
                 raise MismatchError(format_problems("the optimizer does not match the checkpoint", problems))
@@ -520,6 +524,29 @@ def _flat_items(pieces: Sequence[FlatShard], entries: list[Entry]) -> Any:
     if problems:
         raise LayoutError(format_problems("cannot map the optimizer shards to checkpoint keys", problems))
     return out
+
+
+def _check_main_copies(optimizer: torch.optim.Optimizer | None, pieces: Sequence[FlatShard],
+                       entries: list[Entry]) -> None:
+    """Refuse pieces whose state the optimizer keeps for a copy of another dtype
+    than the parameter (the fp32 main copy of a bf16 parameter, as Megatron-Core's
+    DistributedOptimizer steps) without giving that copy as ``master``: a save
+    would lose it, a load leave it as it was."""
+    if optimizer is None:
+        return
+    stepped = {id(v): p for group in optimizer.param_groups for p in group["params"]
+               for v in optimizer.state.get(p, {}).values() if torch.is_tensor(v)}
+    by_id = {id(e.param): e for e in entries}
+    problems = []
+    for fs in pieces:
+        if "master" in fs.state or id(fs.param) not in by_id:
+            continue
+        copy = next((stepped[id(t)] for t in fs.state.values() if id(t) in stepped), None)
+        if copy is not None and copy.dtype != fs.param.dtype:
+            problems.append(f"{by_id[id(fs.param)].key!r}: the optimizer steps a {copy.dtype} copy of this "
+                            f"{fs.param.dtype} parameter, which the piece does not give as its 'master'")
+    if problems:
+        raise LayoutError(format_problems("optimizer_shards leave out main copies", problems))
 
 
 def _add_flat(into: dict[str, gs.ShardedTensor], fs: FlatShard, e: Entry, item: str, key: str, data: Any) -> None:

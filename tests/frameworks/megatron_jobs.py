@@ -38,6 +38,7 @@ from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.tensor_parallel import random as mrandom  # noqa: E402
+from megatron.core.transformer.module import Float16Module  # noqa: E402
 from megatron.core.transformer.moe import moe_utils  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group  # noqa: E402
@@ -127,13 +128,15 @@ def config(m: dict[str, Any], vpp: int = 1, first: int | None = None,
     moe = dict(num_moe_experts=m["experts"], moe_router_topk=2, moe_token_dispatcher_type="allgather",
                moe_aux_loss_coeff=0.0) if m.get("experts") else {}
     mtp = dict(mtp_num_layers=1) if m.get("mtp") else {}  # multi-token prediction (DeepSeek-V3's)
+    precision = (dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16) if m.get("bf16")
+                 else dict(pipeline_dtype=torch.float32))
     # A Llama: RMSNorm and SwiGLU (Megatron's defaults are LayerNorm and GeLU).
     llama = dict(normalization="RMSNorm", activation_func=torch.nn.functional.silu) if m.get("llama") else {}
     return TransformerConfig(**moe, **llama, **mtp, num_layers=NUM_LAYERS, hidden_size=m["hidden"],
                              num_attention_heads=m["heads"],
                              num_query_groups=m["groups"], ffn_hidden_size=m["ffn"],
                              gated_linear_unit=m["glu"], add_bias_linear=m["bias"], use_cpu_initialization=True,
-                             hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32,
+                             hidden_dropout=0.0, attention_dropout=0.0, **precision,
                              pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
                              virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
                              num_layers_in_first_pipeline_stage=first, pipeline_model_parallel_layout=pp_layout,
@@ -324,13 +327,14 @@ def trained(model: dict[str, Any], layout: gt.ParallelLayout, salt: str) -> tupl
     Adam step (gradients a function of the weights, so equal on every replica)."""
     (gpt,) = build(model, layout)
     scramble([gpt], layout, model, salt)
-    # TODO(limitation): fp32 parameters and torch's AdamW only; not Megatron's fused Adams, nor
-    # fp16/bf16 parameters with fp32 main copies.
-    ddp = DistributedDataParallel(config=gpt.config, module=gpt, ddp_config=DistributedDataParallelConfig(
+    # TODO(limitation): torch's AdamW only (Megatron's CPU fallback), not its fused Adams.
+    # bf16 parameters: wrapped in Float16Module as Megatron's trainer does; the optimizer keeps fp32 main copies.
+    wrapped = Float16Module(gpt.config, gpt) if model.get("bf16") else gpt
+    ddp = DistributedDataParallel(config=gpt.config, module=wrapped, ddp_config=DistributedDataParallelConfig(
         use_distributed_optimizer=True, grad_reduce_in_fp32=True))
     with _distributed_optimizer_on_cpu():
-        chained = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True),
-                                         [ddp])
+        chained = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True,
+                                                         bf16=bool(model.get("bf16"))), [ddp])
     for p in ddp.parameters():
         p.main_grad.copy_(torch.sin(p.detach() * 3.0))
     ddp.finish_grad_sync()
@@ -340,15 +344,24 @@ def trained(model: dict[str, Any], layout: gt.ParallelLayout, salt: str) -> tupl
     return gpt, ddp, opt
 
 
+def main_shards(opt: Any) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+    """``(model parameter, the optimizer's shard of it, whether that shard is an fp32
+    main copy of a bf16 parameter)`` for every parameter this rank's optimizer steps."""
+    return [(p, shard, master) for models, shards, master in (
+        (opt.model_fp32_groups, opt.shard_fp32_groups, False),
+        (opt.model_float16_groups, opt.shard_fp32_from_float16_groups, True))
+        for params, group in zip(models, shards) for p, shard in zip(params, group)]
+
+
 def flat_shards(gpt: GPTModel, opt: Any, layout: gt.ParallelLayout, ddp: Any) -> tuple[list[gt.FlatShard], bool]:
     """This rank's pieces of the Adam state, as Megatron's DistributedOptimizer holds them,
     and whether megatron_param_ranges gives the same ranges."""
     pieces = []
-    for params, shards in zip(opt.model_fp32_groups, opt.shard_fp32_groups):
-        for p, shard in zip(params, shards):
-            r = opt._get_model_param_range_map(p)["param"]
-            state = opt.optimizer.state[shard]
-            pieces.append(gt.FlatShard(p, r.start, r.end, {k: state[k] for k in ("exp_avg", "exp_avg_sq", "step")}))
+    for p, shard, master in main_shards(opt):
+        r = opt._get_model_param_range_map(p)["param"]
+        state = opt.optimizer.state[shard]
+        held = {k: state[k] for k in ("exp_avg", "exp_avg_sq", "step")}
+        pieces.append(gt.FlatShard(p, r.start, r.end, {**held, "master": shard} if master else held))
     ours = gt.megatron_param_ranges(list(gpt.parameters()), dp_size=layout.dp_size, dp_rank=layout.dp_rank,
                                     bucket_size=ddp.bucket_size)
     same = sorted((id(p), s, e) for p, s, e in ours) == sorted((id(f.param), f.start, f.stop) for f in pieces)
@@ -399,16 +412,15 @@ def distopt_scenario(rank: int, *, path: str, save: dict[str, int], load: dict[s
     c_opt._set_main_param_and_optimizer_states = keeping_step
     c_opt.load_state_dict(loaded["optimizer"])
     differ = []
-    for i, (ours_shards, their_shards) in enumerate(zip(b_opt.shard_fp32_groups, c_opt.shard_fp32_groups)):
-        for j, (x, y) in enumerate(zip(ours_shards, their_shards)):
-            for item in ("exp_avg", "exp_avg_sq"):
-                if not torch.equal(b_opt.optimizer.state[x][item], c_opt.optimizer.state[y][item]):
-                    differ.append(f"group {i} shard {j} {item}")
-            if not torch.equal(x, y):
-                differ.append(f"group {i} shard {j} main param")
+    for j, ((_, x, _), (_, y, _)) in enumerate(zip(main_shards(b_opt), main_shards(c_opt), strict=True)):
+        for item in ("exp_avg", "exp_avg_sq"):
+            if not torch.equal(b_opt.optimizer.state[x][item], c_opt.optimizer.state[y][item]):
+                differ.append(f"shard {j} {item}")
+        if not torch.equal(x, y):
+            differ.append(f"shard {j} main param")
     ours_t, theirs_t = _named([b], layout), _named([c], layout)
     differ += sorted(k for k in ours_t if not torch.equal(ours_t[k], theirs_t[k]))
-    return {"differ": differ, "tensors": sum(len(g) for g in b_opt.shard_fp32_groups),
+    return {"differ": differ, "tensors": len(main_shards(b_opt)), "masters": sum(m for *_, m in main_shards(b_opt)),
             "unexpected": result.unexpected_keys, "same_ranges": same_ranges_saved and same_ranges_loaded}
 
 

@@ -66,6 +66,9 @@ CASES = [
 DISTOPT = [
     dict(name="distopt_dp2_to_tp2", save=dict(tp=1, pp=1), load=dict(tp=2, pp=1), model=DENSE, distopt=True),
     dict(name="distopt_tp2_to_dp2", save=dict(tp=2, pp=1), load=dict(tp=1, pp=1), model=DENSE, distopt=True),
+    # bf16 parameters (Float16Module) with the optimizer's fp32 main copies, stored as "master".
+    dict(name="distopt_bf16_dp2_to_tp2", save=dict(tp=1, pp=1), load=dict(tp=2, pp=1), model={**DENSE, "bf16": True},
+         distopt=True),
 ]
 # A Megatron-Core Llama (RMSNorm, SwiGLU, rotary, GQA) exported to Hugging Face Llama, opened by
 # transformers, and the export read back into another layout by load_hf.
@@ -112,4 +115,5 @@ def test_a_distributed_optimizers_adam_state_reshards_as_dist_checkpointing_resh
     for r in outcomes[case]:
         assert r["differ"] == [], f"differ from dist_checkpointing's load: {r['differ']}"
         assert r["tensors"] > 0 and r["unexpected"] == []
+        assert r["masters"] == (r["tensors"] if "bf16" in case else 0)
         assert r["same_ranges"], "megatron_param_ranges differs from the DistributedOptimizer's own ranges"

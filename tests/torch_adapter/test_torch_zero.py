@@ -294,3 +294,38 @@ def test_replicated_kv_heads_with_plain_and_distributed_optimizer_state(tmp_path
         assert np.array_equal(gs.read_array(tmp_path / ckpt, "qkv.weight"), glob["w"])
         for item in items:
             assert np.array_equal(gs.read_array(tmp_path / ckpt, f"optimizer.{item}.qkv.weight"), glob[item])
+
+
+def test_a_main_copy_the_pieces_leave_out_is_refused_on_save_and_on_load(tmp_path):
+    """Megatron-Core's DistributedOptimizer on bf16 parameters steps fp32 main
+    copies of them. A piece that gives their Adam moments but not the copy
+    (``master``) would save without it, and a load would leave the copy as it
+    was (a fresh run's values, which the next step writes back to the model):
+    both are refused, naming the parameter."""
+    model = nn.Linear(4, 3, bias=False).to(torch.bfloat16)
+    rules = gt.ShardingRules([(r"weight", gt.Replicated())])
+    main = model.weight.detach().float().view(-1).clone().requires_grad_()
+    opt = torch.optim.AdamW([main], lr=0.1)
+    main.grad = torch.ones_like(main)
+    opt.step()
+    state = opt.state[main]
+
+    def pieces(with_master):
+        held = {k: state[k] for k in ("exp_avg", "exp_avg_sq", "step")}
+        return [gt.FlatShard(model.weight, 0, main.numel(), {**held, "master": main} if with_master else held)]
+
+    with pytest.raises(gs.LayoutError, match=r"'weight'.*torch.float32 copy.*'master'"):
+        gt.save_checkpoint(tmp_path / "c", model=model, layout=gt.ParallelLayout(), rules=rules, optimizer=opt,
+                           optimizer_shards=pieces(False))
+    assert not (tmp_path / "c").exists()
+    gt.save_checkpoint(tmp_path / "c", model=model, layout=gt.ParallelLayout(), rules=rules, optimizer=opt,
+                       optimizer_shards=pieces(True))
+    with pytest.raises(gs.LayoutError, match=r"'weight'.*torch.float32 copy.*'master'"):
+        gt.load_checkpoint(tmp_path / "c", model=model, layout=gt.ParallelLayout(), rules=rules, optimizer=opt,
+                           optimizer_shards=pieces(False))
+    saved = main.detach().clone()
+    with torch.no_grad():
+        main.zero_()
+    gt.load_checkpoint(tmp_path / "c", model=model, layout=gt.ParallelLayout(), rules=rules, optimizer=opt,
+                       optimizer_shards=pieces(True))
+    assert torch.equal(main.detach(), saved)
