@@ -257,9 +257,9 @@ def model_entries(
                 # experts share their key: the holder of global expert 0 keeps it.
                 holds_first = not placement.expert or any(r.global_box.offset[0] == 0 for r in placement.regions or ())
                 across = placement.tp_main and not tied_copy
-                entries.append(Entry(label, key, tensor, placement, main, tensor,
-                                     main and layout.tp_rank == 0 and holds_first,
-                                     across, across and layout.tp_rank == 0 and holds_first))
+                tp0 = (layout.expert_tp_rank if placement.expert else layout.tp_rank) == 0
+                entries.append(Entry(label, key, tensor, placement, main, tensor, main and tp0 and holds_first,
+                                     across, across and tp0 and holds_first))
             except LayoutError as e:
                 problems.append(f"{label}: {e}")
     if problems:

@@ -9,7 +9,7 @@ it as local layer 5 under another read and write the same key.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from globalshard.errors import LayoutError
@@ -31,10 +31,14 @@ class ParallelLayout:
         pp_rank, pp_size: pipeline stage and number of stages.
         vpp_size: virtual pipeline chunks per stage (1: no interleaving).
         dp_rank, dp_size: data-parallel rank and size.
-        ep_size: expert-parallel size, carved out of data parallelism as in
-            Megatron-Core's ``tp-ep-dp`` rank order: ``ep_rank = dp_rank %
-            ep_size`` and the expert data-parallel rank is ``dp_rank //
-            ep_size`` (experts are TP-sharded with the dense TP size).
+        ep_size: expert-parallel size. The ranks of a stage are numbered
+            ``tp_rank + tp_size * dp_rank``, and the experts cut that number
+            in Megatron-Core's ``tp-ep-dp`` order: expert TP rank fastest,
+            then ``ep_rank``, then the expert data-parallel rank. With the
+            expert TP equal to TP: ``ep_rank = dp_rank % ep_size`` and the
+            expert data-parallel rank is ``dp_rank // ep_size``.
+        etp_size: expert tensor-parallel size (Megatron-Core's
+            ``expert_tensor_parallel_size``); None: ``tp_size``.
         num_layers: transformer layers in the whole model.
         stage_layers: a custom assignment: ``stage_layers[pp_rank][chunk]``
             lists the global layer indices of that chunk, in local order. When
@@ -53,6 +57,7 @@ class ParallelLayout:
     dp_rank: int = 0
     dp_size: int = 1
     ep_size: int = 1
+    etp_size: int | None = None
     num_layers: int = 0
     stage_layers: tuple[tuple[tuple[int, ...], ...], ...] | None = None
     groups: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -65,8 +70,12 @@ class ParallelLayout:
                 problems.append(f"{name}_rank {rank} is not in [0, {name}_size={size})")
         if self.vpp_size < 1:
             problems.append(f"vpp_size {self.vpp_size} < 1")
-        if self.ep_size < 1 or self.dp_size % self.ep_size:
-            problems.append(f"ep_size {self.ep_size} does not divide dp_size {self.dp_size}")
+        if self.etp_size is None:
+            if self.ep_size < 1 or self.dp_size % self.ep_size:
+                problems.append(f"ep_size {self.ep_size} does not divide dp_size {self.dp_size}")
+        elif self.etp_size < 1 or self.ep_size < 1 or (self.tp_size * self.dp_size) % (self.etp_size * self.ep_size):
+            problems.append(f"etp_size {self.etp_size} x ep_size {self.ep_size} does not divide tp_size x dp_size = "
+                            f"{self.tp_size * self.dp_size}")
         if self.stage_layers is not None:
             stages = tuple(tuple(tuple(int(i) for i in chunk) for chunk in st) for st in self.stage_layers)
             object.__setattr__(self, "stage_layers", stages)
@@ -113,14 +122,31 @@ class ParallelLayout:
         return layers[local]
 
     @property
+    def expert_tp_size(self) -> int:
+        return self.tp_size if self.etp_size is None else self.etp_size
+
+    @property
+    def expert_tp_rank(self) -> int:
+        return (self.tp_rank + self.tp_size * self.dp_rank) % self.expert_tp_size
+
+    @property
     def ep_rank(self) -> int:
         """This rank's expert-parallel rank (Megatron-Core's tp-ep-dp order)."""
-        return self.dp_rank % self.ep_size
+        return (self.tp_rank + self.tp_size * self.dp_rank) // self.expert_tp_size % self.ep_size
 
     @property
     def expert_dp_rank(self) -> int:
         """Which copy of its experts this rank holds (0: the main one)."""
-        return self.dp_rank // self.ep_size
+        return (self.tp_rank + self.tp_size * self.dp_rank) // (self.expert_tp_size * self.ep_size)
+
+    def for_experts(self) -> ParallelLayout:
+        """This rank as its experts are cut: TP is the expert TP, and DP the
+        rest of the stage's ranks, in the same order (itself when they agree)."""
+        if self.expert_tp_size == self.tp_size:
+            return self
+        etp, position = self.expert_tp_size, self.tp_rank + self.tp_size * self.dp_rank
+        return replace(self, tp_rank=position % etp, tp_size=etp, dp_rank=position // etp,
+                       dp_size=self.tp_size * self.dp_size // etp, etp_size=None)
 
     def global_name(self, name: str, chunk: int, pattern: str = LAYERS) -> str:
         """``name`` with its local layer index replaced by the global one."""
@@ -133,6 +159,8 @@ class ParallelLayout:
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: getattr(self, k) for k in (
             "tp_rank", "tp_size", "pp_rank", "pp_size", "vpp_size", "dp_rank", "dp_size", "ep_size", "num_layers")}
+        if self.expert_tp_size != self.tp_size:
+            out["etp_size"] = self.etp_size
         out["stage_layers"] = None if self.stage_layers is None else [[list(c) for c in st] for st in self.stage_layers]
         return out
 

@@ -282,7 +282,7 @@ class Experts(Rule):
     ``...experts.local_experts.<i>.linear_fc1.weight``; or Transformer Engine's
     ``GroupedLinear``: ``...experts.linear_fc1.weight<i>``). Local expert i of
     EP rank e is global expert ``e * num_experts / ep_size + i``; ``inner``
-    cuts one expert across TP. Stored, index removed from the key, as one
+    cuts one expert across the expert TP (``ParallelLayout.etp_size``). Stored, index removed from the key, as one
     global ``[num_experts, *expert_shape]`` array, the same as
     :class:`StackedExperts`, so either layout loads the other."""
 
@@ -318,7 +318,7 @@ class _OneExpert(Rule):
     num_experts: int
 
     def place(self, local_shape: tuple[int, ...], layout: ParallelLayout) -> Placement:
-        p = self.inner.place(local_shape, layout)
+        p = self.inner.place(local_shape, layout.for_experts())
         regions = _with_expert_axis(_inner_regions(p, local_shape), None, self.expert)
         return Placement((self.num_experts, *p.global_shape), (0,) * (len(local_shape) + 1), regions=tuple(regions),
                          tp_main=p.tp_main, expert=True, local_view=(1, *local_shape))
@@ -328,7 +328,7 @@ class _OneExpert(Rule):
 class StackedExperts(Rule):
     """This EP rank's experts stacked in one tensor ``[experts per rank,
     *expert_shape]`` (grouped GEMM; torchtitan's ``GroupedExperts``); ``inner``
-    cuts each expert across TP. Stored as the global ``[num_experts,
+    cuts each expert across the expert TP. Stored as the global ``[num_experts,
     *expert_shape]`` array :class:`Experts` uses."""
 
     num_experts: int
@@ -339,7 +339,7 @@ class StackedExperts(Rule):
         if not local_shape or local_shape[0] != per_rank:
             raise LayoutError(f"stacked experts of shape {local_shape}: expected {per_rank} experts on axis 0 "
                               f"({self.num_experts} over EP={layout.ep_size})")
-        p = self.inner.place(local_shape[1:], layout)
+        p = self.inner.place(local_shape[1:], layout.for_experts())
         inner = _inner_regions(p, local_shape[1:])
         regions = [r for j in range(per_rank)
                    for r in _with_expert_axis(inner, j, layout.ep_rank * per_rank + j)]

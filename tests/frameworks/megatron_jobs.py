@@ -83,10 +83,11 @@ SEQ, BATCH = 8, 2
 
 
 def setup(m: dict[str, Any], tp: int, pp: int, ep: int = 1, vpp: int = 1, first: int | None = None,
-          pp_layout: str | None = None) -> gt.ParallelLayout:
+          pp_layout: str | None = None, etp: int | None = None) -> gt.ParallelLayout:
     """Megatron-Core's parallel state for a layout, and the same layout for globalshard.
 
-    ``vpp``: virtual pipeline chunks per stage. An uneven pipeline, by
+    ``vpp``: virtual pipeline chunks per stage; ``etp``: the experts' TP size
+    (Megatron's ``expert_tensor_parallel_size``, TP's when None). An uneven pipeline, by
     Megatron's ``num_layers_in_first_pipeline_stage`` (``first``) or its
     ``pipeline_model_parallel_layout`` (``pp_layout``), is told to globalshard
     as Megatron assigns it (``stage_layers``)."""
@@ -94,15 +95,17 @@ def setup(m: dict[str, Any], tp: int, pp: int, ep: int = 1, vpp: int = 1, first:
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-                                 expert_model_parallel_size=ep)
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     torch.manual_seed(1)
     mrandom.model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
-    cfg = config(m, vpp=vpp, first=first, pp_layout=pp_layout)
+    cfg = config(m, vpp=vpp, first=first, pp_layout=pp_layout, etp=etp)
     stages = megatron_stage_layers(cfg) if first or pp_layout else None
     layout = gt.ParallelLayout(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
                                pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp, vpp_size=vpp,
                                dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
-                               ep_size=ep, num_layers=NUM_LAYERS, stage_layers=stages)
+                               ep_size=ep, etp_size=etp, num_layers=NUM_LAYERS, stage_layers=stages)
+    assert (layout.ep_rank, layout.expert_tp_rank, layout.expert_dp_rank) == (
+        ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank(), ps.get_expert_data_parallel_rank())
     CONFIGS[layout] = cfg
     return layout
 
@@ -124,7 +127,7 @@ NUM_LAYERS = 4
 
 
 def config(m: dict[str, Any], vpp: int = 1, first: int | None = None,
-           pp_layout: str | None = None) -> TransformerConfig:
+           pp_layout: str | None = None, etp: int | None = None) -> TransformerConfig:
     moe = dict(num_moe_experts=m["experts"], moe_router_topk=2, moe_token_dispatcher_type="allgather",
                moe_aux_loss_coeff=0.0) if m.get("experts") else {}
     mtp = dict(mtp_num_layers=1) if m.get("mtp") else {}  # multi-token prediction (DeepSeek-V3's)
@@ -140,7 +143,8 @@ def config(m: dict[str, Any], vpp: int = 1, first: int | None = None,
                              pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
                              virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
                              num_layers_in_first_pipeline_stage=first, pipeline_model_parallel_layout=pp_layout,
-                             tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size())
+                             tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+                             expert_tensor_parallel_size=etp)
 
 
 def build(m: dict[str, Any], layout: gt.ParallelLayout) -> list[GPTModel]:

@@ -12,6 +12,8 @@ pytest.importorskip("megatron.core")
 
 from ranks import run
 
+import globalshard_torch as gt
+
 DENSE = dict(hidden=16, heads=4, groups=2, ffn=32, glu=True, bias=False, vocab=64, tied=False)
 CASES = [
     dict(name="tp2_to_tp1", save=dict(tp=2, pp=1), load=dict(tp=1, pp=1), model=DENSE),
@@ -36,6 +38,11 @@ CASES = [
     dict(name="moe_ep2_to_tp2", save=dict(tp=1, pp=1, ep=2), load=dict(tp=2, pp=1, ep=1),
          model={**DENSE, "experts": 4}),
     dict(name="moe_tp2_to_ep2", save=dict(tp=2, pp=1, ep=1), load=dict(tp=1, pp=1, ep=2),
+         model={**DENSE, "experts": 4}),
+    # Experts not cut by TP (expert_tensor_parallel_size=1 at TP=2: each TP rank holds other experts whole).
+    dict(name="moe_tp2_etp1_ep2_to_tp1", save=dict(tp=2, pp=1, ep=2, etp=1), load=dict(tp=1, pp=1),
+         model={**DENSE, "experts": 4}),
+    dict(name="moe_tp2_to_tp2_etp1_ep2", save=dict(tp=2, pp=1), load=dict(tp=2, pp=1, ep=2, etp=1),
          model={**DENSE, "experts": 4}),
     # Interleaved virtual pipeline (2 chunks per stage: layers 0 and 2 on stage 0, 1 and 3 on
     # stage 1), traded for data parallelism, for TP and for a plain pipeline, with tied embeddings.
@@ -117,3 +124,26 @@ def test_a_distributed_optimizers_adam_state_reshards_as_dist_checkpointing_resh
         assert r["tensors"] > 0 and r["unexpected"] == []
         assert r["masters"] == (r["tensors"] if "bf16" in case else 0)
         assert r["same_ranges"], "megatron_param_ranges differs from the DistributedOptimizer's own ranges"
+
+
+@pytest.mark.parametrize("tp,dp,pp,ep,etp", [(2, 4, 1, 2, 1), (2, 4, 2, 4, 2), (4, 2, 1, 2, 1), (2, 2, 1, 4, 1),
+                                             (1, 8, 1, 2, 4), (4, 2, 2, 8, 1), (2, 2, 1, 1, 4)])
+def test_every_ranks_expert_place_is_megatrons_own(tp, dp, pp, ep, etp):
+    """Megatron-Core's own RankGenerators (its default order, the dense grid and
+    the experts'), at layouts of up to 16 ranks: the expert TP, EP and expert
+    DP rank of every rank equal ParallelLayout's, built from its dense ranks."""
+    from megatron.core.parallel_state import RankGenerator
+
+    order = "tp-cp-ep-dp-pp"
+    dense = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order=order)
+    experts = RankGenerator(tp=etp, ep=ep, dp=tp * dp // (etp * ep), pp=pp, cp=1, order=order)
+
+    def rank_in(gen, token):
+        return {r: group.index(r) for group in gen.get_ranks(token) for r in group}
+
+    t, d, p = rank_in(dense, "tp"), rank_in(dense, "dp"), rank_in(dense, "pp")
+    et, e, ed = rank_in(experts, "tp"), rank_in(experts, "ep"), rank_in(experts, "dp")
+    for r in range(tp * dp * pp):
+        layout = gt.ParallelLayout(tp_rank=t[r], tp_size=tp, pp_rank=p[r], pp_size=pp, dp_rank=d[r], dp_size=dp,
+                                   ep_size=ep, etp_size=etp, num_layers=pp)
+        assert (layout.expert_tp_rank, layout.ep_rank, layout.expert_dp_rank) == (et[r], e[r], ed[r]), r

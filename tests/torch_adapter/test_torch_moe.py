@@ -8,6 +8,8 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 from torch_harness import run, values_of
 
@@ -24,19 +26,28 @@ def reference():
             "router": rng.standard_normal((E, HIDDEN)).astype(np.float32)}
 
 
+def megatron_expert_ranks(layout):
+    """Independently, from Megatron-Core's description: a stage's ranks are
+    numbered ``tp_rank + tp * dp_rank``; experts cut that number in ``tp-ep-dp``
+    order with the expert TP size: ``(expert tp rank, ep rank, expert dp rank)``."""
+    etp = layout.etp_size or layout.tp_size
+    n = layout.tp_rank + layout.tp_size * layout.dp_rank
+    return n % etp, n // etp % layout.ep_size, n // (etp * layout.ep_size)
+
+
 def expert_slices(ref, layout):
-    """Independently: this rank's experts, each cut by TP (fc1 rows, fc2 columns)."""
+    """Independently: this rank's experts, each cut by the expert TP (fc1 rows, fc2 columns)."""
     per = E // layout.ep_size
-    f = FFN // layout.tp_size
-    t = layout.tp_rank
-    experts = range(layout.ep_rank * per, (layout.ep_rank + 1) * per)
+    f = FFN // (layout.etp_size or layout.tp_size)
+    t, ep, _ = megatron_expert_ranks(layout)
+    experts = range(ep * per, (ep + 1) * per)
     return ([ref["fc1"][g, t * f:(t + 1) * f] for g in experts], [ref["fc2"][g, :, t * f:(t + 1) * f] for g in experts])
 
 
 class MoE(nn.Module):
     def __init__(self, kind, layout):
         super().__init__()
-        per, f = E // layout.ep_size, FFN // layout.tp_size
+        per, f = E // layout.ep_size, FFN // (layout.etp_size or layout.tp_size)
         self.router = nn.Linear(HIDDEN, E, bias=False)
         self.experts = nn.Module()
         if kind == "sequential":  # Megatron-Core SequentialMLP naming
@@ -79,8 +90,8 @@ def rules(kind):
     return gt.ShardingRules([(r".*router.*", gt.Replicated()), (r".*linear_fc1.*", fc1), (r".*linear_fc2.*", fc2)])
 
 
-def layouts(tp, ep, dp):
-    return [gt.ParallelLayout(tp_rank=t, tp_size=tp, dp_rank=d, dp_size=dp, ep_size=ep)
+def layouts(tp, ep, dp, etp=None):
+    return [gt.ParallelLayout(tp_rank=t, tp_size=tp, dp_rank=d, dp_size=dp, ep_size=ep, etp_size=etp)
             for d, t in itertools.product(range(dp), range(tp))]
 
 
@@ -102,7 +113,12 @@ def shards_of(kind, layout, fill):
 CASES = [("sequential", (1, 2, 2), "stacked", (2, 1, 1)),
          ("stacked", (2, 2, 4), "sequential", (1, 4, 4)),
          ("te", (2, 4, 4), "sequential", (2, 1, 2)),
-         ("sequential", (1, 1, 1), "te", (1, 2, 2))]
+         ("sequential", (1, 1, 1), "te", (1, 2, 2)),
+         # An expert TP other than TP (Megatron-Core's expert_tensor_parallel_size): (tp, ep, dp, etp).
+         ("sequential", (2, 2, 1, 1), "stacked", (1, 1, 2)),
+         ("te", (2, 2, 2, 1), "sequential", (2, 1, 1)),
+         ("stacked", (1, 2, 2), "te", (2, 2, 2, 1)),
+         ("sequential", (3, 1, 2, 6), "sequential", (6, 2, 2, 3))]
 
 
 @pytest.mark.parametrize("save_kind,save_cfg,load_kind,load_cfg", CASES)
@@ -134,6 +150,25 @@ def test_expert_rules_name_their_problems():
         gt.StackedExperts(3).place((1, 2, 3), layout)
     with pytest.raises(gs.LayoutError, match="does not divide dp_size"):
         gt.ParallelLayout(dp_size=3, ep_size=2)
+    with pytest.raises(gs.LayoutError, match="etp_size 1 x ep_size 4 does not divide tp_size x dp_size = 2"):
+        gt.ParallelLayout(tp_size=2, ep_size=4, etp_size=1)
+
+
+@given(st.sampled_from([1, 2, 3, 4]), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 3, 4]),
+       st.sampled_from([None, 1, 2, 3, 4, 6, 8]))
+def test_every_rank_of_a_stage_holds_one_place_in_the_expert_grid(tp, dp, ep, etp):
+    """(expert TP rank, EP rank, expert DP rank) numbers the stage's ranks
+    exactly once, and the experts' own view of a rank agrees with it."""
+    if (tp * dp) % ((etp or tp) * ep):
+        return
+    ranks = layouts(tp, ep, dp, etp)
+    places = [(lay.expert_tp_rank, lay.ep_rank, lay.expert_dp_rank) for lay in ranks]
+    assert places == [megatron_expert_ranks(lay) for lay in ranks]
+    assert len(set(places)) == tp * dp
+    for lay in ranks:
+        view = lay.for_experts()
+        assert (view.tp_rank, view.tp_size) == (lay.expert_tp_rank, etp or tp)
+        assert (view.ep_rank, view.expert_dp_rank) == (lay.ep_rank, lay.expert_dp_rank)
 
 
 
