@@ -115,12 +115,17 @@ CONFIGS: dict[gt.ParallelLayout, TransformerConfig] = {}  # the config each layo
 
 def megatron_stage_layers(config: TransformerConfig) -> list[list[list[int]]]:
     """``stage_layers`` as Megatron-Core assigns layers, by docs/torch.md's recipe run as printed."""
+    names: dict[str, Any] = {"config": config}
+    exec(_recipe("  from functools import partial", "  layout = gt.ParallelLayout(..., vpp_size="), names)
+    return names["stage_layers"]
+
+
+def _recipe(first: str, after: str) -> str:
+    """The lines of docs/torch.md from the one starting ``first`` to before ``after``, dedented."""
     with open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "torch.md")) as f:
         doc = f.read()
-    block = doc[doc.index("  from functools import partial"):doc.index("  layout = gt.ParallelLayout(..., vpp_size=")]
-    names: dict[str, Any] = {"config": config}
-    exec(textwrap.dedent(block), names)
-    return names["stage_layers"]
+    start = doc.index(first)
+    return textwrap.dedent(doc[start:doc.index(after, start)])
 
 
 NUM_LAYERS = 4
@@ -144,6 +149,7 @@ def config(m: dict[str, Any], vpp: int = 1, first: int | None = None,
                              virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
                              num_layers_in_first_pipeline_stage=first, pipeline_model_parallel_layout=pp_layout,
                              tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+                             expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
                              expert_tensor_parallel_size=etp)
 
 
@@ -327,8 +333,9 @@ def export_scenario(rank: int, *, path: str, save: dict[str, int], load: dict[st
 
 
 def trained(model: dict[str, Any], layout: gt.ParallelLayout, salt: str) -> tuple[GPTModel, Any, Any]:
-    """A GPTModel in Megatron's DDP wrapper with its distributed optimizer, after one
-    Adam step (gradients a function of the weights, so equal on every replica)."""
+    """A GPTModel in Megatron's DDP wrapper with its distributed optimizers (one for
+    the experts' own buffers with MoE, chained), after one Adam step (gradients a
+    function of the weights, so equal on every replica)."""
     (gpt,) = build(model, layout)
     scramble([gpt], layout, model, salt)
     # TODO(limitation): torch's AdamW only (Megatron's CPU fallback), not its fused Adams.
@@ -344,32 +351,50 @@ def trained(model: dict[str, Any], layout: gt.ParallelLayout, salt: str) -> tupl
     ddp.finish_grad_sync()
     with _distributed_optimizer_on_cpu():
         chained.step()
-    (opt,) = chained.chained_optimizers
-    return gpt, ddp, opt
+    return gpt, ddp, chained
 
 
-def main_shards(opt: Any) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
-    """``(model parameter, the optimizer's shard of it, whether that shard is an fp32
-    main copy of a bf16 parameter)`` for every parameter this rank's optimizer steps."""
-    return [(p, shard, master) for models, shards, master in (
+def main_shards(chained: Any) -> list[tuple[Any, torch.Tensor, torch.Tensor, bool]]:
+    """``(its DistributedOptimizer, model parameter, the optimizer's shard of it, whether
+    that shard is an fp32 main copy of a bf16 parameter)`` for every parameter this rank steps."""
+    return [(opt, p, shard, master) for opt in chained.chained_optimizers for models, shards, master in (
         (opt.model_fp32_groups, opt.shard_fp32_groups, False),
         (opt.model_float16_groups, opt.shard_fp32_from_float16_groups, True))
         for params, group in zip(models, shards) for p, shard in zip(params, group)]
 
 
-def flat_shards(gpt: GPTModel, opt: Any, layout: gt.ParallelLayout, ddp: Any) -> tuple[list[gt.FlatShard], bool]:
-    """This rank's pieces of the Adam state, as Megatron's DistributedOptimizer holds them,
-    and whether megatron_param_ranges gives the same ranges."""
-    pieces = []
-    for p, shard, master in main_shards(opt):
-        r = opt._get_model_param_range_map(p)["param"]
-        state = opt.optimizer.state[shard]
-        held = {k: state[k] for k in ("exp_avg", "exp_avg_sq", "step")}
-        pieces.append(gt.FlatShard(p, r.start, r.end, {**held, "master": shard} if master else held))
-    ours = gt.megatron_param_ranges(list(gpt.parameters()), dp_size=layout.dp_size, dp_rank=layout.dp_rank,
-                                    bucket_size=ddp.bucket_size)
+def flat_shards(gpt: GPTModel, chained: Any, layout: gt.ParallelLayout,
+                ddp: Any) -> tuple[list[gt.FlatShard], bool]:
+    """This rank's pieces of the Adam state, as Megatron's DistributedOptimizers hold them
+    (by docs/torch.md's recipe), and whether megatron_param_ranges gives the same ranges."""
+    names: dict[str, Any] = {"chained": chained, "gt": gt}  # docs/torch.md's pieces, run as printed
+    exec(_recipe("  pieces = []", "  gt.save_checkpoint(path, model=ddp"), names)
+    pieces: list[gt.FlatShard] = names["pieces"]
+    assert len(pieces) == len(main_shards(chained))
+    # Megatron's DDP keeps experts (allreduce=False) in buffers of their own, sharded over expert DP.
+    dense = [p for p in gpt.parameters() if getattr(p, "allreduce", True)]
+    experts = [p for p in gpt.parameters() if not getattr(p, "allreduce", True)]
+    expert_dp = layout.tp_size * layout.dp_size // (layout.expert_tp_size * layout.ep_size)
+    ours = gt.megatron_param_ranges(dense, dp_size=layout.dp_size, dp_rank=layout.dp_rank, bucket_size=ddp.bucket_size)
+    if experts:
+        ours += gt.megatron_param_ranges(experts, dp_size=expert_dp, dp_rank=layout.expert_dp_rank,
+                                         bucket_size=ddp.bucket_size)
     same = sorted((id(p), s, e) for p, s, e in ours) == sorted((id(f.param), f.start, f.stop) for f in pieces)
     return pieces, same
+
+
+def _keeping_step(opt: Any) -> Any:
+    set_state = opt._set_main_param_and_optimizer_states
+
+    def keeping_step(model_param: Any, tensors: dict[str, torch.Tensor]) -> None:
+        group, order = opt.model_param_group_index_map[model_param]
+        state = opt.optimizer.state[opt.optimizer.param_groups[group]["params"][order]]
+        step = state.pop("step", None)
+        set_state(model_param, tensors)
+        if step is not None:
+            state["step"] = step
+
+    return keeping_step
 
 
 def distopt_scenario(rank: int, *, path: str, save: dict[str, int], load: dict[str, int], model: dict[str, Any],
@@ -382,8 +407,7 @@ def distopt_scenario(rank: int, *, path: str, save: dict[str, int], load: dict[s
     layout = setup(model, **save)
     gpt, ddp, opt = trained(model, layout, "saved")
     pieces, same_ranges_saved = flat_shards(gpt, opt, layout, ddp)
-    gt.save_checkpoint(ours, model=gpt, layout=layout, rules=rules(model), optimizer=opt.optimizer,
-                       optimizer_shards=pieces)
+    gt.save_checkpoint(ours, model=ddp, layout=layout, rules=rules(model), optimizer=opt, optimizer_shards=pieces)
     if rank == 0:
         os.makedirs(theirs, exist_ok=True)
     dist.barrier()
@@ -394,7 +418,7 @@ def distopt_scenario(rank: int, *, path: str, save: dict[str, int], load: dict[s
     layout = setup(model, **load)
     b, b_ddp, b_opt = trained(model, layout, "fresh")
     b_pieces, same_ranges_loaded = flat_shards(b, b_opt, layout, b_ddp)
-    result = gt.load_checkpoint(ours, model=b, layout=layout, rules=rules(model), optimizer=b_opt.optimizer,
+    result = gt.load_checkpoint(ours, model=b_ddp, layout=layout, rules=rules(model), optimizer=b_opt,
                                 optimizer_shards=b_pieces)
     c, _, c_opt = trained(model, layout, "other")
     loaded = dist_checkpointing.load({"model": c.sharded_state_dict(), "optimizer": c_opt.sharded_state_dict(
@@ -403,22 +427,14 @@ def distopt_scenario(rank: int, *, path: str, save: dict[str, int], load: dict[s
     # Megatron's fully_reshardable format keeps param, exp_avg and exp_avg_sq (its fused Adams count
     # steps per group); torch's AdamW, its CPU fallback, also holds a per-parameter "step", which
     # Megatron's load then looks for in what it read: set aside while each parameter's state is set.
-    set_state = c_opt._set_main_param_and_optimizer_states
-
-    def keeping_step(model_param: Any, tensors: dict[str, torch.Tensor]) -> None:
-        group, order = c_opt.model_param_group_index_map[model_param]
-        state = c_opt.optimizer.state[c_opt.optimizer.param_groups[group]["params"][order]]
-        step = state.pop("step", None)
-        set_state(model_param, tensors)
-        if step is not None:
-            state["step"] = step
-
-    c_opt._set_main_param_and_optimizer_states = keeping_step
+    for part in c_opt.chained_optimizers:
+        part._set_main_param_and_optimizer_states = _keeping_step(part)
     c_opt.load_state_dict(loaded["optimizer"])
     differ = []
-    for j, ((_, x, _), (_, y, _)) in enumerate(zip(main_shards(b_opt), main_shards(c_opt), strict=True)):
+    for j, ((b_part, _, x, _), (c_part, _, y, _)) in enumerate(zip(main_shards(b_opt), main_shards(c_opt),
+                                                                   strict=True)):
         for item in ("exp_avg", "exp_avg_sq"):
-            if not torch.equal(b_opt.optimizer.state[x][item], c_opt.optimizer.state[y][item]):
+            if not torch.equal(b_part.optimizer.state[x][item], c_part.optimizer.state[y][item]):
                 differ.append(f"shard {j} {item}")
         if not torch.equal(x, y):
             differ.append(f"shard {j} main param")
