@@ -297,6 +297,7 @@ def load_checkpoint(
     opened: list[gs.Checkpoint] = []
     extras: list[Any] = []
     missing: list[str] = []
+    group_sources: list[int] = []  # for each param group, the saved group whose hyperparameters it gets
     zero = _is_zero_redundancy(optimizer)
     zero_pieces: list[FlatShard] = []
     if extra_state not in ("load", "skip"):
@@ -335,7 +336,7 @@ def load_checkpoint(
                                 "optimizer=); pass optimizer=None to load the model alone")
         if zero or optimizer_shards is not None:
             if optimizer is not None and not zero:
-                _check_groups(optimizer, ts.get("optimizer"))
+                group_sources[:] = _check_groups(optimizer, ts.get("optimizer"), by_identity=True)
             pieces = _zero_targets(optimizer, entries, metadata) if zero else list(optimizer_shards or [])
             if not zero:
                 _check_main_copies(optimizer, pieces, entries)
@@ -357,7 +358,7 @@ def load_checkpoint(
                 item, _, key = k[len(_OPT):].partition(".")
                 items.setdefault(key, []).append(item)
         assert optimizer is not None  # the branches above return otherwise
-        _check_groups(optimizer, ts.get("optimizer"))
+        group_sources[:] = _check_groups(optimizer, ts.get("optimizer"))
         membership = (ts.get("optimizer") or {}).get("membership", {})
         problems = []
         for g, p, e, is_master in _optimizer_params(optimizer, entries, master_params):
@@ -408,8 +409,13 @@ def load_checkpoint(
     if optimizer is not None:
         for p, st in new_state:
             optimizer.state[p] = {k: _like_param(p, v) for k, v in st.items()}
-        for group, saved_group in zip(optimizer.param_groups, (trainer.get("optimizer") or {}).get("param_groups", [])):
-            for k, v in saved_group.items():
+        saved_groups = (trainer.get("optimizer") or {}).get("param_groups", [])
+        # By position unless a check matched them otherwise (a ZeroRedundancyOptimizer's are not checked).
+        sources = group_sources if group_sources else range(len(saved_groups))
+        for group, source in zip(optimizer.param_groups, sources):
+            for k, v in saved_groups[source].items():
+                if group_sources and k in _IDENTITY_KEYS:
+                    continue  # what names the group (an experts' one may take a dense group's values)
                 group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
     if scheduler is not None and trainer.get("lr_scheduler") is not None:
         scheduler.load_state_dict(from_jsonable(trainer["lr_scheduler"]))
@@ -601,18 +607,66 @@ def _like_param(p: Any, local: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
 
 
-def _check_groups(optimizer: torch.optim.Optimizer, saved: dict[str, Any] | None) -> None:
+# Megatron-Core's param_group_identifier_keys (NeMo prefixes the first two with "pre_").
+_GROUP_IDENTITY = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+_IDENTITY_KEYS = frozenset(_GROUP_IDENTITY) | {f"pre_{k}" for k in _GROUP_IDENTITY}
+
+
+def _check_groups(optimizer: torch.optim.Optimizer, saved: dict[str, Any] | None,
+                  by_identity: bool = False) -> list[int]:
+    """For each of the optimizer's param groups, the saved group whose
+    hyperparameters it gets: the one in the same place, or, when their number
+    changed and ``by_identity`` (state held by pieces, not by group), the one
+    with the same Megatron-Core identity, else the one that differs from it
+    only in ``is_expert_parallel`` (expert groups come and go with EP)."""
     if saved is None:
-        return
+        return []
     if saved.get("class") != _optimizer_class(optimizer):
         raise MismatchError(f"the checkpoint holds {saved.get('class')} state; the optimizer is "
                             f"{_optimizer_class(optimizer)}")
-    n_saved, n_now = len(saved.get("param_groups", [])), len(optimizer.param_groups)
-    # TODO(limitation): param groups are matched by position, so their number must not change. Megatron-Core's
-    # MoE optimizer has expert groups only with EP > 1 (it matches groups by wd_mult, lr_mult, is_expert_parallel
-    # and is_decoupled_lr), so its distributed optimizer's state does not load across EP > 1 and EP = 1.
-    if n_saved != n_now:
-        raise MismatchError(f"the checkpoint has {n_saved} optimizer param groups, the optimizer {n_now}")
+    saved_groups, groups = saved.get("param_groups", []), optimizer.param_groups
+    if len(saved_groups) == len(groups):
+        return list(range(len(groups)))
+    identities = [_group_identity(g) for g in saved_groups]
+    # TODO(limitation): when their number changes, param groups are matched by Megatron-Core's identifier
+    # keys only; other optimizers' groups must keep their number (they are matched by position).
+    if not by_identity or any(i is None for i in identities) or any(_group_identity(g) is None for g in groups):
+        raise MismatchError(f"the checkpoint has {len(saved_groups)} optimizer param groups, the optimizer "
+                            f"{len(groups)}")
+    out, problems = [], []
+    for n, group in enumerate(groups):
+        identity = _group_identity(group)
+        assert identity is not None
+        # Experts' groups exist only with EP > 1 and differ from the dense ones by is_expert_parallel alone.
+        dense = [i for i, saved_id in enumerate(identities) if saved_id is not None and
+                 _without_expert(saved_id) == _without_expert(identity)]
+        if identity in identities:
+            out.append(identities.index(identity))
+        elif dense:
+            out.append(dense[0])
+        else:
+            problems.append(f"param group {n} ({dict(zip(_GROUP_IDENTITY, identity))}): no saved group has "
+                            "this identity")
+    if problems:
+        raise MismatchError(format_problems("the optimizer's param groups do not match the checkpoint's", problems))
+    return out
+
+
+def _without_expert(identity: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(v for k, v in zip(_GROUP_IDENTITY, identity) if k != "is_expert_parallel")
+
+
+def _group_identity(group: Mapping[str, Any]) -> tuple[Any, ...] | None:
+    values = []
+    for key in _GROUP_IDENTITY:
+        found = next((group[k] for k in (key, f"pre_{key}") if k in group), _ABSENT)
+        if found is _ABSENT:
+            return None
+        values.append(found)
+    return tuple(values)
+
+
+_ABSENT = object()
 
 
 # --------------------------------------------------------------------------- manager

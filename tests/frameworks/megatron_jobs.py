@@ -344,7 +344,9 @@ def trained(model: dict[str, Any], layout: gt.ParallelLayout, salt: str) -> tupl
     ddp = DistributedDataParallel(config=gpt.config, module=wrapped, ddp_config=DistributedDataParallelConfig(
         use_distributed_optimizer=True, grad_reduce_in_fp32=True))
     with _distributed_optimizer_on_cpu():
-        chained = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True,
+        # A learning rate of the saving run's own, so a load that left the groups as they were shows.
+        lr = 1e-2 if salt == "saved" else 3e-3
+        chained = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, use_distributed_optimizer=True,
                                                          bf16=bool(model.get("bf16"))), [ddp])
     for p in ddp.parameters():
         p.main_grad.copy_(torch.sin(p.detach() * 3.0))
@@ -383,6 +385,17 @@ def flat_shards(gpt: GPTModel, chained: Any, layout: gt.ParallelLayout,
     return pieces, same
 
 
+def _group_differences(x_opt: Any, y_opt: Any) -> list[str]:
+    """The hyperparameters in which two optimizers' param groups differ. Megatron's load also
+    writes a per-group "step" (its fused Adams'; torch's AdamW counts per parameter): left out."""
+    out = []
+    for n, (x, y) in enumerate(zip(x_opt.param_groups, y_opt.param_groups, strict=True)):
+        keys = sorted(k for k in set(x) | set(y) if k not in ("params", "step") and x.get(k) != y.get(k))
+        if keys:
+            out.append(f"param group {n}: " + ", ".join(f"{k} {x.get(k)!r} vs {y.get(k)!r}" for k in keys))
+    return out
+
+
 def _keeping_step(opt: Any) -> Any:
     set_state = opt._set_main_param_and_optimizer_states
 
@@ -401,7 +414,8 @@ def distopt_scenario(rank: int, *, path: str, save: dict[str, int], load: dict[s
                      name: str, distopt: bool) -> dict[str, Any]:
     """Megatron-Core's distributed optimizer saved at ``save`` with globalshard (its
     pieces as FlatShards) and with dist_checkpointing (``fully_reshardable``), loaded
-    at ``load`` by each into another distributed optimizer; every Adam moment compared."""
+    at ``load`` by each into another distributed optimizer; every Adam moment and
+    param group's hyperparameters compared."""
     ours, theirs = os.path.join(path, name, "globalshard"), os.path.join(path, name, "megatron")
     meta = {"distrib_optim_sharding_type": "fully_reshardable"}
     layout = setup(model, **save)
@@ -438,12 +452,53 @@ def distopt_scenario(rank: int, *, path: str, save: dict[str, int], load: dict[s
                 differ.append(f"shard {j} {item}")
         if not torch.equal(x, y):
             differ.append(f"shard {j} main param")
+    differ += _group_differences(b_opt, c_opt)
     ours_t, theirs_t = _named([b], layout), _named([c], layout)
     differ += sorted(k for k in ours_t if not torch.equal(ours_t[k], theirs_t[k]))
     return {"differ": differ, "tensors": len(main_shards(b_opt)), "masters": sum(m for *_, m in main_shards(b_opt)),
             "unexpected": result.unexpected_keys, "same_ranges": same_ranges_saved and same_ranges_loaded}
 
 
+def distopt_roundtrip_scenario(rank: int, *, path: str, save: dict[str, int], load: dict[str, int],
+                               model: dict[str, Any], name: str, roundtrip: bool) -> dict[str, Any]:
+    """Megatron's distributed optimizers saved at ``save``, loaded at ``load``, saved
+    there and loaded back at ``save`` into fresh ones: every Adam moment, main
+    parameter, model tensor and param group's hyperparameters equal the first
+    run's (for layouts dist_checkpointing itself does not load across: a MoE
+    ChainedOptimizer at EP > 1 saves as chained_0/chained_1, at EP=1 as one)."""
+    first, second = os.path.join(path, name, "first"), os.path.join(path, name, "second")
+    layout = setup(model, **save)
+    a, a_ddp, a_opt = trained(model, layout, "saved")
+    gt.save_checkpoint(first, model=a_ddp, layout=layout, rules=rules(model), optimizer=a_opt,
+                       optimizer_shards=flat_shards(a, a_opt, layout, a_ddp)[0])
+    layout = setup(model, **load)
+    b, b_ddp, b_opt = trained(model, layout, "fresh")
+    b_pieces, _ = flat_shards(b, b_opt, layout, b_ddp)
+    gt.load_checkpoint(first, model=b_ddp, layout=layout, rules=rules(model), optimizer=b_opt,
+                       optimizer_shards=b_pieces)
+    lrs = sorted({g["lr"] for g in b_opt.param_groups})
+    gt.save_checkpoint(second, model=b_ddp, layout=layout, rules=rules(model), optimizer=b_opt,
+                       optimizer_shards=b_pieces)
+    del b, b_ddp, b_opt
+    layout = setup(model, **save)
+    c, c_ddp, c_opt = trained(model, layout, "other")
+    gt.load_checkpoint(second, model=c_ddp, layout=layout, rules=rules(model), optimizer=c_opt,
+                       optimizer_shards=flat_shards(c, c_opt, layout, c_ddp)[0])
+    differ = []
+    for j, ((a_part, _, x, _), (c_part, _, y, _)) in enumerate(zip(main_shards(a_opt), main_shards(c_opt),
+                                                                   strict=True)):
+        for item in ("exp_avg", "exp_avg_sq"):
+            if not torch.equal(a_part.optimizer.state[x][item], c_part.optimizer.state[y][item]):
+                differ.append(f"shard {j} {item}")
+        if not torch.equal(x, y):
+            differ.append(f"shard {j} main param")
+    differ += _group_differences(a_opt, c_opt)
+    ours_t, theirs_t = _named([a], layout), _named([c], layout)
+    differ += sorted(k for k in ours_t if not torch.equal(ours_t[k], theirs_t[k]))
+    return {"differ": differ, "tensors": len(main_shards(c_opt)), "lrs_between": lrs,
+            "optimizers": [len(a_opt.chained_optimizers), len(c_opt.chained_optimizers)]}
+
+
 def scenarios(rank: int, *, path: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    kinds = {"export": export_scenario, "distopt": distopt_scenario}
+    kinds = {"export": export_scenario, "distopt": distopt_scenario, "roundtrip": distopt_roundtrip_scenario}
     return [next((f for k, f in kinds.items() if case.get(k)), scenario)(rank, path=path, **case) for case in cases]

@@ -73,14 +73,21 @@ CASES = [
 DISTOPT = [
     dict(name="distopt_dp2_to_tp2", save=dict(tp=1, pp=1), load=dict(tp=2, pp=1), model=DENSE, distopt=True),
     dict(name="distopt_tp2_to_dp2", save=dict(tp=2, pp=1), load=dict(tp=1, pp=1), model=DENSE, distopt=True),
-    # Experts in their own buffers and optimizer (a ChainedOptimizer), on the layout that saved them:
-    # at EP=1 Megatron builds no expert optimizer, and its param groups then differ in number, which
-    # load_checkpoint refuses (a limitation, README).
+    # Experts in their own buffers and optimizer (a ChainedOptimizer), on the layout that saved them.
     dict(name="distopt_moe_ep2_same_layout", save=dict(tp=1, pp=1, ep=2), load=dict(tp=1, pp=1, ep=2),
          model={**DENSE, "experts": 4}, distopt=True),
     # bf16 parameters (Float16Module) with the optimizer's fp32 main copies, stored as "master".
     dict(name="distopt_bf16_dp2_to_tp2", save=dict(tp=1, pp=1), load=dict(tp=2, pp=1), model={**DENSE, "bf16": True},
          distopt=True),
+]
+# A MoE distributed optimizer traded between EP=2 (a dense and an expert optimizer, chained) and TP=2 (one
+# optimizer, fewer param groups), which dist_checkpointing does not load across: a round trip through the
+# other layout must give back the first run's state exactly.
+ROUNDTRIPS = [
+    dict(name="distopt_moe_ep2_via_tp2", save=dict(tp=1, pp=1, ep=2), load=dict(tp=2, pp=1),
+         model={**DENSE, "experts": 4}, roundtrip=True),
+    dict(name="distopt_moe_tp2_via_ep2", save=dict(tp=2, pp=1), load=dict(tp=1, pp=1, ep=2),
+         model={**DENSE, "experts": 4}, roundtrip=True),
 ]
 # A Megatron-Core Llama (RMSNorm, SwiGLU, rotary, GQA) exported to Hugging Face Llama, opened by
 # transformers, and the export read back into another layout by load_hf.
@@ -95,7 +102,7 @@ EXPORTS = [
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     path = tmp_path_factory.mktemp("megatron")
-    cases = CASES + EXPORTS + DISTOPT
+    cases = CASES + EXPORTS + DISTOPT + ROUNDTRIPS
     per_rank = run(2, "megatron_jobs:scenarios", str(path / "ranks"), path=str(path), cases=cases)
     return {case["name"]: [rank[i] for rank in per_rank] for i, case in enumerate(cases)}
 
@@ -129,6 +136,16 @@ def test_a_distributed_optimizers_adam_state_reshards_as_dist_checkpointing_resh
         assert r["tensors"] > 0 and r["unexpected"] == []
         assert r["masters"] == (r["tensors"] if "bf16" in case else 0)
         assert r["same_ranges"], "megatron_param_ranges differs from the DistributedOptimizer's own ranges"
+
+
+@pytest.mark.parametrize("case", [c["name"] for c in ROUNDTRIPS])
+def test_a_moe_distributed_optimizer_round_trips_through_another_ep(outcomes, case):
+    for r in outcomes[case]:
+        assert r["differ"] == [], f"differ from the first run after the round trip: {r['differ']}"
+        assert r["tensors"] > 0
+        assert r["lrs_between"] == [1e-2], "the other layout's param groups did not get the saved learning rate"
+    chained = outcomes[case][0]["optimizers"]
+    assert chained == ([2, 2] if "ep2_via" in case else [1, 1])
 
 
 @pytest.mark.parametrize("tp,dp,pp,ep,etp", [(2, 4, 1, 2, 1), (2, 4, 2, 4, 2), (4, 2, 1, 2, 1), (2, 2, 1, 4, 1),

@@ -329,3 +329,48 @@ def test_a_main_copy_the_pieces_leave_out_is_refused_on_save_and_on_load(tmp_pat
     gt.load_checkpoint(tmp_path / "c", model=model, layout=gt.ParallelLayout(), rules=rules, optimizer=opt,
                        optimizer_shards=pieces(True))
     assert torch.equal(main.detach(), saved)
+
+
+def test_megatron_param_groups_are_matched_by_what_names_them_when_their_number_changes(tmp_path):
+    """Megatron-Core's MoE optimizer has groups of its own for the experts only
+    when EP > 1, so a distributed optimizer's groups change in number across
+    EP sizes. With pieces, groups that carry Megatron's identifier keys
+    (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr) get the
+    hyperparameters of the saved group with the same identity, or of the one
+    that differs only in is_expert_parallel; a group with neither is refused,
+    naming it. Without those keys a change of number is refused."""
+    model = nn.Linear(4, 3, bias=False)
+    rules = gt.ShardingRules([(r"weight", gt.Replicated())])
+
+    def ident(expert, wd_mult):
+        return {"wd_mult": wd_mult, "lr_mult": 1.0, "is_expert_parallel": expert, "is_decoupled_lr": False}
+
+    def adam(groups, lrs):
+        extra = [nn.Parameter(torch.zeros(1)) for _ in groups[1:]]
+        return torch.optim.AdamW([{"params": [p], **g, "lr": lr} for p, g, lr in
+                                  zip([model.weight, *extra], groups, lrs)])
+
+    piece = [gt.FlatShard(model.weight, 0, 12, {"exp_avg": torch.arange(12.0)})]
+    saved = adam([ident(False, 1.0), ident(False, 0.0), ident(True, 1.0)], [0.1, 0.2, 0.3])
+    gt.save_checkpoint(tmp_path / "c", model=model, layout=gt.ParallelLayout(), rules=rules, optimizer=saved,
+                       optimizer_shards=piece)
+    now = adam([ident(False, 0.0), ident(False, 1.0)], [9.0, 9.0])
+    gt.load_checkpoint(tmp_path / "c", model=model, layout=gt.ParallelLayout(), rules=rules, optimizer=now,
+                       optimizer_shards=piece)
+    assert [g["lr"] for g in now.param_groups] == [0.2, 0.1]
+    # The other way (EP=1 saved, EP > 1 loaded): an experts' group takes the dense group that differs only there.
+    gt.save_checkpoint(tmp_path / "d", model=model, layout=gt.ParallelLayout(), rules=rules, optimizer=now,
+                       optimizer_shards=piece)
+    grown = adam([ident(False, 1.0), ident(True, 0.0), ident(False, 0.0)], [9.0, 9.0, 9.0])
+    gt.load_checkpoint(tmp_path / "d", model=model, layout=gt.ParallelLayout(), rules=rules, optimizer=grown,
+                       optimizer_shards=piece)
+    assert [g["lr"] for g in grown.param_groups] == [0.1, 0.2, 0.2]
+    assert [g["is_expert_parallel"] for g in grown.param_groups] == [False, True, False]  # what names it stays
+    unknown = adam([ident(False, 1.0), ident(False, 0.5)], [9.0, 9.0])
+    with pytest.raises(gs.MismatchError, match=r"param group 1 .*'wd_mult': 0.5.* no saved group"):
+        gt.load_checkpoint(tmp_path / "c", model=model, layout=gt.ParallelLayout(), rules=rules, optimizer=unknown,
+                           optimizer_shards=piece)
+    plain = torch.optim.AdamW([{"params": [model.weight]}, {"params": [nn.Parameter(torch.zeros(1))]}])
+    with pytest.raises(gs.MismatchError, match="the checkpoint has 3 optimizer param groups, the optimizer 2"):
+        gt.load_checkpoint(tmp_path / "c", model=model, layout=gt.ParallelLayout(), rules=rules, optimizer=plain,
+                           optimizer_shards=piece)
