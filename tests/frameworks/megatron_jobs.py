@@ -385,6 +385,22 @@ def flat_shards(gpt: GPTModel, chained: Any, layout: gt.ParallelLayout,
     return pieces, same
 
 
+def _differences(x: GPTModel, x_opt: Any, y: GPTModel, y_opt: Any, layout: gt.ParallelLayout) -> list[str]:
+    """Where two models with their distributed optimizers differ: Adam moments, main
+    parameters, param groups' hyperparameters and model tensors."""
+    out = []
+    for j, ((x_part, _, a, _), (y_part, _, b, _)) in enumerate(zip(main_shards(x_opt), main_shards(y_opt),
+                                                                   strict=True)):
+        for item in ("exp_avg", "exp_avg_sq"):
+            if not torch.equal(x_part.optimizer.state[a][item], y_part.optimizer.state[b][item]):
+                out.append(f"shard {j} {item}")
+        if not torch.equal(a, b):
+            out.append(f"shard {j} main param")
+    out += _group_differences(x_opt, y_opt)
+    x_t, y_t = _named([x], layout), _named([y], layout)
+    return out + sorted(k for k in x_t if not torch.equal(x_t[k], y_t[k]))
+
+
 def _group_differences(x_opt: Any, y_opt: Any) -> list[str]:
     """The hyperparameters in which two optimizers' param groups differ. Megatron's load also
     writes a per-group "step" (its fused Adams'; torch's AdamW counts per parameter): left out."""
@@ -444,17 +460,7 @@ def distopt_scenario(rank: int, *, path: str, save: dict[str, int], load: dict[s
     for part in c_opt.chained_optimizers:
         part._set_main_param_and_optimizer_states = _keeping_step(part)
     c_opt.load_state_dict(loaded["optimizer"])
-    differ = []
-    for j, ((b_part, _, x, _), (c_part, _, y, _)) in enumerate(zip(main_shards(b_opt), main_shards(c_opt),
-                                                                   strict=True)):
-        for item in ("exp_avg", "exp_avg_sq"):
-            if not torch.equal(b_part.optimizer.state[x][item], c_part.optimizer.state[y][item]):
-                differ.append(f"shard {j} {item}")
-        if not torch.equal(x, y):
-            differ.append(f"shard {j} main param")
-    differ += _group_differences(b_opt, c_opt)
-    ours_t, theirs_t = _named([b], layout), _named([c], layout)
-    differ += sorted(k for k in ours_t if not torch.equal(ours_t[k], theirs_t[k]))
+    differ = _differences(b, b_opt, c, c_opt, layout)
     return {"differ": differ, "tensors": len(main_shards(b_opt)), "masters": sum(m for *_, m in main_shards(b_opt)),
             "unexpected": result.unexpected_keys, "same_ranges": same_ranges_saved and same_ranges_loaded}
 
@@ -484,17 +490,7 @@ def distopt_roundtrip_scenario(rank: int, *, path: str, save: dict[str, int], lo
     c, c_ddp, c_opt = trained(model, layout, "other")
     gt.load_checkpoint(second, model=c_ddp, layout=layout, rules=rules(model), optimizer=c_opt,
                        optimizer_shards=flat_shards(c, c_opt, layout, c_ddp)[0])
-    differ = []
-    for j, ((a_part, _, x, _), (c_part, _, y, _)) in enumerate(zip(main_shards(a_opt), main_shards(c_opt),
-                                                                   strict=True)):
-        for item in ("exp_avg", "exp_avg_sq"):
-            if not torch.equal(a_part.optimizer.state[x][item], c_part.optimizer.state[y][item]):
-                differ.append(f"shard {j} {item}")
-        if not torch.equal(x, y):
-            differ.append(f"shard {j} main param")
-    differ += _group_differences(a_opt, c_opt)
-    ours_t, theirs_t = _named([a], layout), _named([c], layout)
-    differ += sorted(k for k in ours_t if not torch.equal(ours_t[k], theirs_t[k]))
+    differ = _differences(a, a_opt, c, c_opt, layout)
     return {"differ": differ, "tensors": len(main_shards(c_opt)), "lrs_between": lrs,
             "optimizers": [len(a_opt.chained_optimizers), len(c_opt.chained_optimizers)]}
 
