@@ -638,15 +638,14 @@ def _check_groups(optimizer: torch.optim.Optimizer, saved: dict[str, Any] | None
         identity = _group_identity(group)
         assert identity is not None
         # Experts' groups exist only with EP > 1 and differ from the dense ones by is_expert_parallel alone.
-        dense = [i for i, saved_id in enumerate(identities) if saved_id is not None and
-                 _without_expert(saved_id) == _without_expert(identity)]
-        if identity in identities:
-            out.append(identities.index(identity))
-        elif dense:
-            out.append(dense[0])
-        else:
+        source = identities.index(identity) if identity in identities else next(
+            (i for i, saved_id in enumerate(identities)
+             if saved_id is not None and _without_expert(saved_id) == _without_expert(identity)), None)
+        if source is None:
             problems.append(f"param group {n} ({dict(zip(_GROUP_IDENTITY, identity))}): no saved group has "
                             "this identity")
+        else:
+            out.append(source)
     if problems:
         raise MismatchError(format_problems("the optimizer's param groups do not match the checkpoint's", problems))
     return out
@@ -657,16 +656,10 @@ def _without_expert(identity: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _group_identity(group: Mapping[str, Any]) -> tuple[Any, ...] | None:
-    values = []
-    for key in _GROUP_IDENTITY:
-        found = next((group[k] for k in (key, f"pre_{key}") if k in group), _ABSENT)
-        if found is _ABSENT:
-            return None
-        values.append(found)
-    return tuple(values)
-
-
-_ABSENT = object()
+    try:
+        return tuple(group[k] if k in group else group[f"pre_{k}"] for k in _GROUP_IDENTITY)
+    except KeyError:
+        return None
 
 
 # --------------------------------------------------------------------------- manager
