@@ -717,6 +717,38 @@ def state_dict_load_job(rank: int, *, path: str) -> dict[str, Any]:
             "step": state["step"]}
 
 
+def tp_by_dp_job(rank: int, *, path: str, dcp_path: str, dump: str) -> None:
+    """World 4, mesh (dp=2, tp=2): tensor parallelism on the "tp" sub-mesh and
+    data-parallel copies across it (DDP, or torchtitan's MoE ``expert_bias``
+    buffer on the TP mesh), so each DTensor's mesh is half of the world and
+    each of its two copies places itself at the same global offsets.
+    Saved with globalshard and with DCP after an AdamW step."""
+    from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]
+    model = nn.Module()
+    w = torch.arange(24, dtype=torch.float32).reshape(8, 3)
+    b = torch.linspace(-1.0, 1.0, 3)
+    model.register_parameter("w", nn.Parameter(distribute_tensor(w, tp, [Shard(0)])))
+    model.register_parameter("b", nn.Parameter(distribute_tensor(b, tp, [Replicate()])))
+    model.register_buffer("counts", distribute_tensor(torch.arange(4.0), tp, [Replicate()]))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=False)
+    for p in model.parameters():
+        p.grad = torch.sin(p.detach() * 3.0)
+    opt.step()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    held = {"w": _full(model.w), "b": _full(model.b), "counts": _full(model.counts),
+            "exp_avg.w": _full(opt.state[model.w]["exp_avg"]), "exp_avg_sq.b": _full(opt.state[model.b]["exp_avg_sq"])}
+    if rank == 0:
+        np.savez(dump, **held)
+    dcp_save(state, checkpoint_id=dcp_path)
+    gt.save(state, path)
+
+
 def strided_job(rank: int, *, path: str, rows: int, save: bool) -> dict[str, Any]:
     """Mesh (dp=2, tp=2); a weight as FSDP2 over TP leaves it:
     [_StridedShard(0, split_factor=2), Shard(0)]; a bias Shard(0) on tp only."""

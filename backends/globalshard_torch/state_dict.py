@@ -5,7 +5,11 @@ nested dict, as ``model.state_dict()`` or
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` give it, holding
 
 * DTensors, which place themselves (Shard / Replicate on any mesh, meshes over
-  a subset of the ranks included);
+  a subset of the ranks included). A mesh over part of the ranks may have
+  copies: other meshes of the same dims and shape whose ranks hold the same
+  keys (tensor parallelism on the "tp" sub-mesh, data parallelism across
+  it). As in DCP, they are data-parallel replicas: the copy on the mesh with
+  the lowest rank is written;
 * plain tensors, which are the same on every rank (rank 0's copy is written);
 * Stateful objects (anything with ``state_dict()`` and ``load_state_dict()``:
   a GradScaler, a dataloader, an EMA helper), saved through their state dicts
@@ -25,6 +29,7 @@ its key: nothing is dropped, and nothing is pickled.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any, NamedTuple
 
@@ -32,7 +37,7 @@ import numpy as np
 import torch
 
 import globalshard as gs
-from globalshard.comm import Comm, SingleProcessComm, run_collectively
+from globalshard.comm import Comm, SingleProcessComm, json_digest, run_collectively
 from globalshard.errors import LayoutError, MismatchError, format_problems
 from globalshard.planner import asked_mask, missing_key, unread_keys
 from globalshard_torch.comm import default_comm
@@ -146,6 +151,30 @@ def _tensor_shard(key: str, t: torch.Tensor, staging: HostStaging, rank: int, *,
     return _replica_shard(key, numpy_view(staging.host(t, for_save=for_save)), rank == 0)
 
 
+def _part_mesh(t: torch.Tensor, world_size: int) -> tuple[Any, ...] | None:
+    """``(dim names, shape, lowest rank)`` of a DTensor's mesh when it spans part of the world."""
+    if not _is_dtensor(t):
+        return None
+    mesh = t.device_mesh  # type: ignore[attr-defined]
+    ranks = mesh.mesh.flatten().tolist()
+    if len(ranks) >= world_size:
+        return None
+    return (tuple(mesh.mesh_dim_names or ()), tuple(mesh.shape), min(ranks))
+
+
+def copied_meshes(described: Sequence[Sequence[Sequence[Any]]]) -> set[tuple[Any, ...]]:
+    """Of the part-of-the-world meshes every rank described, as ``[dim names,
+    shape, lowest rank, digest of the keys on it]``, those that copy another:
+    same dims, shape and keys, and a higher lowest rank. Their tensors are
+    data-parallel replicas of the first mesh's. Returned as
+    ``(names, shape, lowest rank, digest)`` tuples."""
+    meshes = {(tuple(names), tuple(shape), low, digest) for rank in described for names, shape, low, digest in rank}
+    first: dict[tuple[Any, ...], int] = {}
+    for names, shape, low, digest in meshes:
+        first[names, shape, digest] = min(first.get((names, shape, digest), low), low)
+    return {m for m in meshes if m[2] > first[m[0], m[1], m[3]]}
+
+
 def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, overwrite: bool = False,
          kvstore: Any = None, stats: gs.IOStats | None = None, pack_below: int = 0, base: Any = None,
          frozen: Sequence[str] = (), digests: bool | None = None, saver: gs.AsyncSaver | None = None) -> None:
@@ -168,8 +197,9 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
     shards: dict[str, gs.ShardedTensor] = {}
     values: dict[str, Any] = {}
     byte_keys: list[str] = []
+    on_part_meshes: dict[tuple[Any, ...], list[str]] = {}  # (dim names, shape, lowest rank) -> keys
 
-    def describe() -> None:
+    def describe() -> list[list[Any]]:
         problems: list[str] = []
 
         def visit(key: str, value: Any, _container: Any, _index: Any) -> None:
@@ -177,6 +207,8 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
                 shard = _tensor_shard(key, value.detach(), staging, comm.rank, for_save=True)
                 if shard is not None:
                     shards[key] = shard
+                    if (mesh := _part_mesh(value, comm.world_size)) is not None:
+                        on_part_meshes.setdefault(mesh, []).append(key)
             elif _is_stateful(value):
                 _walk(_plain(value.state_dict()), visit, key)
             elif isinstance(value, (bytes, bytearray)):
@@ -195,8 +227,14 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
         staging.ready()
         if problems:
             raise LayoutError(format_problems("cannot save the state dict", problems))
+        return [[*mesh, json_digest(sorted(keys))] for mesh, keys in on_part_meshes.items()]
 
-    run_collectively(comm, "save: describing the state dict", describe)
+    _, described = run_collectively(comm, "save: describing the state dict", describe)
+    copies = copied_meshes(described)
+    for mesh, keys in on_part_meshes.items():
+        if (*mesh, json_digest(sorted(keys))) in copies:
+            for key in keys:
+                shards[key] = dataclasses.replace(shards[key], replica_id=1)
     staging.save(shards, path, saver, trainer_state={_VALUES: values, _BYTES: sorted(byte_keys)}, comm=comm,
                  overwrite=overwrite, kvstore=kvstore, stats=stats, pack_below=pack_below, base=base,
                  frozen=frozen, digests=digests)

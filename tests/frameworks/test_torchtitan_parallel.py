@@ -5,7 +5,12 @@ DCP, then loaded at TP=2, at dp_shard=2 and into one process by each: every
 model and optimizer tensor equal to DCP's load. The one-process load is then
 exported with ``--map torchtitan_llama3`` and opened by transformers, whose
 logits must equal torchtitan's own forward, and the export read back by
-``load_hf`` into torchtitan's FSDP2 x TP model equals DCP's load."""
+``load_hf`` into torchtitan's FSDP2 x TP model equals DCP's load.
+
+A Qwen3 MoE (torchtitan's ``debugmodel_moe``, fewer and smaller experts) saved
+at FSDP2 dp_shard=2 x TP=2 x EP=4 (its experts sharded over EP as DTensors,
+its load-balancing ``expert_bias_E`` a DTensor on each TP sub-mesh) reloads at
+EP=2, at TP=2 and into one process as DCP loads it."""
 
 import json
 
@@ -61,3 +66,27 @@ def test_a_torchtitan_checkpoint_exports_to_a_llama_transformers_runs_with_torch
     for r in run(4, "torchtitan_jobs:from_hf", str(tmp_path / "back"), work=str(work), hf=str(tmp_path / "hf"),
                  dp_shard=2, tp=2):
         assert r["tensors"] == 45 and r["differ"] == []
+
+
+MOE_WORLDS = {"ep2": dict(world=4, dp_shard=2, tp=2, ep=2), "tp2": dict(world=2, dp_shard=1, tp=2, ep=1),
+              "one_process": dict(world=1, dp_shard=1, tp=1, ep=1)}
+
+
+@pytest.fixture(scope="module")
+def moe_saved(tmp_path_factory):
+    work = tmp_path_factory.mktemp("torchtitan_moe")
+    (tensors,) = set(r["tensors"] for r in run(4, "torchtitan_jobs:train", str(work / "train"), work=str(work),
+                                                 name="qwen3", dp_shard=2, tp=2, ep=4))
+    return work, tensors
+
+
+@pytest.mark.parametrize("layout", list(MOE_WORLDS))
+def test_an_expert_parallel_moe_reloads_on_another_layout_as_dcp_loads_it(moe_saved, layout):
+    work, tensors = moe_saved
+    w = MOE_WORLDS[layout]
+    for r in run(w["world"], "torchtitan_jobs:reload", str(work / layout), work=str(work), name="qwen3",
+                 dp_shard=w["dp_shard"], tp=w["tp"], ep=w["ep"]):
+        assert r["tensors"] == tensors == 29 and r["buffers"] == 2  # 2 layers of 3 stacked expert weights
+        assert r["optimizer_tensors"] >= 2 * 27
+        assert r["differ"] == [] and r["optimizer_differ"] == []
+        assert r["missing"] == [] and r["unexpected"] == []

@@ -1,5 +1,7 @@
-"""torchtitan 0.3's llama3 debugmodel parallelized by its own
-``parallelize_llama`` on CPU ranks over gloo (run by test_torchtitan.py).
+"""torchtitan 0.3's models parallelized by their own ``parallelize_fn`` on CPU
+ranks over gloo (run by test_torchtitan_parallel.py): the llama3 debugmodel,
+and a small Qwen3 MoE (its ``debugmodel_moe`` with fewer, smaller experts
+and layers) for expert parallelism.
 
 Scoped patches, in these processes only: torchtitan picks its device type
 when imported ("cuda" without a GPU); here it is the CPU.
@@ -19,40 +21,63 @@ from torchtitan.components.checkpointer import ModelWrapper
 from torchtitan.components.optimizer.optimizer import default_adamw
 from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.models.llama3 import model_registry
+from torchtitan.models import llama3, qwen3
 from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
 import globalshard_torch as gt
 
 tt_utils.device_type = tt_parallel_dims.device_type = "cpu"
 
 
-def build(dp_shard: int, tp: int, seed: int, work: str) -> tuple[Any, Any]:
-    """The debugmodel as torchtitan's trainer builds it (meta, parallelize, to_empty, init) and its AdamW.
+def spec(name: str, parallelism: ParallelismConfig) -> Any:
+    """The model's spec, with the sharding its ``Config.update_from_config`` sets
+    for ``parallelism`` (that method also imports torchtitan's whole trainer,
+    whose data loading needs packages left out here)."""
+    if name == "llama3":
+        out = llama3.model_registry("debugmodel", attn_backend="flex")
+        set_llama3_sharding_config(out.model, enable_sp=parallelism.enable_sequence_parallel)
+        return out
+    out = qwen3.model_registry("debugmodel_moe", attn_backend="flex")
+    # debugmodel_moe's own attention, with 8 experts of 64 (not 64 of 768) in 2 layers (not 8).
+    attention = out.model.layers[0].attention
+    out.model.layers = qwen3._build_qwen3_moe_layers(
+        n_layers=2, dim=out.model.dim, n_heads=attention.n_heads, n_kv_heads=attention.n_kv_heads,
+        head_dim=attention.head_dim, moe_hidden_dim=64, num_experts=8, top_k=2, attn_backend="flex",
+        moe_comm_backend="standard", rope=attention.rope)
+    set_qwen3_sharding_config(out.model, enable_sp=parallelism.enable_sequence_parallel,
+                              enable_ep=parallelism.expert_parallel_degree > 1)
+    return out
 
-    The ``partial_dtensor`` backend: DTensors for TP and FSDP2, what torchtitan
+
+def build(dp_shard: int, tp: int, seed: int, work: str, *, ep: int = 1, model: str = "llama3") -> tuple[Any, Any]:
+    """The model as torchtitan's trainer builds it (meta, parallelize, to_empty, init) and its AdamW.
+
+    The ``partial_dtensor`` backend: DTensors for TP, EP and FSDP2, what torchtitan
     before 0.3 always used. (0.3's default ``spmd_types`` backend refuses to
     shard the model here: "all parameters must be DTensors on the full SPMD mesh".)
+    A MoE's load-balancing ``expert_bias_E`` (a buffer its optimizer hook moves
+    by the routed token counts) is set to values of its own.
     """
     # TODO(limitation): 0.3's default spmd_types backend is not tested (it refuses to shard here).
     parallelism = ParallelismConfig(data_parallel_shard_degree=dp_shard, tensor_parallel_degree=tp,
-                                    spmd_backend="partial_dtensor")
-    spec = model_registry("debugmodel", attn_backend="flex")
-    # What Llama3Model.Config.update_from_config does for a parallelism config (it also imports
-    # torchtitan's whole trainer, whose data loading needs packages left out here).
-    set_llama3_sharding_config(spec.model, enable_sp=parallelism.enable_sequence_parallel)
+                                    expert_parallel_degree=ep, spmd_backend="partial_dtensor")
+    model_spec = spec(model, parallelism)
     dims = ParallelDims.from_config(parallelism, dist.get_world_size())
     with torch.device("meta"):
-        model = spec.model.build()
-    model = spec.parallelize_fn(model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
-                                compile_config=CompileConfig(), ac_config=None, dump_folder=work)
-    model.to_empty(device="cpu")
+        built = model_spec.model.build()
+    built = model_spec.parallelize_fn(built, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
+                                      compile_config=CompileConfig(), ac_config=None, dump_folder=work)
+    built.to_empty(device="cpu")
     torch.manual_seed(seed)
     with torch.no_grad():
-        model.init_weights(buffer_device=None)
+        built.init_weights(buffer_device=None)
+        for name, buffer in built.named_buffers():
+            if name.endswith("expert_bias_E"):
+                _local(buffer).copy_(torch.sin(torch.arange(buffer.shape[0]) + seed))  # replicated on its mesh
     config = default_adamw(lr=1e-3)
     config.implementation = "for-loop"
-    return model, config.build(model_parts=[model])
+    return built, config.build(model_parts=[built])
 
 
 def state(model: Any, optimizers: Any) -> dict[str, Any]:
@@ -60,10 +85,10 @@ def state(model: Any, optimizers: Any) -> dict[str, Any]:
     return {**ModelWrapper(model).state_dict(), "optimizer": optimizers}
 
 
-def train(rank: int, *, work: str, dp_shard: int, tp: int) -> dict[str, Any]:
+def train(rank: int, *, work: str, dp_shard: int, tp: int, ep: int = 1, name: str = "llama3") -> dict[str, Any]:
     """Two AdamW steps (gradients a function of the weights, so equal on every replica),
     then the state saved with globalshard and with DCP."""
-    model, optimizers = build(dp_shard, tp, 0, work)
+    model, optimizers = build(dp_shard, tp, 0, work, ep=ep, model=name)
     for _ in range(2):
         for p in model.parameters():
             p.grad = torch.sin(p.detach() * 3.0) * 0.1
@@ -77,23 +102,24 @@ def _local(t: Any) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def reload(rank: int, *, work: str, dp_shard: int, tp: int) -> dict[str, Any]:
+def reload(rank: int, *, work: str, dp_shard: int, tp: int, ep: int = 1, name: str = "llama3") -> dict[str, Any]:
     """Load what ``train`` saved into this layout with globalshard (default arguments)
     and with DCP, each into a model of other values; every tensor compared."""
     loaded = {}
-    for name, seed in (("ours", 5), ("dcp", 7)):
-        model, optimizers = build(dp_shard, tp, seed, work)
+    for who, seed in (("ours", 5), ("dcp", 7)):
+        model, optimizers = build(dp_shard, tp, seed, work, ep=ep, model=name)
         for p in model.parameters():  # optimizer state of its own, to be replaced
             p.grad = torch.cos(p.detach())
         optimizers.step()
         sd = state(model, optimizers)
-        if name == "ours":
+        if who == "ours":
             missing = gt.load(sd, os.path.join(work, "ours"))
         else:
             dcp.load(sd, checkpoint_id=os.path.join(work, "dcp"))
         ModelWrapper(model).load_state_dict({k: v for k, v in sd.items() if k != "optimizer"})
-        loaded[name] = (model, optimizers)
+        loaded[who] = (model, optimizers)
     ours, theirs = (ModelWrapper(loaded[n][0]).state_dict() for n in ("ours", "dcp"))
+    buffers = [k for k, _ in loaded["dcp"][0].named_buffers() if k in theirs]
     differ = sorted(k for k in theirs if not torch.equal(_local(ours[k]), _local(theirs[k])))
     ours_opt, theirs_opt = (loaded[n][1].state_dict() for n in ("ours", "dcp"))
     opt_tensors = [k for k, v in theirs_opt.items() if torch.is_tensor(v)]
@@ -101,8 +127,8 @@ def reload(rank: int, *, work: str, dp_shard: int, tp: int) -> dict[str, Any]:
     opt_differ += sorted(k for k, v in theirs_opt.items() if not torch.is_tensor(v) and ours_opt[k] != v)
     out: dict[str, Any] = {"tensors": len(theirs), "optimizer_tensors": len(opt_tensors), "differ": differ,
                            "optimizer_differ": opt_differ, "missing": missing.missing_keys,
-                           "unexpected": missing.unexpected_keys}
-    if dist.get_world_size() == 1:
+                           "unexpected": missing.unexpected_keys, "buffers": len(buffers)}
+    if dist.get_world_size() == 1 and name == "llama3":
         out["logits"] = logits(loaded["ours"][0]).flatten().tolist()
     return out
 
@@ -126,7 +152,7 @@ def logits(model: Any) -> torch.Tensor:
     """torchtitan's forward of a fixed batch (one document: a causal flex-attention mask), in
     float32: the same weights in an unparallelized debugmodel (FSDP2's mixed precision
     policy would compute in bfloat16)."""
-    plain = model_registry("debugmodel", attn_backend="flex").model.build()
+    plain = llama3.model_registry("debugmodel", attn_backend="flex").model.build()
     full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in ModelWrapper(model).state_dict().items()}
     ModelWrapper(plain).load_state_dict(full)
     tokens = (torch.arange(2 * 16).reshape(2, 16) * 37) % 2048

@@ -5,12 +5,16 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 from torch_harness import run, values_of
 
 import globalshard as gs
 import globalshard_torch as gt
+from globalshard.comm import json_digest
+from globalshard_torch.state_dict import copied_meshes
 
 
 class Loader:
@@ -215,3 +219,52 @@ def test_dtensor_state_dicts_reshard_between_placements(tmp_path, saver):
         assert got["lr"] == 0.1 and got["step"] == 7
     # And into one process, plain tensors.
     assert np.array_equal(gs.read_array(ckpt, "model.w"), held["w"])
+
+
+def test_dtensors_on_a_tp_sub_mesh_with_data_parallel_copies_save_once(tmp_path):
+    # Each DTensor's mesh is the "tp" half of a (dp=2, tp=2) world; the other half
+    # holds a copy. DCP writes one of them; so must we, and the load must see it.
+    ckpt, ref, dump = str(tmp_path / "ckpt"), str(tmp_path / "dcp"), str(tmp_path / "held.npz")
+    values_of(run(4, "tp_by_dp_job", str(tmp_path / "s"), path=ckpt, dcp_path=ref, dump=dump))
+    held = dict(np.load(dump))
+    for name, key in [("w", "model.w"), ("b", "model.b"), ("counts", "model.counts"),
+                      ("exp_avg.w", "optim.state.w.exp_avg"), ("exp_avg_sq.b", "optim.state.b.exp_avg_sq")]:
+        assert np.array_equal(gs.read_array(ckpt, key), held[name]), key
+    # And into one process, as DCP loads its own save of the same state.
+    from torch.distributed.checkpoint import load as dcp_load
+
+    model = {"w": torch.zeros(8, 3), "b": torch.zeros(3), "counts": torch.zeros(4)}
+    theirs = {"model": {k: torch.zeros_like(v) for k, v in model.items()}}
+    gt.load({"model": model}, ckpt, strict=False)
+    dcp_load(theirs, checkpoint_id=ref)
+    assert all(torch.equal(model[k], theirs["model"][k]) for k in model)
+
+
+
+@given(pp=st.integers(1, 3), dp=st.integers(1, 4), tp=st.integers(1, 4), fsdp=st.booleans())
+def test_each_key_is_written_from_one_mesh_of_the_world(pp, dp, tp, fsdp):
+    # pp x dp x tp ranks. Each stage's keys live on its "tp" meshes (one per data-parallel
+    # copy) and, with fsdp, others on the stage's ("dp", "tp") mesh. Described as a save
+    # describes them, exactly one mesh holding each key is not a copy: the lowest.
+    world = pp * dp * tp
+    on_mesh: dict[tuple, list[str]] = {}  # (names, shape, lowest rank) -> keys
+    described = []
+    for rank in range(world):
+        stage, d = rank // (dp * tp), rank // tp % dp
+        meshes = {(("tp",), (tp,), (stage * dp + d) * tp): [f"layers.{stage}.wq", f"layers.{stage}.bias"]}
+        if fsdp:
+            meshes[("dp", "tp"), (dp, tp), stage * dp * tp] = [f"layers.{stage}.w1"]
+        # a mesh over the whole world has no copies and is not described
+        meshes = {m: keys for m, keys in meshes.items() if np.prod(m[1]) < world}
+        on_mesh.update(meshes)
+        described.append([[list(m[0]), list(m[1]), m[2], json_digest(sorted(keys))] for m, keys in meshes.items()])
+    copies = copied_meshes(described)
+    writers: dict[str, list[tuple]] = {}
+    holders: dict[str, list[tuple]] = {}
+    for mesh, keys in on_mesh.items():
+        for k in keys:
+            holders.setdefault(k, []).append(mesh)
+            if (*mesh, json_digest(sorted(keys))) not in copies:
+                writers.setdefault(k, []).append(mesh)
+    for k, meshes in holders.items():
+        assert writers.get(k) == [min(meshes, key=lambda m: m[2])], (k, meshes, writers.get(k))
