@@ -749,6 +749,15 @@ def tp_by_dp_job(rank: int, *, path: str, dcp_path: str, dump: str) -> None:
     gt.save(state, path)
 
 
+def stages_job(rank: int, *, path: str) -> None:
+    """World 2 as two pipeline stages hold a DCP-style state: each rank its own
+    layers (plain tensors), JSON values and bytes, beside keys both hold (equal)."""
+    own = {"weight": torch.full((2, 3), float(rank + 1)), "lr": 0.1 * (rank + 1), "seed": bytes([rank, 7])}
+    gt.save({"model": {f"layers.{rank}.weight": own["weight"], "step": torch.tensor(5)},
+             "optim": {f"layers.{rank}.lr": own["lr"], "rng": b"\x09\x07"},
+             "stage": {f"{rank}": own["seed"]}, "epoch": 2}, path)
+
+
 def strided_job(rank: int, *, path: str, rows: int, save: bool) -> dict[str, Any]:
     """Mesh (dp=2, tp=2); a weight as FSDP2 over TP leaves it:
     [_StridedShard(0, split_factor=2), Shard(0)]; a bias Shard(0) on tp only."""

@@ -5,17 +5,18 @@ nested dict, as ``model.state_dict()`` or
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` give it, holding
 
 * DTensors, which place themselves (Shard / Replicate on any mesh, meshes over
-  a subset of the ranks included). A mesh over part of the ranks may have
-  copies: other meshes of the same dims and shape whose ranks hold the same
-  keys (tensor parallelism on the "tp" sub-mesh, data parallelism across
-  it). As in DCP, they are data-parallel replicas: the copy on the mesh with
-  the lowest rank is written;
-* plain tensors, which are the same on every rank (rank 0's copy is written);
+  a subset of the ranks included). A key on a mesh over part of the ranks
+  may have copies on other meshes of the same dims and shape (tensor
+  parallelism on the "tp" sub-mesh, data parallelism across it): as in DCP,
+  they are taken as data-parallel replicas, equal, and stored once;
+* plain tensors, which are taken as equal on every rank that holds them (all
+  ranks, or a pipeline stage's), and stored once;
 * Stateful objects (anything with ``state_dict()`` and ``load_state_dict()``:
   a GradScaler, a dataloader, an EMA helper), saved through their state dicts
   and restored by ``load_state_dict`` after the load;
 * JSON values (numbers, strings, booleans, None, lists, dicts of them), which
-  go into the trainer state, and ``bytes``, stored as uint8 arrays.
+  go into the trainer state (each key from the lowest rank holding it), and
+  ``bytes``, stored as uint8 arrays.
 
 Keys are the dotted paths of the leaves, as DCP flattens them
 (``{"model": {"w": t}}`` -> ``model.w``), after removing the wrapper prefixes
@@ -30,14 +31,15 @@ its key: nothing is dropped, and nothing is pickled.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, MutableMapping, Sequence
+import json
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 import globalshard as gs
-from globalshard.comm import Comm, SingleProcessComm, json_digest, run_collectively
+from globalshard.comm import Comm, SingleProcessComm, distinct_values, json_digest, run_collectively
 from globalshard.errors import LayoutError, MismatchError, format_problems
 from globalshard.planner import asked_mask, missing_key, unread_keys
 from globalshard_torch.comm import default_comm
@@ -136,8 +138,9 @@ def _replica_shard(key: str, data: np.ndarray, main: bool) -> gs.ShardedTensor:
                                         replica_id=0 if main else 1)
 
 
-def _tensor_shard(key: str, t: torch.Tensor, staging: HostStaging, rank: int, *,
-                  for_save: bool) -> gs.ShardedTensor | None:
+def _tensor_shard(key: str, t: torch.Tensor, staging: HostStaging, *, for_save: bool) -> gs.ShardedTensor | None:
+    """``t`` as a shard: a DTensor where it places itself (the main copy where its mesh
+    coordinates on Replicate dims are 0), a plain tensor whole (a main copy)."""
     if _is_dtensor(t):
         if outside_mesh(t):
             return None  # this rank holds nothing of it
@@ -148,31 +151,44 @@ def _tensor_shard(key: str, t: torch.Tensor, staging: HostStaging, rank: int, *,
         assert placement.regions is not None
         return gs.ShardedTensor(key, numpy_view(staging.host(local, for_save=for_save)), placement.global_shape,
                                 placement.regions, 0 if main else 1)
-    return _replica_shard(key, numpy_view(staging.host(t, for_save=for_save)), rank == 0)
+    return _replica_shard(key, numpy_view(staging.host(t, for_save=for_save)), True)
 
 
-def _part_mesh(t: torch.Tensor, world_size: int) -> tuple[Any, ...] | None:
-    """``(dim names, shape, lowest rank)`` of a DTensor's mesh when it spans part of the world."""
+def _holder(t: torch.Tensor, rank: int, world_size: int) -> tuple[str, int] | None:
+    """``(kind, holder)`` of a tensor whose copies other ranks may hold: a plain
+    tensor (kind ``""``, held by this rank) or a DTensor on a mesh over part of
+    the world (kind its dim names and shape, held by its mesh's lowest rank)."""
     if not _is_dtensor(t):
-        return None
+        return "", rank
     mesh = t.device_mesh  # type: ignore[attr-defined]
     ranks = mesh.mesh.flatten().tolist()
     if len(ranks) >= world_size:
         return None
-    return (tuple(mesh.mesh_dim_names or ()), tuple(mesh.shape), min(ranks))
+    return json.dumps([list(mesh.mesh_dim_names or ()), list(mesh.shape)]), min(ranks)
 
 
-def copied_meshes(described: Sequence[Sequence[Sequence[Any]]]) -> set[tuple[Any, ...]]:
-    """Of the part-of-the-world meshes every rank described, as ``[dim names,
-    shape, lowest rank, digest of the keys on it]``, those that copy another:
-    same dims, shape and keys, and a higher lowest rank. Their tensors are
-    data-parallel replicas of the first mesh's. Returned as
-    ``(names, shape, lowest rank, digest)`` tuples."""
-    meshes = {(tuple(names), tuple(shape), low, digest) for rank in described for names, shape, low, digest in rank}
-    first: dict[tuple[Any, ...], int] = {}
-    for names, shape, low, digest in meshes:
-        first[names, shape, digest] = min(first.get((names, shape, digest), low), low)
-    return {m for m in meshes if m[2] > first[m[0], m[1], m[3]]}
+def replica_keys(rank: int, digests: Sequence[str], holders: Sequence[Mapping[str, int]],
+                 lists: Mapping[str, Sequence[Sequence[str]]]) -> set[str]:
+    """The keys of ``rank`` whose copy is not the one written, because a lower
+    holder of the same kind holds the key too: for plain tensors a lower rank,
+    for DTensors a mesh of the same dims and shape whose lowest rank is lower
+    (data-parallel copies; PP stages' meshes hold other keys).
+
+    ``lists[digests[r]]`` holds rank ``r``'s ``[key, kind]`` pairs and
+    ``holders[r][kind]`` its holder of that kind. The cost grows with ranks
+    times kinds and distinct lists times keys, not ranks times keys.
+    """
+    lowest: dict[str, dict[str, int]] = {}  # digest -> kind -> its lowest holder among ranks with that digest
+    for r, digest in enumerate(digests):
+        kinds = lowest.setdefault(digest, {})
+        for kind, low in holders[r].items():
+            kinds[kind] = min(kinds.get(kind, low), low)
+    first: dict[tuple[str, str], int] = {}
+    for digest, kinds in lowest.items():
+        for key, kind in lists[digest]:
+            first[key, kind] = min(first.get((key, kind), kinds[kind]), kinds[kind])
+    mine = holders[rank]
+    return {key for key, kind in lists[digests[rank]] if mine[kind] > first[key, kind]}
 
 
 def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, overwrite: bool = False,
@@ -197,22 +213,24 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
     shards: dict[str, gs.ShardedTensor] = {}
     values: dict[str, Any] = {}
     byte_keys: list[str] = []
-    on_part_meshes: dict[tuple[Any, ...], list[str]] = {}  # (dim names, shape, lowest rank) -> keys
+    shared: dict[str, str] = {}  # key -> kind, for the keys other ranks may hold copies of
+    holders: dict[str, int] = {"": comm.rank}  # kind -> this rank's holder of it
 
-    def describe() -> list[list[Any]]:
+    def describe() -> dict[str, Any]:
         problems: list[str] = []
 
         def visit(key: str, value: Any, _container: Any, _index: Any) -> None:
             if torch.is_tensor(value):
-                shard = _tensor_shard(key, value.detach(), staging, comm.rank, for_save=True)
+                shard = _tensor_shard(key, value.detach(), staging, for_save=True)
                 if shard is not None:
                     shards[key] = shard
-                    if (mesh := _part_mesh(value, comm.world_size)) is not None:
-                        on_part_meshes.setdefault(mesh, []).append(key)
+                    if (holder := _holder(value, comm.rank, comm.world_size)) is not None:
+                        shared[key], holders[holder[0]] = holder
             elif _is_stateful(value):
                 _walk(_plain(value.state_dict()), visit, key)
             elif isinstance(value, (bytes, bytearray)):
-                shards[key] = _replica_shard(key, np.frombuffer(bytes(value), np.uint8).copy(), comm.rank == 0)
+                shards[key] = _replica_shard(key, np.frombuffer(bytes(value), np.uint8).copy(), True)
+                shared[key] = ""
                 byte_keys.append(key)
             elif (why := _refusal(value)) is not None:
                 problems.append(f"{key}: {why}")
@@ -227,15 +245,28 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
         staging.ready()
         if problems:
             raise LayoutError(format_problems("cannot save the state dict", problems))
-        return [[*mesh, json_digest(sorted(keys))] for mesh, keys in on_part_meshes.items()]
+        return {"digest": json_digest(held()), "holders": holders}
+
+    def held() -> dict[str, Any]:
+        return {"shared": sorted(shared.items()), "values": values, "bytes": sorted(byte_keys)}
 
     _, described = run_collectively(comm, "save: describing the state dict", describe)
-    copies = copied_meshes(described)
-    for mesh, keys in on_part_meshes.items():
-        if (*mesh, json_digest(sorted(keys))) in copies:
-            for key in keys:
-                shards[key] = dataclasses.replace(shards[key], replica_id=1)
-    staging.save(shards, path, saver, trainer_state={_VALUES: values, _BYTES: sorted(byte_keys)}, comm=comm,
+    # Ranks holding other parts (pipeline stages) send what they hold, each distinct part once.
+    kept = [d["digest"] for d in described]
+    parts = {kept[0]: held()} if len(set(kept)) == 1 else \
+        distinct_values(comm, "save: what each rank holds", kept, held())
+    # Which rank (plain tensors) or mesh (DTensors on part of the world) holds the main copy of
+    # each such key: the lowest that holds it (DCP too stores one of the copies; any holder of
+    # a copy may write it). JSON values: the lowest rank's.
+    for key in replica_keys(comm.rank, kept, [d["holders"] for d in described],
+                            {digest: part["shared"] for digest, part in parts.items()}):
+        shards[key] = dataclasses.replace(shards[key], replica_id=1)
+    merged: dict[str, Any] = {}
+    for digest in dict.fromkeys(kept):  # in rank order
+        for key, value in parts[digest]["values"].items():
+            merged.setdefault(key, value)
+    all_bytes = sorted({key for part in parts.values() for key in part["bytes"]})
+    staging.save(shards, path, saver, trainer_state={_VALUES: merged, _BYTES: all_bytes}, comm=comm,
                  overwrite=overwrite, kvstore=kvstore, stats=stats, pack_below=pack_below, base=base,
                  frozen=frozen, digests=digests)
 
@@ -302,7 +333,7 @@ def load(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, all
 
         def visit(key: str, value: Any, container: Any, index: Any) -> None:
             if torch.is_tensor(value):
-                shard = _tensor_shard(key, value.detach(), staging, comm.rank, for_save=False)
+                shard = _tensor_shard(key, value.detach(), staging, for_save=False)
                 if shard is not None:
                     targets[key] = shard
             elif _is_stateful(value):

@@ -10,7 +10,11 @@ logits must equal torchtitan's own forward, and the export read back by
 A Qwen3 MoE (torchtitan's ``debugmodel_moe``, fewer and smaller experts) saved
 at FSDP2 dp_shard=2 x TP=2 x EP=4 (its experts sharded over EP as DTensors,
 its load-balancing ``expert_bias_E`` a DTensor on each TP sub-mesh) reloads at
-EP=2, at TP=2 and into one process as DCP loads it."""
+EP=2, at TP=2 and into one process as DCP loads it.
+
+The debugmodel pipelined by torchtitan's ``pipelining_fn`` (PP=2 x TP=2,
+Interleaved1F1B: 2 stages per rank) reloads at dp_shard=2, at PP=2 1F1B and
+into one process as DCP loads it; the FSDP2 x TP save reloads at PP=2."""
 
 import json
 
@@ -24,7 +28,7 @@ import torch  # noqa: E402
 from ranks import run  # noqa: E402
 
 WORLDS = {"tp2": dict(world=2, dp_shard=1, tp=2), "dp_shard2": dict(world=2, dp_shard=2, tp=1),
-          "one_process": dict(world=1, dp_shard=1, tp=1)}
+          "pp2": dict(world=2, dp_shard=1, tp=1, pp=2), "one_process": dict(world=1, dp_shard=1, tp=1)}
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +44,11 @@ def test_fsdp2_by_tp_state_reloads_on_another_layout_as_dcp_loads_it(saved, layo
     work, trained = saved
     w = WORLDS[layout]
     ranks = run(w["world"], "torchtitan_jobs:reload", str(work / layout), work=str(work), dp_shard=w["dp_shard"],
-                tp=w["tp"])
+                tp=w["tp"], pp=w.get("pp", 1))
+    stages = w.get("pp", 1)
+    assert sum(r["tensors"] for r in ranks) // (w["world"] // stages) == trained["tensors"] == 57  # wq, wk, wv
     for r in ranks:
-        assert r["tensors"] == trained["tensors"] == 57  # wq, wk, wv as torchtitan's state dict names them
-        assert r["optimizer_tensors"] >= 2 * 45
+        assert r["optimizer_tensors"] >= 2 * 45 // stages
         assert r["differ"] == [] and r["optimizer_differ"] == []
         assert r["missing"] == [] and r["unexpected"] == []
 
@@ -88,5 +93,35 @@ def test_an_expert_parallel_moe_reloads_on_another_layout_as_dcp_loads_it(moe_sa
                  dp_shard=w["dp_shard"], tp=w["tp"], ep=w["ep"]):
         assert r["tensors"] == tensors == 29 and r["buffers"] == 2  # 2 layers of 3 stacked expert weights
         assert r["optimizer_tensors"] >= 2 * 27
+        assert r["differ"] == [] and r["optimizer_differ"] == []
+        assert r["missing"] == [] and r["unexpected"] == []
+
+
+PP_WORLDS = {"dp_shard2": dict(world=2, dp_shard=2, tp=1, pp=1, schedule="1F1B"),
+             "pp2_1f1b": dict(world=2, dp_shard=1, tp=1, pp=2, schedule="1F1B"),
+             "one_process": dict(world=1, dp_shard=1, tp=1, pp=1, schedule="1F1B")}
+
+
+@pytest.fixture(scope="module")
+def pp_saved(tmp_path_factory):
+    """The llama3 debugmodel split by torchtitan's ``pipelining_fn`` into 4 stages for
+    Interleaved1F1B (2 per rank) at PP=2 x TP=2: each rank's stages hold their own
+    layers, their TP DTensors on the stage's sub-mesh and AdamW's step counts as
+    plain tensors, and the optimizer's param groups as JSON values per parameter."""
+    work = tmp_path_factory.mktemp("torchtitan_pp")
+    trained = run(4, "torchtitan_jobs:train", str(work / "train"), work=str(work), dp_shard=1, tp=2, pp=2,
+                  schedule="Interleaved1F1B")
+    assert [r["parts"] for r in trained] == [2] * 4
+    return work, trained[0]["tensors"] + trained[2]["tensors"]
+
+
+@pytest.mark.parametrize("layout", list(PP_WORLDS))
+def test_an_interleaved_pipeline_reloads_without_it_as_dcp_loads_it(pp_saved, layout):
+    work, tensors = pp_saved
+    w = PP_WORLDS[layout]
+    ranks = run(w["world"], "torchtitan_jobs:reload", str(work / layout), work=str(work), dp_shard=w["dp_shard"],
+                tp=w["tp"], pp=w["pp"], schedule=w["schedule"])
+    assert sum(r["tensors"] for r in ranks) // (w["world"] // w["pp"]) == tensors == 57
+    for r in ranks:
         assert r["differ"] == [] and r["optimizer_differ"] == []
         assert r["missing"] == [] and r["unexpected"] == []

@@ -18,6 +18,7 @@ import torchtitan.distributed.parallel_dims as tt_parallel_dims
 import torchtitan.tools.utils as tt_utils
 from torch.distributed import checkpoint as dcp
 from torchtitan.components.checkpointer import ModelWrapper
+from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.components.optimizer.optimizer import default_adamw
 from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -50,76 +51,96 @@ def spec(name: str, parallelism: ParallelismConfig) -> Any:
     return out
 
 
-def build(dp_shard: int, tp: int, seed: int, work: str, *, ep: int = 1, model: str = "llama3") -> tuple[Any, Any]:
-    """The model as torchtitan's trainer builds it (meta, parallelize, to_empty, init) and its AdamW.
+def build(dp_shard: int, tp: int, seed: int, work: str, *, ep: int = 1, pp: int = 1, schedule: str = "1F1B",
+          model: str = "llama3") -> tuple[list[Any], Any]:
+    """The model as torchtitan's trainer builds it (meta, parallelize, to_empty, init):
+    its parts (one per pipeline stage of this rank; the whole model without PP, as
+    the trainer's ``model_parts``), and their AdamW.
 
     The ``partial_dtensor`` backend: DTensors for TP, EP and FSDP2, what torchtitan
     before 0.3 always used. (0.3's default ``spmd_types`` backend refuses to
     shard the model here: "all parameters must be DTensors on the full SPMD mesh".)
-    A MoE's load-balancing ``expert_bias_E`` (a buffer its optimizer hook moves
-    by the routed token counts) is set to values of its own.
+    With ``pp`` > 1, the trainer's ``pipelining_fn`` splits the model into stages
+    (``schedule`` chooses how many per rank) and parallelizes each. A MoE's
+    load-balancing ``expert_bias_E`` (a buffer its optimizer hook moves by the
+    routed token counts) is set to values of its own.
     """
     # TODO(limitation): 0.3's default spmd_types backend is not tested (it refuses to shard here).
     parallelism = ParallelismConfig(data_parallel_shard_degree=dp_shard, tensor_parallel_degree=tp,
-                                    expert_parallel_degree=ep, spmd_backend="partial_dtensor")
+                                    expert_parallel_degree=ep, pipeline_parallel_degree=pp,
+                                    pipeline_parallel_schedule=schedule, spmd_backend="partial_dtensor")
     model_spec = spec(model, parallelism)
     dims = ParallelDims.from_config(parallelism, dist.get_world_size())
     with torch.device("meta"):
-        built = model_spec.model.build()
-    built = model_spec.parallelize_fn(built, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
-                                      compile_config=CompileConfig(), ac_config=None, dump_folder=work)
-    built.to_empty(device="cpu")
+        whole = model_spec.model.build()
+    common = dict(parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
+                  compile_config=CompileConfig(), ac_config=None, dump_folder=work)
+    if pp > 1:
+        _, parts, _, _ = model_spec.pipelining_fn(whole, **common, device=torch.device("cpu"),
+                                                  model_config=model_spec.model,
+                                                  parallelize_fn=model_spec.parallelize_fn,
+                                                  loss_fn=cross_entropy_loss)
+    else:
+        parts = [model_spec.parallelize_fn(whole, **common)]
     torch.manual_seed(seed)
-    with torch.no_grad():
-        built.init_weights(buffer_device=None)
-        for name, buffer in built.named_buffers():
-            if name.endswith("expert_bias_E"):
-                _local(buffer).copy_(torch.sin(torch.arange(buffer.shape[0]) + seed))  # replicated on its mesh
+    for part in parts:
+        part.to_empty(device="cpu")
+        with torch.no_grad():
+            part.init_weights(buffer_device=None)
+            for name, buffer in part.named_buffers():
+                if name.endswith("expert_bias_E"):
+                    _local(buffer).copy_(torch.sin(torch.arange(buffer.shape[0]) + seed))  # replicated on its mesh
     config = default_adamw(lr=1e-3)
     config.implementation = "for-loop"
-    return built, config.build(model_parts=[built])
+    return parts, config.build(model_parts=parts)
 
 
-def state(model: Any, optimizers: Any) -> dict[str, Any]:
+def state(parts: list[Any], optimizers: Any) -> dict[str, Any]:
     """As torchtitan's CheckpointManager hands its state to DCP: model keys at the top."""
-    return {**ModelWrapper(model).state_dict(), "optimizer": optimizers}
+    return {**ModelWrapper(parts).state_dict(), "optimizer": optimizers}
 
 
-def train(rank: int, *, work: str, dp_shard: int, tp: int, ep: int = 1, name: str = "llama3") -> dict[str, Any]:
+def _parameters(parts: list[Any]) -> list[torch.Tensor]:
+    return [p for part in parts for p in part.parameters()]
+
+
+def train(rank: int, *, work: str, dp_shard: int, tp: int, ep: int = 1, pp: int = 1, schedule: str = "1F1B",
+          name: str = "llama3") -> dict[str, Any]:
     """Two AdamW steps (gradients a function of the weights, so equal on every replica),
     then the state saved with globalshard and with DCP."""
-    model, optimizers = build(dp_shard, tp, 0, work, ep=ep, model=name)
+    parts, optimizers = build(dp_shard, tp, 0, work, ep=ep, pp=pp, schedule=schedule, model=name)
     for _ in range(2):
-        for p in model.parameters():
+        for p in _parameters(parts):
             p.grad = torch.sin(p.detach() * 3.0) * 0.1
         optimizers.step()
-    gt.save(state(model, optimizers), os.path.join(work, "ours"))
-    dcp.save(state(model, optimizers), checkpoint_id=os.path.join(work, "dcp"))
-    return {"tensors": len(ModelWrapper(model).state_dict())}
+    gt.save(state(parts, optimizers), os.path.join(work, "ours"))
+    dcp.save(state(parts, optimizers), checkpoint_id=os.path.join(work, "dcp"))
+    return {"tensors": len(ModelWrapper(parts).state_dict()), "parts": len(parts)}
 
 
 def _local(t: Any) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def reload(rank: int, *, work: str, dp_shard: int, tp: int, ep: int = 1, name: str = "llama3") -> dict[str, Any]:
+def reload(rank: int, *, work: str, dp_shard: int, tp: int, ep: int = 1, pp: int = 1, schedule: str = "1F1B",
+           name: str = "llama3") -> dict[str, Any]:
     """Load what ``train`` saved into this layout with globalshard (default arguments)
     and with DCP, each into a model of other values; every tensor compared."""
     loaded = {}
     for who, seed in (("ours", 5), ("dcp", 7)):
-        model, optimizers = build(dp_shard, tp, seed, work, ep=ep, model=name)
-        for p in model.parameters():  # optimizer state of its own, to be replaced
+        parts, optimizers = build(dp_shard, tp, seed, work, ep=ep, pp=pp, schedule=schedule, model=name)
+        for p in _parameters(parts):  # optimizer state of its own, to be replaced
             p.grad = torch.cos(p.detach())
         optimizers.step()
-        sd = state(model, optimizers)
+        sd = state(parts, optimizers)
         if who == "ours":
             missing = gt.load(sd, os.path.join(work, "ours"))
         else:
             dcp.load(sd, checkpoint_id=os.path.join(work, "dcp"))
-        ModelWrapper(model).load_state_dict({k: v for k, v in sd.items() if k != "optimizer"})
-        loaded[who] = (model, optimizers)
+        ModelWrapper(parts).load_state_dict({k: v for k, v in sd.items() if k != "optimizer"})
+        loaded[who] = (parts, optimizers)
     ours, theirs = (ModelWrapper(loaded[n][0]).state_dict() for n in ("ours", "dcp"))
-    buffers = [k for k, _ in loaded["dcp"][0].named_buffers() if k in theirs]
+    buffers = [k for part in loaded["dcp"][0] for k, _ in part.named_buffers() if k in theirs]
     differ = sorted(k for k in theirs if not torch.equal(_local(ours[k]), _local(theirs[k])))
     ours_opt, theirs_opt = (loaded[n][1].state_dict() for n in ("ours", "dcp"))
     opt_tensors = [k for k, v in theirs_opt.items() if torch.is_tensor(v)]
@@ -136,11 +157,11 @@ def reload(rank: int, *, work: str, dp_shard: int, tp: int, ep: int = 1, name: s
 def from_hf(rank: int, *, work: str, hf: str, dp_shard: int, tp: int) -> dict[str, Any]:
     """A Hugging Face folder read by ``load_hf`` straight into torchtitan's parallelized
     model (its fused ``wqkv`` DTensors), compared with DCP's load of the original state."""
-    model, _ = build(dp_shard, tp, 11, work)
+    (model,), _ = build(dp_shard, tp, 11, work)
     gt.load_hf(hf, model, gt.ParallelLayout(num_layers=6), None, mapping="torchtitan_llama3",
                params={"heads": 16, "kv_heads": 16})
-    reference, optimizers = build(dp_shard, tp, 13, work)
-    sd = state(reference, optimizers)
+    (reference,), optimizers = build(dp_shard, tp, 13, work)
+    sd = state([reference], optimizers)
     dcp.load(sd, checkpoint_id=os.path.join(work, "dcp"))
     ModelWrapper(reference).load_state_dict({k: v for k, v in sd.items() if k != "optimizer"})
     ours, theirs = (dict(m.named_parameters()) for m in (model, reference))
@@ -148,12 +169,12 @@ def from_hf(rank: int, *, work: str, hf: str, dp_shard: int, tp: int) -> dict[st
             "differ": sorted(k for k in theirs if not torch.equal(_local(ours[k]), _local(theirs[k])))}
 
 
-def logits(model: Any) -> torch.Tensor:
+def logits(parts: list[Any]) -> torch.Tensor:
     """torchtitan's forward of a fixed batch (one document: a causal flex-attention mask), in
     float32: the same weights in an unparallelized debugmodel (FSDP2's mixed precision
     policy would compute in bfloat16)."""
     plain = llama3.model_registry("debugmodel", attn_backend="flex").model.build()
-    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in ModelWrapper(model).state_dict().items()}
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in ModelWrapper(parts).state_dict().items()}
     ModelWrapper(plain).load_state_dict(full)
     tokens = (torch.arange(2 * 16).reshape(2, 16) * 37) % 2048
     positions = torch.arange(16).unsqueeze(0).expand(2, 16)

@@ -1,5 +1,6 @@
 """DCP-style entry points: globalshard_torch.save / load over nested state dicts."""
 
+import json
 import math
 
 import numpy as np
@@ -14,7 +15,7 @@ from torch_harness import run, values_of
 import globalshard as gs
 import globalshard_torch as gt
 from globalshard.comm import json_digest
-from globalshard_torch.state_dict import copied_meshes
+from globalshard_torch.state_dict import replica_keys
 
 
 class Loader:
@@ -241,30 +242,48 @@ def test_dtensors_on_a_tp_sub_mesh_with_data_parallel_copies_save_once(tmp_path)
 
 
 
+def test_what_only_some_ranks_hold_is_saved_from_them(tmp_path):
+    # Pipeline stages: each rank holds keys the other does not (tensors, JSON values,
+    # bytes); every key is stored once, from the lowest rank that holds it.
+    ckpt = str(tmp_path / "ckpt")
+    values_of(run(2, "stages_job", str(tmp_path / "s"), path=ckpt))
+    state = {"model": {"layers.0.weight": torch.zeros(2, 3), "layers.1.weight": torch.zeros(2, 3),
+                       "step": torch.tensor(0)},
+             "optim": {"layers.0.lr": 0.0, "layers.1.lr": 0.0, "rng": b""}, "stage": {"0": b"", "1": b""}, "epoch": 0}
+    assert gt.load(state, ckpt) == gt.LoadedKeys([], [])
+    assert torch.equal(state["model"]["layers.0.weight"], torch.full((2, 3), 1.0))
+    assert torch.equal(state["model"]["layers.1.weight"], torch.full((2, 3), 2.0))
+    assert state["model"]["step"].item() == 5 and state["epoch"] == 2
+    assert state["optim"] == {"layers.0.lr": 0.1, "layers.1.lr": 0.2, "rng": bytes([9, 7])}
+    assert state["stage"] == {"0": bytes([0, 7]), "1": bytes([1, 7])}
+
+
 @given(pp=st.integers(1, 3), dp=st.integers(1, 4), tp=st.integers(1, 4), fsdp=st.booleans())
-def test_each_key_is_written_from_one_mesh_of_the_world(pp, dp, tp, fsdp):
-    # pp x dp x tp ranks. Each stage's keys live on its "tp" meshes (one per data-parallel
-    # copy) and, with fsdp, others on the stage's ("dp", "tp") mesh. Described as a save
-    # describes them, exactly one mesh holding each key is not a copy: the lowest.
+def test_each_key_is_written_by_one_holder(pp, dp, tp, fsdp):
+    # pp x dp x tp ranks, as a torchtitan run holds its state: each stage's weights on its
+    # "tp" meshes (one per data-parallel copy) or, with fsdp, on the stage's ("dp", "tp")
+    # mesh; its optimizer's step counts as plain tensors, and one key every rank holds.
+    # Exactly one holder of each key writes it: the lowest rank, or the lowest mesh.
     world = pp * dp * tp
-    on_mesh: dict[tuple, list[str]] = {}  # (names, shape, lowest rank) -> keys
-    described = []
+    on = {}  # rank -> {key: (kind, holder)}
     for rank in range(world):
         stage, d = rank // (dp * tp), rank // tp % dp
-        meshes = {(("tp",), (tp,), (stage * dp + d) * tp): [f"layers.{stage}.wq", f"layers.{stage}.bias"]}
-        if fsdp:
-            meshes[("dp", "tp"), (dp, tp), stage * dp * tp] = [f"layers.{stage}.w1"]
-        # a mesh over the whole world has no copies and is not described
-        meshes = {m: keys for m, keys in meshes.items() if np.prod(m[1]) < world}
-        on_mesh.update(meshes)
-        described.append([[list(m[0]), list(m[1]), m[2], json_digest(sorted(keys))] for m, keys in meshes.items()])
-    copies = copied_meshes(described)
-    writers: dict[str, list[tuple]] = {}
-    holders: dict[str, list[tuple]] = {}
-    for mesh, keys in on_mesh.items():
-        for k in keys:
-            holders.setdefault(k, []).append(mesh)
-            if (*mesh, json_digest(sorted(keys))) not in copies:
-                writers.setdefault(k, []).append(mesh)
-    for k, meshes in holders.items():
-        assert writers.get(k) == [min(meshes, key=lambda m: m[2])], (k, meshes, writers.get(k))
+        meshes = [(["tp"], [tp], (stage * dp + d) * tp)] + ([(["dp", "tp"], [dp, tp], stage * dp * tp)] if fsdp else [])
+        names, shape, low = meshes[-1]
+        kind, holder = (json.dumps([names, shape]), low) if int(np.prod(shape)) < world else (None, None)
+        on[rank] = {f"layers.{stage}.step": ("", rank), "rng": ("", rank)}
+        if kind is not None:  # a mesh over the whole world has no copies: not described
+            on[rank][f"layers.{stage}.w"] = (kind, holder)
+    lists = {json_digest(sorted((k, kind) for k, (kind, _) in keys.items())):
+             sorted((k, kind) for k, (kind, _) in keys.items()) for keys in on.values()}
+    digests = [json_digest(sorted((k, kind) for k, (kind, _) in on[r].items())) for r in range(world)]
+    holders = [{kind: h for kind, h in on[r].values()} for r in range(world)]
+    writers: dict[str, set[int]] = {}
+    for rank in range(world):
+        replicas = replica_keys(rank, digests, holders, lists)
+        assert replicas <= set(on[rank])
+        for key in set(on[rank]) - replicas:
+            writers.setdefault(key, set()).add(on[rank][key][1])
+    for key in {k for keys in on.values() for k in keys}:
+        lowest = min(h for keys in on.values() for k, (_, h) in keys.items() if k == key)
+        assert writers[key] == {lowest}, (key, writers[key])
