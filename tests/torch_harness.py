@@ -758,6 +758,21 @@ def stages_job(rank: int, *, path: str) -> None:
              "stage": {f"{rank}": own["seed"]}, "epoch": 2}, path)
 
 
+def overlapping_meshes_job(rank: int, *, path: str) -> str:
+    """World 3; two meshes both named ("tp",) of 2 ranks, [0, 1] and [1, 2]: rank 1 is on both."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    meshes = [DeviceMesh("cpu", ranks, mesh_dim_names=("tp",)) for ranks in ([0, 1], [1, 2])]
+    state = {name: distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
+             for name, mesh in zip("ab", meshes) if mesh.get_coordinate() is not None}
+    try:
+        gt.save(state, path)
+        return "saved"
+    except gs.GlobalShardError as e:
+        return f"{type(e).__name__}: {e}"
+
+
 def strided_job(rank: int, *, path: str, rows: int, save: bool) -> dict[str, Any]:
     """Mesh (dp=2, tp=2); a weight as FSDP2 over TP leaves it:
     [_StridedShard(0, split_factor=2), Shard(0)]; a bias Shard(0) on tp only."""

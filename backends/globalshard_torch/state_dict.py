@@ -225,7 +225,12 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
                 if shard is not None:
                     shards[key] = shard
                     if (holder := _holder(value, comm.rank, comm.world_size)) is not None:
-                        shared[key], holders[holder[0]] = holder
+                        kind, low = holder
+                        if holders.setdefault(kind, low) != low:
+                            problems.append(f"{key}: on a mesh of dims and shape {kind} whose lowest rank is {low}, "
+                                            f"where another such mesh holding this rank starts at {holders[kind]}; "
+                                            "name the two meshes' dims apart")
+                        shared[key] = kind
             elif _is_stateful(value):
                 _walk(_plain(value.state_dict()), visit, key)
             elif isinstance(value, (bytes, bytearray)):

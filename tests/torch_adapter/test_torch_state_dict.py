@@ -258,6 +258,14 @@ def test_what_only_some_ranks_hold_is_saved_from_them(tmp_path):
     assert state["stage"] == {"0": bytes([0, 7]), "1": bytes([1, 7])}
 
 
+def test_a_rank_on_two_meshes_of_the_same_dims_is_named(tmp_path):
+    outcomes = values_of(run(3, "overlapping_meshes_job", str(tmp_path / "s"), path=str(tmp_path / "c")))
+    assert outcomes[1].startswith("LayoutError") and "b: on a mesh of dims and shape" in outcomes[1], outcomes[1]
+    assert "name the two meshes' dims apart" in outcomes[1]
+    assert all(o.startswith("CommError") for o in (outcomes[0], outcomes[2])), outcomes
+    assert not (tmp_path / "c" / "metadata.json").exists()
+
+
 @given(pp=st.integers(1, 3), dp=st.integers(1, 4), tp=st.integers(1, 4), fsdp=st.booleans())
 def test_each_key_is_written_by_one_holder(pp, dp, tp, fsdp):
     # pp x dp x tp ranks, as a torchtitan run holds its state: each stage's weights on its
