@@ -5,6 +5,7 @@ gloo (run by test_transformers_parallel.py). Its Qwen3-MoE has a packed
 
 from __future__ import annotations
 
+import glob
 from typing import Any
 
 import numpy as np
@@ -40,16 +41,16 @@ def step(model: Any, optimizer: Any) -> None:
 
 
 def train(rank: int, *, hf: str, kind: str, sizes: dict[str, int], path: str, dump: str) -> dict[str, Any]:
-    """One step, then the model and optimizer saved as DCP-style state; rank 0
-    writes every tensor whole (``full_tensor``) to compare loads with."""
+    """One step, then the model and optimizer saved as DCP-style state; each rank
+    writes every tensor it holds whole (``full_tensor``) to ``dump`` + ``.<rank>.npz``,
+    to compare loads with (with PP, each stage holds its own)."""
     model, optimizer = build(hf, kind, sizes)
     step(model, optimizer)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     gt.save({"model": model_sd, "optim": optim_sd}, path)
     whole = {f"model.{k}": _full(v) for k, v in model_sd.items()}
     whole.update({f"optim.{k}.{m}": _full(v) for k, state in optim_sd["state"].items() for m, v in state.items()})
-    if rank == 0:
-        np.savez(dump, **whole)
+    np.savez(f"{dump}.{rank}.npz", **whole)
     return {"placements": {k: str(getattr(v, "placements", "")) for k, v in model_sd.items()}}
 
 
@@ -71,7 +72,7 @@ def reload(rank: int, *, hf: str, kind: str, sizes: dict[str, int], path: str, d
     state = {"model": model_sd, "optim": optim_sd}
     gt.load(state, path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    held = dict(np.load(dump))
+    held = {k: v for name in sorted(glob.glob(f"{dump}.*.npz")) for k, v in np.load(name).items()}
     model_sd, optim_sd = get_state_dict(model, optimizer)
     got = {f"model.{k}": _full(v) for k, v in model_sd.items()}
     got.update({f"optim.{k}.{m}": _full(v) for k, state in optim_sd["state"].items() for m, v in state.items()})
