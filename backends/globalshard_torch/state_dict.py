@@ -263,6 +263,7 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
     # Which rank (plain tensors) or mesh (DTensors on part of the world) holds the main copy of
     # each such key: the lowest that holds it (DCP too stores one of the copies; any holder of
     # a copy may write it). JSON values: the lowest rank's.
+    # TODO(limitation): copies of a key on several ranks are assumed equal, not compared.
     for key in replica_keys(comm.rank, kept, [d["holders"] for d in described],
                             {digest: part["shared"] for digest, part in parts.items()}):
         shards[key] = dataclasses.replace(shards[key], replica_id=1)
