@@ -23,7 +23,8 @@ test: $(STAMP)
 FRAMEWORKS := $(VENV)/.frameworks-installed
 $(FRAMEWORKS): $(STAMP) requirements/frameworks.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/ci.txt -c requirements/frameworks.txt \
-		megatron-core psutil einops transformers accelerate triton spmd_types tyro flax optax orbax-checkpoint
+		megatron-core psutil einops transformers accelerate triton spmd_types tyro torchdata flax optax \
+		orbax-checkpoint
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -c requirements/frameworks.txt torchtitan
 	touch $@
 

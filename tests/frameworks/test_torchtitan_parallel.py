@@ -14,7 +14,8 @@ EP=2, at TP=2 and into one process as DCP loads it.
 
 The debugmodel pipelined by torchtitan's ``pipelining_fn`` (PP=2 x TP=2,
 Interleaved1F1B: 2 stages per rank) reloads at dp_shard=2, at PP=2 1F1B and
-into one process as DCP loads it; the FSDP2 x TP save reloads at PP=2."""
+into one process as DCP loads it; the FSDP2 x TP save reloads at PP=2.
+Its ``ParallelAwareDataloader`` at DP=2 resumes each rank's batches."""
 
 import json
 
@@ -125,3 +126,12 @@ def test_an_interleaved_pipeline_reloads_without_it_as_dcp_loads_it(pp_saved, la
     for r in ranks:
         assert r["differ"] == [] and r["optimizer_differ"] == []
         assert r["missing"] == [] and r["unexpected"] == []
+
+
+def test_each_data_parallel_ranks_dataloader_resumes_where_it_was_as_with_dcp(tmp_path):
+    # torchtitan's ParallelAwareDataloader keeps its state under the rank's own key
+    # (dp_rank_<i>, pickled by torchtitan itself): each rank holds a key the others do not.
+    pytest.importorskip("torchdata")
+    for r in run(2, "torchtitan_jobs:dataloader", str(tmp_path / "ranks"), work=str(tmp_path)):
+        assert r["ours"] == r["dcp"] == r["expected"]
+        assert r["ours_fresh"][0] != r["expected"][0]  # a fresh loader would not give them

@@ -154,6 +154,47 @@ def reload(rank: int, *, work: str, dp_shard: int, tp: int, ep: int = 1, pp: int
     return out
 
 
+def _loader(dp_rank: int, dp_size: int, seed: int) -> Any:
+    """torchtitan's ``ParallelAwareDataloader`` (a torchdata StatefulDataLoader whose
+    state is keyed by its DP rank) over this rank's share of 64 samples, shuffled."""
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+
+    samples = [torch.tensor([dp_rank * 1000 + i]) for i in range(64)]
+    return ParallelAwareDataloader(samples, dp_rank=dp_rank, dp_world_size=dp_size, batch_size=4, shuffle=True,
+                                   generator=torch.Generator().manual_seed(seed + dp_rank))
+
+
+def dataloader(rank: int, *, work: str) -> dict[str, Any]:
+    """Each DP rank's dataloader three batches in, saved beside a step count with
+    globalshard and with DCP (as torchtitan's CheckpointManager holds it, under
+    ``dataloader``), then loaded by each into a fresh loader of another seed: the
+    batches that follow, against the ones the saved loader gives next."""
+    size = dist.get_world_size()
+    loader = _loader(rank, size, 0)
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)
+    for name, save in (("ours", gt.save), ("dcp", None)):
+        state = {"dataloader": loader, "step": 3}
+        if save is None:
+            dcp.save(state, checkpoint_id=os.path.join(work, name))
+        else:
+            save(state, os.path.join(work, name))
+    expected = [next(batches).flatten().tolist() for _ in range(2)]
+    out: dict[str, Any] = {"expected": expected}
+    for name in ("ours", "dcp"):
+        fresh = _loader(rank, size, 99)
+        state = {"dataloader": fresh, "step": 0}
+        if name == "ours":
+            gt.load(state, os.path.join(work, name))
+        else:
+            dcp.load(state, checkpoint_id=os.path.join(work, name))
+        following = iter(fresh)
+        out[name] = [next(following).flatten().tolist() for _ in range(2)]
+        out[f"{name}_fresh"] = [next(iter(_loader(rank, size, 99))).flatten().tolist()]
+    return out
+
+
 def from_hf(rank: int, *, work: str, hf: str, dp_shard: int, tp: int) -> dict[str, Any]:
     """A Hugging Face folder read by ``load_hf`` straight into torchtitan's parallelized
     model (its fused ``wqkv`` DTensors), compared with DCP's load of the original state."""
