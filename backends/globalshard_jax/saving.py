@@ -11,7 +11,7 @@ import globalshard as gs
 from globalshard.comm import Comm
 from globalshard.errors import LayoutError
 from globalshard_jax.comm import default_comm
-from globalshard_jax.tree import KeyMap, is_key, pytree_keys, resolve
+from globalshard_jax.tree import TREE, KeyMap, is_key, pytree_keys, resolve, skeleton
 
 __all__ = ["save"]
 
@@ -51,8 +51,15 @@ def save(path: Any, pytree: Any, *, trainer_state: dict[str, Any] | None = None,
     shards are copied into the saver's staging pool, and the writing goes on
     in its writer process; the arrays may then be donated or deleted. Call
     ``saver.wait()`` before exiting or loading.
+
+    The pytree's containers and each leaf's kind go into the trainer state's
+    ``"globalshard_jax"`` member (a name ``trainer_state`` may not use), so
+    that :func:`~globalshard_jax.load` without a target rebuilds the pytree.
     """
     comm = comm if comm is not None else default_comm()
+    if trainer_state is not None and TREE in trainer_state:
+        raise LayoutError(f"trainer_state member {TREE!r} is globalshard_jax's own (the pytree's structure); "
+                          "name yours otherwise")
     leaves = [(key, jax.random.key_data(leaf) if isinstance(leaf, jax.Array) and is_key(leaf.dtype) else leaf)
               for key, leaf in pytree_keys(pytree)]
     for key, leaf in leaves:  # every device-to-host copy started before the first is waited for
@@ -66,7 +73,8 @@ def save(path: Any, pytree: Any, *, trainer_state: dict[str, Any] | None = None,
         ckpt_key, axes = resolve(keys, key)
         for i, t in enumerate(_shards(ckpt_key, leaf, axes, comm.rank)):
             state[f"{key}#{i}"] = t
-    options = dict(trainer_state=trainer_state, comm=comm, overwrite=overwrite, kvstore=kvstore, stats=stats,
+    described = {**(trainer_state or {}), TREE: {"pytree": skeleton(pytree, keys)}}
+    options = dict(trainer_state=described, comm=comm, overwrite=overwrite, kvstore=kvstore, stats=stats,
                    pack_below=pack_below, base=base, frozen=frozen, digests=digests)
     if saver is not None:
         saver.save(state, path, **options)

@@ -9,7 +9,11 @@ import jax
 
 from globalshard.errors import LayoutError
 
-__all__ = ["KeyMap", "is_key", "pytree_keys", "resolve"]
+__all__ = ["KeyMap", "TREE", "is_key", "pytree_keys", "resolve", "skeleton"]
+
+#: The trainer-state member where :func:`skeleton` is stored, and whose ``"pytree"`` a load without a target
+#: rebuilds the pytree from; ``gj.load`` returns the trainer state without it.
+TREE = "globalshard_jax"
 
 KeyMap = Mapping[str, Any] | Callable[[str], Any] | None
 
@@ -48,3 +52,39 @@ def resolve(keys: KeyMap, key: str) -> tuple[str, tuple[int, ...] | None]:
 def is_key(dtype: Any) -> bool:
     """Whether ``dtype`` is a typed PRNG key's (``jax.random.key``), which numpy cannot hold."""
     return dtype is not None and bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+
+
+def _leaf(key: str, leaf: Any, keys: KeyMap) -> dict[str, Any]:
+    """How one leaf comes back without a target: its kind, shape and dtype, and the checkpoint key it is under."""
+    ckpt_key, axes = resolve(keys, key)
+    out: dict[str, Any] = {"key": key}
+    if ckpt_key != key or axes:
+        out["stored"] = ckpt_key
+        if axes:
+            out["axes"] = list(axes)
+    if isinstance(leaf, (bool, int, float, complex)):
+        return {**out, "kind": type(leaf).__name__}
+    if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+        return {**out, "kind": "numpy"}  # np.asarray of it: what the save stores, or refuses by name
+    shape = [int(n) for n in leaf.shape]
+    if is_key(leaf.dtype):
+        return {**out, "kind": "prng_key", "impl": str(jax.random.key_impl(leaf)), "shape": shape}
+    kind = "jax" if isinstance(leaf, jax.Array) else "numpy"
+    return {**out, "kind": kind, "shape": shape, "dtype": str(leaf.dtype)}
+
+
+def skeleton(tree: Any, keys: KeyMap = None, path: tuple[Any, ...] = ()) -> dict[str, Any]:
+    """``tree``'s containers as JSON, so a load without a target can rebuild it: dicts
+    (string keys), lists and tuples as themselves, ``None`` as itself, any other node
+    (a dataclass, a NamedTuple, an optax state) as a dict of its children by their path
+    names, and each leaf as :func:`_leaf` describes it."""
+    if tree is None:
+        return {"none": None}
+    if type(tree) in (list, tuple):
+        return {type(tree).__name__: [skeleton(v, keys, (*path, i)) for i, v in enumerate(tree)]}
+    if type(tree) is dict:
+        return {"dict": {str(k): skeleton(v, keys, (*path, k)) for k, v in tree.items()}}
+    children, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
+    if len(children) == 1 and children[0][0] == () and children[0][1] is tree:  # a leaf
+        return {"leaf": _leaf(".".join(_path_part(k) for k in path), tree, keys)}
+    return {"dict": {_path_part(p[0]): skeleton(v, keys, (*path, *p)) for p, v in children}}

@@ -66,6 +66,8 @@ JAX_CHECK = textwrap.dedent("""
     assert trainer_state == {"step": 7} and restored["opt_state"]["count"] == 3
     assert restored["params"]["w"].sharding == loaded_on
     assert np.array_equal(np.asarray(restored["params"]["w"]), np.arange(32.0).reshape(8, 4))
+    assert np.array_equal(np.asarray(tree["params"]["w"]), np.arange(32.0).reshape(8, 4))  # no target
+    assert tree["opt_state"]["count"] == 3 and type(tree["opt_state"]["count"]) is int
 """)
 
 

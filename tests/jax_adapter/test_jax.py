@@ -202,9 +202,12 @@ def test_typed_prng_keys_are_stored_as_their_key_data_and_come_back_as_keys(tmp_
     again, _ = gj.load(tmp_path, {"rng": jax.random.key(0), "dropout": like, "rbg": jax.random.key(0, impl="rbg")})
     assert again["dropout"].sharding == like.sharding
     assert np.array_equal(np.asarray(jax.random.key_data(again["dropout"])), np.asarray(jax.random.key_data(keys)))
-    # A key of another implementation (4 words, not 2) is a shape error naming the key, never a guess.
-    with pytest.raises(gs.GlobalShardError, match=r"'rng'"):
+    # A key of another implementation is refused naming the key, never a guess: of another size
+    # (threefry's 2 words as rbg's 4), and of the same size (rbg's words as unsafe_rbg's draw otherwise).
+    with pytest.raises(gs.MismatchError, match=r"'rng': saved as threefry2x32 keys"):
         gj.load(tmp_path, {**abstract, "rng": jax.random.key(0, impl="rbg")})
+    with pytest.raises(gs.MismatchError, match=r"'rbg': saved as rbg keys, the target asks for unsafe_rbg keys"):
+        gj.load(tmp_path, {**abstract, "rbg": jax.random.key(0, impl="unsafe_rbg")})
 
 
 def test_an_abstract_mesh_is_resolved_to_the_mesh_set_around_the_load(tmp_path):
@@ -392,3 +395,102 @@ def test_a_padding_companion_is_not_an_unexpected_key(tmp_path):
     gs.save(state, tmp_path)
     got = gj.load(tmp_path, {"emb": jax.ShapeDtypeStruct((5, 2), np.float32)})
     assert got.unexpected_keys == [] and np.asarray(got[0]["emb"]).shape == (5, 2)
+
+
+def _restorable(sharding):
+    """A pytree of every kind a save takes: containers, sharded and plain arrays, numbers, typed keys."""
+    return {"params": {"w": jax.device_put(jnp_arange((8, 4)), sharding), "b": np.arange(4, dtype=np.int64)},
+            "layers": [jax.numpy.ones(3, ml_dtypes.bfloat16), (2.5, True, None)], "step": 7,
+            "rng": jax.random.key(5), "rbg": jax.random.split(jax.random.key(3, impl="rbg"), 2)}
+
+
+def jnp_arange(shape):
+    return jax.numpy.arange(int(np.prod(shape)), dtype=jax.numpy.float32).reshape(shape)
+
+
+def test_without_a_target_the_saved_pytree_comes_back_as_orbax_restores_it(tmp_path):
+    import orbax.checkpoint as ocp
+
+    tree = _restorable(NamedSharding(mesh("4x2"), P("x", "y")))
+    gj.save(tmp_path / "ours", tree, trainer_state={"epoch": 2})
+    got, trainer_state = gj.load(tmp_path / "ours")
+    assert trainer_state == {"epoch": 2}
+    plain = {k: v for k, v in tree.items() if k not in ("rng", "rbg")}  # Orbax cannot save typed keys
+    with ocp.StandardCheckpointer() as orbax:
+        orbax.save(tmp_path / "orbax", plain)
+        orbax.wait_until_finished()
+        theirs = orbax.restore(tmp_path / "orbax")
+    mine = {k: v for k, v in got.items() if k not in ("rng", "rbg")}
+    assert type(mine["layers"][1]) is tuple  # as saved; Orbax gives a list
+    mine["layers"][1] = list(mine["layers"][1])
+    assert jax.tree.structure(mine) == jax.tree.structure(theirs)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(mine), jax.tree.leaves(theirs)):
+        assert type(a) is type(b) and np.asarray(a).dtype == np.asarray(b).dtype, (path, type(a), type(b))
+        assert np.array_equal(np.asarray(a), np.asarray(b)), path
+    # Typed keys come back with their own implementation, drawing what the saved ones draw.
+    for name in ("rng", "rbg"):
+        assert got[name].dtype == tree[name].dtype
+        assert np.array_equal(np.asarray(jax.random.key_data(got[name])), np.asarray(jax.random.key_data(tree[name])))
+    # With a target, the trainer state is the caller's too.
+    assert gj.load(tmp_path / "ours", {"step": 0}, strict=False)[1] == {"epoch": 2}
+
+
+def test_without_a_target_other_nodes_are_dicts_and_stored_keys_their_own(tmp_path):
+    optax = pytest.importorskip("optax")
+    params = {"kernel": jnp_arange((2, 3))}
+    state = optax.adam(1e-3).init(params)
+    gj.save(tmp_path / "c", {"opt": state, "fc": params}, keys={"fc.kernel": ("fc.weight", (1, 0))})
+    assert gs.read_metadata(tmp_path / "c").tensors["fc.weight"].global_shape == (3, 2)  # stored transposed
+    got, _ = gj.load(tmp_path / "c")
+    assert np.array_equal(np.asarray(got["fc"]["kernel"]), np.asarray(params["kernel"]))  # as it was given
+    assert set(got["opt"][0]) == {"count", "mu", "nu"} and got["opt"][1] == {}  # ScaleByAdamState, EmptyState
+    assert np.array_equal(np.asarray(got["opt"][0]["mu"]["kernel"]), np.zeros((2, 3)))
+
+
+def test_without_a_target_a_checkpoint_gj_save_did_not_write_is_nested_dicts(tmp_path):
+    # A torch-style checkpoint (the core's save): host arrays, keys split at the dots.
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    gs.save({"w": gs.ShardedTensor.from_offset("fc.weight", w, global_shape=(2, 3), global_offset=(0, 0)),
+             "s": gs.ShardedTensor.from_offset("step", np.array(3, np.int64), global_shape=(), global_offset=())},
+            tmp_path / "c", trainer_state={"epoch": 1})
+    got, trainer_state = gj.load(tmp_path / "c")
+    assert trainer_state == {"epoch": 1} and set(got) == {"fc", "step"}
+    assert np.array_equal(got["fc"]["weight"], w) and got["step"].dtype == np.int64 and got["step"] == 3
+    gs.save({"a": gs.ShardedTensor.from_offset("fc", w, global_shape=(2, 3), global_offset=(0, 0)),
+             "b": gs.ShardedTensor.from_offset("fc.bias", w[0], global_shape=(3,), global_offset=(0,))}, tmp_path / "d")
+    with pytest.raises(gs.LayoutError, match=r"'fc.bias' nests under 'fc'.*pass a target"):
+        gj.load(tmp_path / "d")
+
+
+def test_the_trainer_state_member_holding_the_pytree_is_refused_to_callers(tmp_path):
+    with pytest.raises(gs.LayoutError, match="'globalshard_jax'"):
+        gj.save(tmp_path / "c", {"w": np.ones(2)}, trainer_state={"globalshard_jax": 1})
+    with pytest.raises(gs.LayoutError, match="keys="):
+        gj.save(tmp_path / "c", {"w": np.ones(2)}) or gj.load(tmp_path / "c", keys={"w": "v"})
+
+
+_LEAVES = st.one_of(
+    st.integers(-2**31, 2**31 - 1), st.floats(allow_nan=False, width=32), st.booleans(),
+    st.builds(lambda n, k: np.arange(n, dtype=k), st.integers(0, 4), st.sampled_from([np.int64, np.float32])),
+    st.builds(lambda n: jax.numpy.arange(n, dtype=jax.numpy.float32), st.integers(1, 4)))
+_TREES = st.recursive(st.one_of(_LEAVES, st.none()), lambda kids: st.one_of(
+    st.lists(kids, max_size=3), st.lists(kids, max_size=3).map(tuple),
+    st.dictionaries(st.text("ab_.", min_size=1, max_size=3), kids, max_size=3)), max_leaves=8)
+
+
+@settings(max_examples=30, deadline=None)
+@given(tree=_TREES)
+def test_property_a_saved_pytree_comes_back_whole_without_a_target(tmp_path_factory, tree):
+    # Any nesting of dicts, lists, tuples and None over numbers and arrays: the same containers,
+    # the same kinds of leaves, the same values. (Keys with dots included: each leaf keeps its own.)
+    path = tmp_path_factory.mktemp("whole")
+    try:
+        gj.save(path, {"t": tree})
+    except gs.LayoutError as e:  # two paths that join to one key ("a.b" and "a" > "b") are refused by the save
+        assert "join to the same key" in str(e)
+        return
+    (got, _) = gj.load(path)
+    assert jax.tree.structure(got) == jax.tree.structure({"t": tree})
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves({"t": tree})):
+        assert type(a) is type(b) and np.asarray(a).dtype == np.asarray(b).dtype
+        assert np.array_equal(np.asarray(a), np.asarray(b))
