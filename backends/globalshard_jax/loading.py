@@ -85,12 +85,13 @@ def load(path: Any, abstract_pytree: Any = None, *, comm: Comm | None = None, ke
     """Arrays for every leaf of ``abstract_pytree``, and the trainer state.
 
     Without ``abstract_pytree``, the pytree the checkpoint's :func:`save` was
-    given comes back whole, as Orbax restores without a target: dicts, lists,
-    tuples and ``None`` as they were (other nodes, such as an optax state, as
-    dicts of their children; dict keys as strings), ``jax.Array`` leaves on
-    the default device, numpy arrays as numpy arrays, Python numbers as
-    Python numbers, typed PRNG keys with their saved implementation. Every
-    process reads every array whole. A checkpoint that ``gj.save`` did not
+    given comes back whole, in the containers Orbax's restore without a
+    target gives: dicts and lists as they were, tuples as lists (``()`` as
+    itself), other nodes (an optax state, a dataclass) as dicts of their
+    children (``None`` when they have none), dict keys as strings;
+    ``jax.Array`` leaves on the default device, numpy arrays as numpy arrays,
+    Python numbers as Python numbers, typed PRNG keys with their saved
+    implementation. Every process reads every array whole. A checkpoint that ``gj.save`` did not
     write (a torch one) comes back as nested dicts of numpy arrays, its keys
     split at the dots.
 
@@ -250,7 +251,7 @@ def _leaves(node: dict[str, Any] | None) -> list[dict[str, Any]]:
     (kind, value), = node.items()
     if kind == "leaf":
         return [value]
-    children = value.values() if kind == "dict" else value if kind in ("list", "tuple") else []
+    children = value.values() if kind in ("dict", "node") else value if kind in ("list", "tuple") else []
     return [leaf for child in children for leaf in _leaves(child)]
 
 
@@ -298,16 +299,15 @@ def _whole(path: Any, *, comm: Comm, allow_lossy_cast: bool, kvstore: Any, stats
             stored = checkpoint.read_array(leaf.get("stored", leaf["key"]))
             values[leaf["key"]] = np.transpose(stored, np.argsort(leaf["axes"])) if "axes" in leaf else stored
 
-    def build(node: dict[str, Any]) -> Any:
+    def build(node: dict[str, Any]) -> Any:  # in Orbax's conventions for a restore without a target
         (kind, value), = node.items()
         if kind == "leaf":
             return values[value["key"]]
-        if kind == "dict":
+        if kind == "dict" or (kind == "node" and value):
             return {k: build(v) for k, v in value.items()}
-        if kind in ("list", "tuple"):
-            items = [build(v) for v in value]
-            return items if kind == "list" else tuple(items)
-        return None
+        if kind == "list" or (kind == "tuple" and value):
+            return [build(v) for v in value]
+        return () if kind == "tuple" else None  # an empty tuple; None, or a node of nothing (optax's EmptyState)
 
     return Restored(build(described), trainer_state, [], [])
 

@@ -75,8 +75,8 @@ def _leaf(key: str, leaf: Any, keys: KeyMap) -> dict[str, Any]:
 
 def skeleton(tree: Any, keys: KeyMap = None, path: tuple[Any, ...] = ()) -> dict[str, Any]:
     """``tree``'s containers as JSON, so a load without a target can rebuild it: dicts
-    (string keys), lists and tuples as themselves, ``None`` as itself, any other node
-    (a dataclass, a NamedTuple, an optax state) as a dict of its children by their path
+    (string keys), lists, tuples and ``None`` as themselves, any other node (a
+    dataclass, a NamedTuple, an optax state) as ``"node"``, its children by their path
     names, and each leaf as :func:`_leaf` describes it."""
     if tree is None:
         return {"none": None}
@@ -87,4 +87,4 @@ def skeleton(tree: Any, keys: KeyMap = None, path: tuple[Any, ...] = ()) -> dict
     children, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
     if len(children) == 1 and children[0][0] == () and children[0][1] is tree:  # a leaf
         return {"leaf": _leaf(".".join(_path_part(k) for k in path), tree, keys)}
-    return {"dict": {_path_part(p[0]): skeleton(v, keys, (*path, *p)) for p, v in children}}
+    return {"node": {_path_part(p[0]): skeleton(v, keys, (*path, *p)) for p, v in children}}

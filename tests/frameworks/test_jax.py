@@ -193,6 +193,18 @@ def test_an_optax_chain_over_a_parameter_dict_reshards_as_orbax_restores_it(opta
     np.testing.assert_allclose(ours, after, rtol=1e-6, atol=0)
 
 
+def test_an_optax_state_restored_without_a_target_holds_what_orbax_restores(optax_saved):
+    # Orbax's restore(path) with no target, against gj.load(path): the same tree (optax's chain of
+    # NamedTuples, EmptyStates included), the same leaves of the same types and values, whole.
+    root, _ = optax_saved
+    theirs = ocp.StandardCheckpointer().restore(root / "orbax")
+    ours, _ = gj.load(root / "gs")
+    assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(theirs)):
+        assert type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape, jax.tree_util.keystr(path)
+        assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)
+
+
 # ----------------------------------------------------------------- a Linen TrainState
 
 

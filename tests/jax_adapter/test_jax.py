@@ -421,8 +421,7 @@ def test_without_a_target_the_saved_pytree_comes_back_as_orbax_restores_it(tmp_p
         orbax.wait_until_finished()
         theirs = orbax.restore(tmp_path / "orbax")
     mine = {k: v for k, v in got.items() if k not in ("rng", "rbg")}
-    assert type(mine["layers"][1]) is tuple  # as saved; Orbax gives a list
-    mine["layers"][1] = list(mine["layers"][1])
+    assert type(mine["layers"][1]) is list  # a tuple, given back as Orbax gives it
     assert jax.tree.structure(mine) == jax.tree.structure(theirs)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(mine), jax.tree.leaves(theirs)):
         assert type(a) is type(b) and np.asarray(a).dtype == np.asarray(b).dtype, (path, type(a), type(b))
@@ -443,7 +442,7 @@ def test_without_a_target_other_nodes_are_dicts_and_stored_keys_their_own(tmp_pa
     assert gs.read_metadata(tmp_path / "c").tensors["fc.weight"].global_shape == (3, 2)  # stored transposed
     got, _ = gj.load(tmp_path / "c")
     assert np.array_equal(np.asarray(got["fc"]["kernel"]), np.asarray(params["kernel"]))  # as it was given
-    assert set(got["opt"][0]) == {"count", "mu", "nu"} and got["opt"][1] == {}  # ScaleByAdamState, EmptyState
+    assert set(got["opt"][0]) == {"count", "mu", "nu"} and got["opt"][1] is None  # ScaleByAdamState, EmptyState
     assert np.array_equal(np.asarray(got["opt"][0]["mu"]["kernel"]), np.zeros((2, 3)))
 
 
@@ -478,11 +477,18 @@ _TREES = st.recursive(st.one_of(_LEAVES, st.none()), lambda kids: st.one_of(
     st.dictionaries(st.text("ab_.", min_size=1, max_size=3), kids, max_size=3)), max_leaves=8)
 
 
+def _as_orbax(tree):
+    """``tree`` in the containers Orbax's restore without a target gives: tuples as lists (``()`` kept)."""
+    if isinstance(tree, (list, tuple)):
+        return [_as_orbax(v) for v in tree] if tree or isinstance(tree, list) else ()
+    return {k: _as_orbax(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
+
+
 @settings(max_examples=30, deadline=None)
 @given(tree=_TREES)
 def test_property_a_saved_pytree_comes_back_whole_without_a_target(tmp_path_factory, tree):
-    # Any nesting of dicts, lists, tuples and None over numbers and arrays: the same containers,
-    # the same kinds of leaves, the same values. (Keys with dots included: each leaf keeps its own.)
+    # Any nesting of dicts, lists, tuples and None over numbers and arrays: the same containers (as
+    # Orbax gives them), the same kinds of leaves, the same values. (Keys with dots included.)
     path = tmp_path_factory.mktemp("whole")
     try:
         gj.save(path, {"t": tree})
@@ -490,7 +496,7 @@ def test_property_a_saved_pytree_comes_back_whole_without_a_target(tmp_path_fact
         assert "join to the same key" in str(e)
         return
     (got, _) = gj.load(path)
-    assert jax.tree.structure(got) == jax.tree.structure({"t": tree})
+    assert jax.tree.structure(got) == jax.tree.structure({"t": _as_orbax(tree)})
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves({"t": tree})):
         assert type(a) is type(b) and np.asarray(a).dtype == np.asarray(b).dtype
         assert np.array_equal(np.asarray(a), np.asarray(b))
