@@ -91,9 +91,9 @@ def load(path: Any, abstract_pytree: Any = None, *, comm: Comm | None = None, ke
     children (``None`` when they have none), dict keys as strings;
     ``jax.Array`` leaves on the default device, numpy arrays as numpy arrays,
     Python numbers as Python numbers, typed PRNG keys with their saved
-    implementation. Every process reads every array whole. A checkpoint that ``gj.save`` did not
-    write (a torch one) comes back as nested dicts of numpy arrays, its keys
-    split at the dots.
+    implementation. Every process reads every array whole. A checkpoint that
+    ``gj.save`` did not write (a torch one) comes back as nested dicts of
+    numpy arrays, its keys split at the dots.
 
     A leaf is a ``jax.ShapeDtypeStruct`` (with a ``sharding``: a
     ``NamedSharding`` or any other; without one, the array goes to the
