@@ -193,6 +193,26 @@ def test_an_optax_chain_over_a_parameter_dict_reshards_as_orbax_restores_it(opta
     np.testing.assert_allclose(ours, after, rtol=1e-6, atol=0)
 
 
+def test_a_pytree_of_every_leaf_kind_restored_without_a_target_holds_what_orbax_restores(tmp_path):
+    # Sharded jax arrays, numpy arrays, bf16, Python numbers, None, a tuple in a list: Orbax's
+    # restore(path) with no target against gj.load(path), same tree, leaf types, dtypes and values.
+    m = mesh(*SAVED_AT)
+    tree = {"params": {"w": jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(m, P(None, "tp"))),
+                       "b": np.arange(4, dtype=np.int64)},
+            "layers": [jnp.ones(3, jnp.bfloat16), (2.5, True, None), ()], "step": 7}
+    gj.save(tmp_path / "gs", tree)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "orbax", tree)
+        checkpointer.wait_until_finished()
+        theirs = checkpointer.restore(tmp_path / "orbax")
+    ours, _ = gj.load(tmp_path / "gs")
+    assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+    assert ours["layers"][1:] == theirs["layers"][1:] == [[2.5, True, None], ()]
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(theirs)):
+        assert type(a) is type(b) and np.asarray(a).dtype == np.asarray(b).dtype, jax.tree_util.keystr(path)
+        assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)
+
+
 def test_an_optax_state_restored_without_a_target_holds_what_orbax_restores(optax_saved):
     # Orbax's restore(path) with no target, against gj.load(path): the same tree (optax's chain of
     # NamedTuples, EmptyStates included), the same leaves of the same types and values, whole.
