@@ -15,7 +15,9 @@ EP=2, at TP=2 and into one process as DCP loads it.
 The debugmodel pipelined by torchtitan's ``pipelining_fn`` (PP=2 x TP=2,
 Interleaved1F1B: 2 stages per rank) reloads at dp_shard=2, at PP=2 1F1B and
 into one process as DCP loads it; the FSDP2 x TP save reloads at PP=2.
-Its ``ParallelAwareDataloader`` at DP=2 resumes each rank's batches."""
+Its ``ParallelAwareDataloader`` at DP=2 resumes each rank's batches. Qwen3's
+dense debugmodel (tied embeddings, fused GQA QKV) reloads at TP=2 and into one
+process as DCP loads it, its embeddings still tied."""
 
 import json
 
@@ -135,3 +137,22 @@ def test_each_data_parallel_ranks_dataloader_resumes_where_it_was_as_with_dcp(tm
     for r in run(2, "torchtitan_jobs:dataloader", str(tmp_path / "ranks"), work=str(tmp_path)):
         assert r["ours"] == r["dcp"] == r["expected"]
         assert r["ours_fresh"][0] != r["expected"][0]  # a fresh loader would not give them
+
+
+@pytest.fixture(scope="module")
+def tied_saved(tmp_path_factory):
+    """Qwen3's debugmodel (lm_head tied to tok_embeddings; Q, K and V fused, 8 KV heads of 16) trained at
+    FSDP2 dp_shard=2 x TP=2 and saved by each."""
+    work = tmp_path_factory.mktemp("torchtitan_qwen3_tied")
+    run(4, "torchtitan_jobs:train", str(work / "train"), work=str(work), name="qwen3_tied", dp_shard=2, tp=2)
+    return work
+
+
+@pytest.mark.parametrize("layout", ["tp2", "one_process"])
+def test_a_qwen3_with_tied_embeddings_reloads_as_dcp_loads_it_and_stays_tied(tied_saved, layout):
+    work, w = tied_saved, WORLDS[layout]
+    for r in run(w["world"], "torchtitan_jobs:reload", str(work / layout), work=str(work), name="qwen3_tied",
+                 dp_shard=w["dp_shard"], tp=w["tp"]):
+        assert r["tensors"] == 25 and r["tied"] == [True]
+        assert r["differ"] == [] and r["optimizer_differ"] == []
+        assert r["missing"] == [] and r["unexpected"] == []

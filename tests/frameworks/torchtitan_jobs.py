@@ -1,7 +1,8 @@
 """torchtitan 0.3's models parallelized by their own ``parallelize_fn`` on CPU
 ranks over gloo (run by test_torchtitan_parallel.py): the llama3 debugmodel,
-and a small Qwen3 MoE (its ``debugmodel_moe`` with fewer, smaller experts
-and layers) for expert parallelism.
+a small Qwen3 MoE (its ``debugmodel_moe`` with fewer, smaller experts and
+layers) for expert parallelism, and Qwen3's dense debugmodel (tied
+embeddings, fused QKV with grouped-query attention) in 2 layers.
 
 Scoped patches, in these processes only: torchtitan picks its device type
 when imported ("cuda" without a GPU); here it is the CPU.
@@ -38,6 +39,14 @@ def spec(name: str, parallelism: ParallelismConfig) -> Any:
     if name == "llama3":
         out = llama3.model_registry("debugmodel", attn_backend="flex")
         set_llama3_sharding_config(out.model, enable_sp=parallelism.enable_sequence_parallel)
+        return out
+    if name == "qwen3_tied":  # debugmodel: tied embeddings, fused QKV with 8 KV heads of 16; 2 layers (not 8)
+        out = qwen3.model_registry("debugmodel", attn_backend="flex")
+        attention = out.model.layers[0].attention
+        out.model.layers = qwen3._build_qwen3_layers(
+            n_layers=2, dim=out.model.dim, n_heads=attention.n_heads, n_kv_heads=attention.n_kv_heads,
+            head_dim=attention.head_dim, hidden_dim=512, attn_backend="flex", rope=attention.rope)
+        set_qwen3_sharding_config(out.model, enable_sp=parallelism.enable_sequence_parallel, enable_ep=False)
         return out
     out = qwen3.model_registry("debugmodel_moe", attn_backend="flex")
     # debugmodel_moe's own attention, with 8 experts of 64 (not 64 of 768) in 2 layers (not 8).
@@ -148,7 +157,9 @@ def reload(rank: int, *, work: str, dp_shard: int, tp: int, ep: int = 1, pp: int
     opt_differ += sorted(k for k, v in theirs_opt.items() if not torch.is_tensor(v) and ours_opt[k] != v)
     out: dict[str, Any] = {"tensors": len(theirs), "optimizer_tensors": len(opt_tensors), "differ": differ,
                            "optimizer_differ": opt_differ, "missing": missing.missing_keys,
-                           "unexpected": missing.unexpected_keys, "buffers": len(buffers)}
+                           "unexpected": missing.unexpected_keys, "buffers": len(buffers),
+                           "tied": [p.tok_embeddings.weight is p.lm_head.weight for p in loaded["ours"][0]
+                                    if getattr(p, "enable_weight_tying", False)]}
     if dist.get_world_size() == 1 and name == "llama3":
         out["logits"] = logits(loaded["ours"][0]).flatten().tolist()
     return out
