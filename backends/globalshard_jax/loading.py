@@ -89,11 +89,14 @@ def load(path: Any, abstract_pytree: Any = None, *, comm: Comm | None = None, ke
     target gives: dicts and lists as they were, tuples as lists (``()`` as
     itself), other nodes (an optax state, a dataclass) as dicts of their
     children (``None`` when they have none), dict keys as strings;
-    ``jax.Array`` leaves on the default device, numpy arrays as numpy arrays,
+    ``jax.Array`` leaves (see below), numpy arrays as numpy arrays,
     Python numbers as Python numbers, typed PRNG keys with their saved
-    implementation. Every process reads every array whole. A checkpoint that
-    ``gj.save`` did not write (a torch one) comes back as nested dicts of
-    numpy arrays, its keys split at the dots.
+    implementation. A ``jax.Array`` saved with a ``NamedSharding`` comes back
+    with it, over this job's devices in ``jax.devices()`` order, when there
+    are as many as its mesh had (each process reading only its boxes);
+    otherwise whole on the default device. A checkpoint that ``gj.save`` did
+    not write (a torch one) comes back as nested dicts of numpy arrays, its
+    keys split at the dots.
 
     A leaf is a ``jax.ShapeDtypeStruct`` (with a ``sharding``: a
     ``NamedSharding`` or any other; without one, the array goes to the
@@ -269,10 +272,22 @@ def _impl_name(dtype: Any) -> str:
     return next((name for name in ("threefry2x32", "rbg", "unsafe_rbg") if _key_dtype(name) == dtype), str(dtype))
 
 
+def _saved_sharding(leaf: dict[str, Any]) -> Any:
+    """The ``NamedSharding`` a leaf was saved with, over this job's devices in ``jax.devices()`` order
+    (as Orbax restores it without a target), when there are as many; None (the default device) otherwise."""
+    mesh = leaf.get("mesh")
+    if mesh is None or int(np.prod(mesh["shape"])) != jax.device_count():
+        return None
+    devices = np.array(jax.devices()).reshape(mesh["shape"])
+    spec = jax.sharding.PartitionSpec(*(tuple(p) if isinstance(p, list) else p for p in leaf["spec"]))
+    return jax.sharding.NamedSharding(jax.sharding.Mesh(devices, tuple(mesh["axes"])), spec)
+
+
 def _whole(path: Any, *, comm: Comm, allow_lossy_cast: bool, kvstore: Any, stats: gs.IOStats | None) -> Restored:
     """:func:`load` without a target: the saved pytree rebuilt from its skeleton (``gj.save``'s), or
     nested dicts of the stored arrays split at the dots."""
-    # TODO(limitation): the arrays' sharding is not stored: jax arrays come back on the default device.
+    # TODO(limitation): a saved sharding is restored only onto as many devices as it had (in jax.devices()
+    # order); on others, and for shardings other than NamedSharding, the arrays go to the default device.
     checkpoint = gs.Checkpoint(path, kvstore=kvstore)
     described = checkpoint.trainer_state.get(TREE, {}).get("pytree")
     if described is None:
@@ -290,7 +305,8 @@ def _whole(path: Any, *, comm: Comm, allow_lossy_cast: bool, kvstore: Any, stats
         elif leaf["kind"] == "prng_key":
             abstract[leaf["key"]] = jax.ShapeDtypeStruct(tuple(leaf["shape"]), _key_dtype(leaf["impl"]))
         else:
-            abstract[leaf["key"]] = jax.ShapeDtypeStruct(tuple(leaf["shape"]), np.dtype(leaf["dtype"]))
+            abstract[leaf["key"]] = jax.ShapeDtypeStruct(tuple(leaf["shape"]), np.dtype(leaf["dtype"]),
+                                                         sharding=_saved_sharding(leaf))
     got, trainer_state = load(path, abstract, comm=comm, keys=mapping or None,
                               allow_lossy_cast=allow_lossy_cast, kvstore=kvstore, stats=stats, strict=False)
     values = dict(got)  # keyed by each leaf's key: a dict key holding dots is that key whole

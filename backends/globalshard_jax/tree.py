@@ -69,8 +69,15 @@ def _leaf(key: str, leaf: Any, keys: KeyMap) -> dict[str, Any]:
     shape = [int(n) for n in leaf.shape]
     if is_key(leaf.dtype):
         return {**out, "kind": "prng_key", "impl": str(jax.random.key_impl(leaf)), "shape": shape}
-    kind = "jax" if isinstance(leaf, jax.Array) else "numpy"
-    return {**out, "kind": kind, "shape": shape, "dtype": str(leaf.dtype)}
+    if not isinstance(leaf, jax.Array):
+        return {**out, "kind": "numpy", "shape": shape, "dtype": str(leaf.dtype)}
+    out = {**out, "kind": "jax", "shape": shape, "dtype": str(leaf.dtype)}
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        mesh = sharding.mesh
+        out["mesh"] = {"shape": [int(n) for n in mesh.devices.shape], "axes": [str(a) for a in mesh.axis_names]}
+        out["spec"] = [list(p) if isinstance(p, tuple) else p for p in sharding.spec]
+    return out
 
 
 def skeleton(tree: Any, keys: KeyMap = None, path: tuple[Any, ...] = ()) -> dict[str, Any]:

@@ -195,7 +195,7 @@ def test_an_optax_chain_over_a_parameter_dict_reshards_as_orbax_restores_it(opta
 
 def test_a_pytree_of_every_leaf_kind_restored_without_a_target_holds_what_orbax_restores(tmp_path):
     # Sharded jax arrays, numpy arrays, bf16, Python numbers, None, a tuple in a list: Orbax's
-    # restore(path) with no target against gj.load(path), same tree, leaf types, dtypes and values.
+    # restore(path) with no target against gj.load(path), same tree, leaf types, dtypes, values, shardings.
     m = mesh(*SAVED_AT)
     tree = {"params": {"w": jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(m, P(None, "tp"))),
                        "b": np.arange(4, dtype=np.int64)},
@@ -211,6 +211,9 @@ def test_a_pytree_of_every_leaf_kind_restored_without_a_target_holds_what_orbax_
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(theirs)):
         assert type(a) is type(b) and np.asarray(a).dtype == np.asarray(b).dtype, jax.tree_util.keystr(path)
         assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)
+        if isinstance(a, jax.Array):  # the saved sharding, as Orbax restores it
+            assert a.sharding.is_equivalent_to(b.sharding, a.ndim), jax.tree_util.keystr(path)
+    assert isinstance(ours["params"]["w"].sharding, NamedSharding)
 
 
 def test_an_optax_state_restored_without_a_target_holds_what_orbax_restores(optax_saved):

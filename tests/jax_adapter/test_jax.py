@@ -425,8 +425,20 @@ def test_without_a_target_the_saved_pytree_comes_back_in_orbaxs_containers(tmp_p
             assert a.dtype == b.dtype, path  # keys of their own implementation, drawing what the saved ones draw
             a, b = jax.random.key_data(a), jax.random.key_data(b)
         assert np.array_equal(np.asarray(a), np.asarray(b)), path
+    # The saved NamedSharding comes back over as many devices (here all 8, in jax.devices() order).
+    assert got["params"]["w"].sharding.is_equivalent_to(tree["params"]["w"].sharding, 2)
+    assert got["layers"][0].sharding.is_equivalent_to(jax.sharding.SingleDeviceSharding(DEVICES[0]), 1)
     # With a target, the trainer state is the caller's too.
     assert gj.load(tmp_path / "ours", {"step": 0}, strict=False)[1] == {"epoch": 2}
+
+
+def test_without_a_target_a_sharding_over_other_devices_comes_back_on_the_default_one(tmp_path):
+    # Saved over a mesh of 3 of the 8 devices: no mesh of this job's devices is that one.
+    w = jax.device_put(jnp_arange((6, 2)), NamedSharding(mesh("3"), P("x")))
+    gj.save(tmp_path / "c", {"w": w})
+    got, _ = gj.load(tmp_path / "c")
+    assert got["w"].sharding.is_equivalent_to(jax.sharding.SingleDeviceSharding(jax.devices()[0]), 2)
+    assert np.array_equal(np.asarray(got["w"]), np.asarray(w))
 
 
 class _Adam(NamedTuple):
@@ -441,12 +453,13 @@ class _Empty(NamedTuple):
 def test_without_a_target_other_nodes_are_dicts_and_stored_keys_their_own(tmp_path):
     # NamedTuples (optax's states are) as dicts of their fields, an empty one (optax's EmptyState) as None;
     # a leaf saved under another key, transposed, back under its own in its own axis order.
-    kernel = jnp_arange((2, 3))
+    kernel = jax.device_put(jnp_arange((2, 8)), NamedSharding(mesh("2x4"), P("x", "y")))
     state = (_Adam(count=jax.numpy.int32(3), mu={"kernel": kernel}), _Empty())
     gj.save(tmp_path / "c", {"opt": state, "fc": {"kernel": kernel}}, keys={"fc.kernel": ("fc.weight", (1, 0))})
-    assert gs.read_metadata(tmp_path / "c").tensors["fc.weight"].global_shape == (3, 2)  # stored transposed
+    assert gs.read_metadata(tmp_path / "c").tensors["fc.weight"].global_shape == (8, 2)  # stored transposed
     got, _ = gj.load(tmp_path / "c")
     assert np.array_equal(np.asarray(got["fc"]["kernel"]), np.asarray(kernel))
+    assert got["fc"]["kernel"].sharding.is_equivalent_to(kernel.sharding, 2)
     assert got["opt"][1] is None and set(got["opt"][0]) == {"count", "mu"} and int(got["opt"][0]["count"]) == 3
     assert np.array_equal(np.asarray(got["opt"][0]["mu"]["kernel"]), np.asarray(kernel))
 
