@@ -303,7 +303,8 @@ def _whole(path: Any, *, comm: Comm, allow_lossy_cast: bool, kvstore: Any, stats
         if leaf["kind"] in _SCALAR_KINDS:
             abstract[leaf["key"]] = _SCALAR_KINDS[leaf["kind"]]
         elif leaf["kind"] == "prng_key":
-            abstract[leaf["key"]] = jax.ShapeDtypeStruct(tuple(leaf["shape"]), _key_dtype(leaf["impl"]))
+            abstract[leaf["key"]] = jax.ShapeDtypeStruct(tuple(leaf["shape"]), _key_dtype(leaf["impl"]),
+                                                         sharding=_saved_sharding(leaf))
         else:
             abstract[leaf["key"]] = jax.ShapeDtypeStruct(tuple(leaf["shape"]), np.dtype(leaf["dtype"]),
                                                          sharding=_saved_sharding(leaf))

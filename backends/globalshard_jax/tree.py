@@ -68,10 +68,11 @@ def _leaf(key: str, leaf: Any, keys: KeyMap) -> dict[str, Any]:
         return {**out, "kind": "numpy"}  # np.asarray of it: what the save stores, or refuses by name
     shape = [int(n) for n in leaf.shape]
     if is_key(leaf.dtype):
-        return {**out, "kind": "prng_key", "impl": str(jax.random.key_impl(leaf)), "shape": shape}
-    if not isinstance(leaf, jax.Array):
+        out = {**out, "kind": "prng_key", "impl": str(jax.random.key_impl(leaf)), "shape": shape}
+    elif isinstance(leaf, jax.Array):
+        out = {**out, "kind": "jax", "shape": shape, "dtype": str(leaf.dtype)}
+    else:
         return {**out, "kind": "numpy", "shape": shape, "dtype": str(leaf.dtype)}
-    out = {**out, "kind": "jax", "shape": shape, "dtype": str(leaf.dtype)}
     sharding = getattr(leaf, "sharding", None)
     if isinstance(sharding, jax.sharding.NamedSharding):
         mesh = sharding.mesh

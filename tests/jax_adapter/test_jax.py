@@ -327,7 +327,12 @@ WORKER = textwrap.dedent("""
     for shard in got["keys"].addressable_shards:
         assert np.array_equal(np.asarray(jax.random.key_data(shard.data)), bits[shard.index]), shard.index
     assert ts == {"step": 1} and got["step"].dtype == np.int32 and int(got["step"]) == 7  # stored as int64
-    print("ok", jax.process_index(), len(got["w"].addressable_shards), stats.bytes_needed)
+    whole_stats = gs.IOStats()
+    whole, ts = gj.load(path, stats=whole_stats)  # no target: the saved sharding, over all 8 devices
+    assert ts == {"step": 1} and whole["step"] == 7 and whole["w"].sharding.is_equivalent_to(sharding, 2)
+    for shard in whole["w"].addressable_shards:
+        assert np.array_equal(np.asarray(shard.data), value[shard.index]), shard.index
+    print("ok", jax.process_index(), len(got["w"].addressable_shards), stats.bytes_needed, whole_stats.bytes_needed)
 """)
 
 
@@ -354,6 +359,8 @@ def test_two_processes_through_jax_distributed(tmp_path):
     # Each process read only its own devices' boxes: half the array each; the keys (2 uint32 each) are cut
     # along mesh axis "b" only, which each process's 4 devices span, so each reads them all; and the int64 step.
     assert [int(o.split()[3]) for o in outs] == [16 * 6 * 4 // 2 + 16 * 2 * 4 + 8] * 2
+    # Without a target, each process reads the half of w and of the keys its devices hold as saved.
+    assert [int(o.split()[4]) for o in outs] == [16 * 6 * 4 // 2 + 16 * 2 * 4 // 2 + 8] * 2
     assert gs.read_metadata(tmp_path / "ckpt").tensors["w"].global_shape == (16, 6)
 
 
