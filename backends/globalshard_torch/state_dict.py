@@ -161,10 +161,9 @@ def _holder(t: torch.Tensor, rank: int, world_size: int) -> tuple[str, int] | No
     if not _is_dtensor(t):
         return "", rank
     mesh = t.device_mesh  # type: ignore[attr-defined]
-    ranks = mesh.mesh.flatten().tolist()
-    if len(ranks) >= world_size:
+    if mesh.mesh.numel() >= world_size:  # checked first: on a save's blocking path, once per tensor
         return None
-    return json.dumps([list(mesh.mesh_dim_names or ()), list(mesh.shape)]), min(ranks)
+    return json.dumps([list(mesh.mesh_dim_names or ()), list(mesh.shape)]), int(mesh.mesh.min())
 
 
 def replica_keys(rank: int, digests: Sequence[str], holders: Sequence[Mapping[str, int]],
@@ -250,16 +249,15 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
         staging.ready()
         if problems:
             raise LayoutError(format_problems("cannot save the state dict", problems))
-        return {"digest": json_digest(held()), "holders": holders}
+        held.update(shared=sorted(shared.items()), values=values, bytes=sorted(byte_keys))
+        return {"digest": json_digest(held), "holders": holders}
 
-    def held() -> dict[str, Any]:
-        return {"shared": sorted(shared.items()), "values": values, "bytes": sorted(byte_keys)}
-
+    held: dict[str, Any] = {}  # what this rank holds that other ranks may hold too, as it is sent
     _, described = run_collectively(comm, "save: describing the state dict", describe)
     # Ranks holding other parts (pipeline stages) send what they hold, each distinct part once.
     kept = [d["digest"] for d in described]
-    parts = {kept[0]: held()} if len(set(kept)) == 1 else \
-        distinct_values(comm, "save: what each rank holds", kept, held())
+    parts = {kept[0]: held} if len(set(kept)) == 1 else \
+        distinct_values(comm, "save: what each rank holds", kept, held)
     # Which rank (plain tensors) or mesh (DTensors on part of the world) holds the main copy of
     # each such key: the lowest that holds it (DCP too stores one of the copies; any holder of
     # a copy may write it). JSON values: the lowest rank's.
