@@ -121,6 +121,13 @@ def load(path: Any, abstract_pytree: Any = None, *, comm: Comm | None = None, ke
         if keys is not None:
             raise LayoutError("keys= maps a target's leaves to checkpoint keys; without a target there are none")
         return _whole(path, comm=comm, allow_lossy_cast=allow_lossy_cast, kvstore=kvstore, stats=stats)
+    return _load(path, abstract_pytree, None, comm=comm, keys=keys, allow_lossy_cast=allow_lossy_cast,
+                 kvstore=kvstore, stats=stats, strict=strict)
+
+
+def _load(path: Any, abstract_pytree: Any, opened: gs.Checkpoint | None, *, comm: Comm, keys: KeyMap,
+          allow_lossy_cast: bool, kvstore: Any, stats: gs.IOStats | None, strict: bool) -> Restored:
+    """:func:`load` into a target, from ``opened`` when the caller has the checkpoint open already."""
     treedef = jax.tree_util.tree_structure(abstract_pytree)
     named = pytree_keys(abstract_pytree)
     targets: dict[str, gs.ShardedTensor] = {}
@@ -135,7 +142,7 @@ def load(path: Any, abstract_pytree: Any = None, *, comm: Comm | None = None, ke
     if problems:
         kind = gs.CastError if kinds == {gs.CastError} else LayoutError
         raise kind(gs.errors.format_problems("cannot load into this pytree", problems))
-    checkpoint = gs.Checkpoint(path, kvstore=kvstore)
+    checkpoint = opened if opened is not None else gs.Checkpoint(path, kvstore=kvstore)
     # TODO(limitation): a checkpoint written before the skeleton existed names no key implementation: its key
     # data loads as the target's keys (rbg's 4 words as unsafe_rbg's; threefry's 2 are a shape error).
     impls = _key_impls(checkpoint.trainer_state.get(TREE, {}).get("pytree"))
@@ -308,8 +315,8 @@ def _whole(path: Any, *, comm: Comm, allow_lossy_cast: bool, kvstore: Any, stats
         else:
             abstract[leaf["key"]] = jax.ShapeDtypeStruct(tuple(leaf["shape"]), np.dtype(leaf["dtype"]),
                                                          sharding=_saved_sharding(leaf))
-    got, trainer_state = load(path, abstract, comm=comm, keys=mapping or None,
-                              allow_lossy_cast=allow_lossy_cast, kvstore=kvstore, stats=stats, strict=False)
+    got, trainer_state = _load(path, abstract, checkpoint, comm=comm, keys=mapping or None,
+                               allow_lossy_cast=allow_lossy_cast, kvstore=kvstore, stats=stats, strict=False)
     values = dict(got)  # keyed by each leaf's key: a dict key holding dots is that key whole
     for leaf in leaves:
         if leaf["kind"] == "numpy":
