@@ -25,6 +25,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _whole(model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Every model and optimizer tensor of ``get_state_dict``'s two dicts, whole, by one flat key."""
+    out = {f"model.{k}": _full(v) for k, v in model_sd.items()}
+    out.update({f"optim.{k}.{m}": _full(v) for k, state in optim_sd["state"].items() for m, v in state.items()})
+    return out
+
+
 def build(hf: str, kind: str, sizes: dict[str, int]) -> tuple[Any, Any]:
     """The model as ``from_pretrained`` parallelizes it for ``sizes`` (DistributedConfig
     keyword arguments; none: one process), and an AdamW over it."""
@@ -48,9 +55,7 @@ def train(rank: int, *, hf: str, kind: str, sizes: dict[str, int], path: str, du
     step(model, optimizer)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     gt.save({"model": model_sd, "optim": optim_sd}, path)
-    whole = {f"model.{k}": _full(v) for k, v in model_sd.items()}
-    whole.update({f"optim.{k}.{m}": _full(v) for k, state in optim_sd["state"].items() for m, v in state.items()})
-    np.savez(f"{dump}.{rank}.npz", **whole)
+    np.savez(f"{dump}.{rank}.npz", **_whole(model_sd, optim_sd))
     return {"placements": {k: str(getattr(v, "placements", "")) for k, v in model_sd.items()}}
 
 
@@ -73,8 +78,6 @@ def reload(rank: int, *, hf: str, kind: str, sizes: dict[str, int], path: str, d
     gt.load(state, path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     held = {k: v for name in sorted(glob.glob(f"{dump}.*.npz")) for k, v in np.load(name).items()}
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    got = {f"model.{k}": _full(v) for k, v in model_sd.items()}
-    got.update({f"optim.{k}.{m}": _full(v) for k, state in optim_sd["state"].items() for m, v in state.items()})
+    got = _whole(*get_state_dict(model, optimizer))
     return {"tensors": len(got), "differ": sorted(k for k in held if not np.array_equal(got.get(k), held[k])),
             "unknown": sorted(set(got) - set(held)), "cut": len(cut), "not_as_cut": as_cut}
