@@ -34,6 +34,16 @@ WORLDS = {"tp2": dict(world=2, dp_shard=1, tp=2), "dp_shard2": dict(world=2, dp_
           "pp2": dict(world=2, dp_shard=1, tp=1, pp=2), "one_process": dict(world=1, dp_shard=1, tp=1)}
 
 
+def reloaded_as_dcp_loads(work, layout, world, **kw):
+    """Every rank's outcome of ``torchtitan_jobs:reload`` at ``kw``'s layout, each checked equal to
+    DCP's load tensor for tensor (model and optimizer), with no key missing or unexpected."""
+    ranks = run(world, "torchtitan_jobs:reload", str(work / layout), work=str(work), **kw)
+    for r in ranks:
+        assert r["differ"] == [] and r["optimizer_differ"] == []
+        assert r["missing"] == [] and r["unexpected"] == []
+    return ranks
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     work = tmp_path_factory.mktemp("torchtitan")
@@ -46,14 +56,11 @@ def saved(tmp_path_factory):
 def test_fsdp2_by_tp_state_reloads_on_another_layout_as_dcp_loads_it(saved, layout):
     work, trained = saved
     w = WORLDS[layout]
-    ranks = run(w["world"], "torchtitan_jobs:reload", str(work / layout), work=str(work), dp_shard=w["dp_shard"],
-                tp=w["tp"], pp=w.get("pp", 1))
+    ranks = reloaded_as_dcp_loads(work, layout, w["world"], dp_shard=w["dp_shard"], tp=w["tp"], pp=w.get("pp", 1))
     stages = w.get("pp", 1)
     assert sum(r["tensors"] for r in ranks) // (w["world"] // stages) == trained["tensors"] == 57  # wq, wk, wv
     for r in ranks:
         assert r["optimizer_tensors"] >= 2 * 45 // stages
-        assert r["differ"] == [] and r["optimizer_differ"] == []
-        assert r["missing"] == [] and r["unexpected"] == []
 
 
 def test_a_torchtitan_checkpoint_exports_to_a_llama_transformers_runs_with_torchtitans_logits(saved, tmp_path):
@@ -92,12 +99,10 @@ def moe_saved(tmp_path_factory):
 def test_an_expert_parallel_moe_reloads_on_another_layout_as_dcp_loads_it(moe_saved, layout):
     work, tensors = moe_saved
     w = MOE_WORLDS[layout]
-    for r in run(w["world"], "torchtitan_jobs:reload", str(work / layout), work=str(work), name="qwen3",
-                 dp_shard=w["dp_shard"], tp=w["tp"], ep=w["ep"]):
+    for r in reloaded_as_dcp_loads(work, layout, w["world"], name="qwen3", dp_shard=w["dp_shard"], tp=w["tp"],
+                                   ep=w["ep"]):
         assert r["tensors"] == tensors == 29 and r["buffers"] == 2  # 2 layers of 3 stacked expert weights
         assert r["optimizer_tensors"] >= 2 * 27
-        assert r["differ"] == [] and r["optimizer_differ"] == []
-        assert r["missing"] == [] and r["unexpected"] == []
 
 
 PP_WORLDS = {"dp_shard2": dict(world=2, dp_shard=2, tp=1, pp=1, schedule="1F1B"),
@@ -122,12 +127,9 @@ def pp_saved(tmp_path_factory):
 def test_an_interleaved_pipeline_reloads_without_it_as_dcp_loads_it(pp_saved, layout):
     work, tensors = pp_saved
     w = PP_WORLDS[layout]
-    ranks = run(w["world"], "torchtitan_jobs:reload", str(work / layout), work=str(work), dp_shard=w["dp_shard"],
-                tp=w["tp"], pp=w["pp"], schedule=w["schedule"])
+    ranks = reloaded_as_dcp_loads(work, layout, w["world"], dp_shard=w["dp_shard"], tp=w["tp"], pp=w["pp"],
+                                  schedule=w["schedule"])
     assert sum(r["tensors"] for r in ranks) // (w["world"] // w["pp"]) == tensors == 57
-    for r in ranks:
-        assert r["differ"] == [] and r["optimizer_differ"] == []
-        assert r["missing"] == [] and r["unexpected"] == []
 
 
 def test_each_data_parallel_ranks_dataloader_resumes_where_it_was_as_with_dcp(tmp_path):
@@ -151,8 +153,5 @@ def tied_saved(tmp_path_factory):
 @pytest.mark.parametrize("layout", ["tp2", "one_process"])
 def test_a_qwen3_with_tied_embeddings_reloads_as_dcp_loads_it_and_stays_tied(tied_saved, layout):
     work, w = tied_saved, WORLDS[layout]
-    for r in run(w["world"], "torchtitan_jobs:reload", str(work / layout), work=str(work), name="qwen3_tied",
-                 dp_shard=w["dp_shard"], tp=w["tp"]):
+    for r in reloaded_as_dcp_loads(work, layout, w["world"], name="qwen3_tied", dp_shard=w["dp_shard"], tp=w["tp"]):
         assert r["tensors"] == 25 and r["tied"] == [True]
-        assert r["differ"] == [] and r["optimizer_differ"] == []
-        assert r["missing"] == [] and r["unexpected"] == []
