@@ -445,10 +445,17 @@ def test_a_local_load_prefetches_each_zarr_json_it_opens_and_nothing_else(tmp_pa
     gs.save({f"h{i}": whole(value[i * 16:(i + 1) * 16].copy(), (i * 16, 0), value.shape) for i in range(4)},
             tmp_path / "c")
     regions = gs.read_metadata(tmp_path / "c").tensors["w"].regions
-    evict(tmp_path / "c")  # a cold load: nothing in the page cache
     asked = _fadvised(monkeypatch)
     out = np.zeros((32, 8), np.float32)  # needs two of the four regions
-    gs.load({"w": whole(out, (16, 0), value.shape)}, tmp_path / "c")
+    # A cold load: nothing in the page cache. POSIX_FADV_DONTNEED is advice, and under two test workers
+    # the kernel once kept the first zarr.json (the load then rightly asked for nothing): up to 3 tries.
+    # (Probing the cache to check instead reads the file back in.)
+    for _ in range(3):
+        evict(tmp_path / "c")
+        asked.clear()
+        gs.load({"w": whole(out, (16, 0), value.shape)}, tmp_path / "c")
+        if asked:
+            break
     assert np.array_equal(out, value[16:48])
     wanted = {os.path.realpath(tmp_path / "c" / r.path / "zarr.json") for r in regions if 16 <= r.box.offset[0] < 48}
     assert sorted(asked) == sorted(wanted)
