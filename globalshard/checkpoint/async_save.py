@@ -218,6 +218,15 @@ class AsyncSaver:
         """Whether no save is in flight."""
         return self._thread is None or not self._thread.is_alive()
 
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds (None: as long as it takes) for the save
+        in flight, without raising its error, which the next :meth:`wait` or
+        :meth:`save` raises; whether no save is in flight now."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+        return thread is None or not thread.is_alive()
+
     def wait(self) -> None:
         """Wait for the save in flight; raise its error if it failed."""
         if self._thread is not None:

@@ -45,6 +45,20 @@ def test_a_background_failure_is_raised_by_wait_and_commits_nothing(tmp_path, mo
 
 
 @MODES
+def test_join_waits_for_a_failed_save_and_leaves_its_error_to_wait(tmp_path, mode):
+    assert gs.AsyncSaver(mode).join(timeout=0)  # nothing in flight
+    saver.save_stamped(tmp_path, 1)
+    (tmp_path / "saves").rename(tmp_path / "kept")
+    (tmp_path / "saves").write_text("a file where the save directories go")
+    s = gs.AsyncSaver(mode)
+    s.save(saver.stamped_state(2), tmp_path, trainer_state={"tag": 2}, overwrite=True)
+    assert s.join() and s.done()
+    assert s.join(timeout=0)
+    with pytest.raises(gs.StorageError):
+        s.wait()
+
+
+@MODES
 def test_one_save_at_a_time_and_the_pool_is_reused(tmp_path, mode):
     s = gs.AsyncSaver(mode)
     state = saver.stamped_state(1)
