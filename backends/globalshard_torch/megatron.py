@@ -1,0 +1,277 @@
+"""Megatron-Core's ``dist_checkpointing`` with globalshard storing the sharded tensors.
+
+A Megatron-Core model and its distributed optimizer describe their state as a
+sharded state dict (``model.sharded_state_dict()``,
+``optimizer.sharded_state_dict(...)``): each ``ShardedTensor`` already names
+its place in a global array, under a key that does not depend on the
+parallel layout. ``dist_checkpointing.save`` and ``load`` take a *strategy*
+for those tensors; this module provides one::
+
+    import globalshard_torch.megatron as gm   # registers the "globalshard" backend
+
+    dist_checkpointing.save(sharded_state_dict, ckpt_dir, sharded_strategy=gm.SaveStrategy())
+    state = dist_checkpointing.load(other_layouts_sharded_state_dict, ckpt_dir)  # finds the backend itself
+
+Megatron keeps what is its own: it applies factories, checks that every
+shard is saved once, writes the common state (``common.pt``) and the
+sharded objects with ``torch.save``, and records the backend in its
+``metadata.json``. The sharded tensors become a globalshard checkpoint in
+``<ckpt_dir>/globalshard`` (spec/FORMAT.md): each main replica's box
+stored once, checksummed, committed atomically, and read back under any
+other layout, each rank reading only the boxes it asks for. ``globalshard
+inspect``, ``verify`` and the core's :func:`globalshard.load` open that
+directory as any other checkpoint.
+
+Megatron's conventions are kept: a shard is the main replica when its
+``replica_id`` is 0 or all zeros; the axes a ``ShardedTensor`` prepends
+(``prepend_axis_num``, stacked layers) are axes of the stored array; a
+target with ``allow_shape_mismatch`` (the padded vocabulary of embeddings and
+output layers) reads the part of the stored array it overlaps and is zero
+elsewhere, as Megatron's own strategy does. Loading fills each target's
+``data`` in place (created on the CPU when it is None) and returns the state
+dict of those tensors.
+
+``SaveStrategy(saver=gs.AsyncSaver())`` also serves
+``dist_checkpointing.save(..., async_sharded_save=True)``: the call returns
+once this rank's tensors are in host memory, the saver's writer process
+writes them, and the request's async function (run by Megatron's
+``AsyncCallsQueue``, in a process of its own) ends when the save is
+committed; the finalization raises the save's error, if any, before
+Megatron writes its ``metadata.json``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from typing import Any
+
+import torch
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace, nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor as MegatronTensor
+from megatron.core.dist_checkpointing.mapping import is_main_replica
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron.core.dist_checkpointing.strategies.base import (
+    AsyncSaveShardedStrategy,
+    LoadShardedStrategy,
+    StrategyAction,
+    register_default_strategy,
+)
+
+import globalshard as gs
+from globalshard.comm import Comm, SingleProcessComm
+from globalshard.errors import LayoutError
+from globalshard.geometry import Box, Region
+from globalshard_torch.comm import default_comm
+from globalshard_torch.tensors import HostStaging, numpy_view, torch_dtype
+
+__all__ = ["ARRAYS", "BACKEND", "VERSION", "LoadStrategy", "SaveStrategy", "arrays_path"]
+
+#: The backend name recorded in Megatron's metadata.json (``sharded_backend``).
+BACKEND = "globalshard"
+#: Its version (``sharded_backend_version``): the globalshard checkpoint in ``ARRAYS``.
+VERSION = 1
+#: The directory of a Megatron checkpoint that holds the globalshard checkpoint.
+ARRAYS = "globalshard"
+
+
+def arrays_path(checkpoint_dir: Any) -> str:
+    """The globalshard checkpoint inside a Megatron checkpoint directory."""
+    return os.path.join(os.fspath(checkpoint_dir), ARRAYS)
+
+
+def _tensors(sharded_state_dict: Any) -> list[MegatronTensor]:
+    out = []
+    for value in nested_values(sharded_state_dict):
+        if not isinstance(value, MegatronTensor):
+            key = getattr(value, "key", None)
+            raise LayoutError(f"{key!r}: a {type(value).__name__} reached the globalshard strategy, which stores "
+                              "ShardedTensors only (dist_checkpointing saves sharded objects itself)")
+        if value.flattened_range is not None:  # refused by Megatron-Core 0.16 too
+            raise LayoutError(f"{value.key!r}: a flattened_range ShardedTensor (Megatron-Core before 0.14)")
+        out.append(value)
+    return out
+
+
+def _piece(t: MegatronTensor, data: Any, global_shape: tuple[int, ...], *, main: bool,
+           padded: bool = False) -> gs.ShardedTensor | None:
+    """The core's piece for a ShardedTensor whose local values are ``data`` (numpy).
+    Its prepended axes become leading axes of one element. ``padded``: a target
+    whose global shape differs from the stored ``global_shape``; it gets the part
+    of its box inside the stored array (None when there is none)."""
+    if tuple(data.shape) != tuple(t.local_shape):
+        raise LayoutError(f"{t.key!r}: data of shape {tuple(data.shape)}, local_shape {tuple(t.local_shape)}")
+    view = data[(None,) * t.prepend_axis_num]
+    box = Box(tuple(t.global_offset), tuple(view.shape))
+    if padded:
+        stored = Box.full(global_shape)
+        inside = box.intersect(stored)
+        if inside is None or inside.is_empty:
+            return None
+        region = Region(local_box=inside.translate(tuple(-o for o in box.offset)), global_box=inside)
+        return gs.ShardedTensor(t.key, view, global_shape, (region,), replica_id=0 if main else 1, allow_padding=True)
+    return gs.ShardedTensor(t.key, view, global_shape, (Region(Box.full(view.shape), box),),
+                            replica_id=0 if main else 1)
+
+
+class SaveStrategy(AsyncSaveShardedStrategy):
+    """Stores a sharded state dict's ShardedTensors as a globalshard checkpoint
+    (see the module). Call collectively, as ``dist_checkpointing.save`` does.
+
+    Args:
+        saver: a :class:`globalshard.AsyncSaver` for ``async_sharded_save=True``
+            (one of the strategy's own when None); synchronous saves do not use it.
+        comm: the communicator (default: one over the whole world).
+        pack_below: as for :func:`globalshard.save`.
+    """
+
+    def __init__(self, backend: str = BACKEND, version: int = VERSION, *, saver: gs.AsyncSaver | None = None,
+                 comm: Comm | None = None, pack_below: int = 0) -> None:
+        super().__init__(backend, version)
+        self.saver, self.comm, self.pack_below = saver, comm, pack_below
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        # TODO(limitation): ShardedObjects (RNG states, Transformer Engine extra state, the
+        # distributed optimizer's bucket sizes) go to Megatron's common strategy: torch.save files.
+        return False
+
+    def _staged(self, sharded_state_dict: Any, saver: gs.AsyncSaver | None
+                ) -> tuple[HostStaging, dict[str, gs.ShardedTensor]]:
+        staging = HostStaging.for_save(saver)
+        pieces: dict[str, gs.ShardedTensor] = {}
+        for i, t in enumerate(_tensors(sharded_state_dict)):
+            if t.data is None:
+                raise LayoutError(f"{t.key!r}: a ShardedTensor without data cannot be saved")
+            piece = _piece(t, numpy_view(staging.host(t.data, for_save=True)), tuple(t.global_shape),
+                           main=is_main_replica(t.replica_id))
+            assert piece is not None
+            pieces[f"{i}:{t.key}"] = piece
+        staging.ready()
+        return staging, pieces
+
+    def _options(self) -> dict[str, Any]:
+        comm = self.comm if self.comm is not None else (default_comm() or SingleProcessComm())
+        # dist_checkpointing.save writes over what a directory holds (an earlier, failed save's
+        # leftovers); the globalshard checkpoint there stays loadable until this one commits.
+        return dict(comm=comm, overwrite=True, pack_below=self.pack_below)
+
+    def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
+        """Store the ShardedTensors; returns once the checkpoint is committed."""
+        staging, pieces = self._staged(sharded_state_dict, None)
+        staging.save(pieces, arrays_path(checkpoint_dir), None, **self._options())
+
+    def async_save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> AsyncRequest:
+        """Start the save in the background and describe its end to Megatron
+        (see the module): the returned request's function waits, in Megatron's
+        async process, until this rank's save is over; its finalization raises
+        the save's error, if any."""
+        if self.saver is None:
+            self.saver = gs.AsyncSaver()
+        saver = self.saver
+        staging, pieces = self._staged(sharded_state_dict, saver)
+        staging.save(pieces, arrays_path(checkpoint_dir), saver, **self._options())
+        fd, over = tempfile.mkstemp(prefix="globalshard-megatron-")
+        os.close(fd)
+        os.unlink(over)
+
+        def watch() -> None:
+            saver.join()
+            with open(over, "w"):
+                pass
+
+        threading.Thread(target=watch, name="globalshard-megatron-watch", daemon=True).start()
+
+        def finalize() -> None:
+            try:
+                saver.wait()
+            finally:
+                if os.path.exists(over):
+                    os.unlink(over)
+
+        return AsyncRequest(_wait_for_file, (over,), [finalize])
+
+
+def _wait_for_file(path: str) -> None:
+    """Megatron's async function: return once ``path`` exists (a plain path, so it
+    crosses into a forked or a spawned worker alike)."""
+    while not os.path.exists(path):
+        time.sleep(0.01)
+
+
+class LoadStrategy(LoadShardedStrategy):
+    """Fills a sharded state dict's ShardedTensors from the globalshard
+    checkpoint in a Megatron checkpoint directory (see the module).
+
+    Args:
+        comm: the communicator (default: one over the whole world).
+        allow_lossy_cast: as for :func:`globalshard.load`.
+    """
+
+    def __init__(self, *, comm: Comm | None = None, allow_lossy_cast: bool = False) -> None:
+        super().__init__()
+        self.comm, self.allow_lossy_cast = comm, allow_lossy_cast
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return False
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        if loaded_backend != BACKEND:
+            raise CheckpointingException(f"the globalshard strategy reads backend {BACKEND!r}, not {loaded_backend!r}")
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        if loaded_version != VERSION:
+            raise CheckpointingException(f"the globalshard strategy reads version {VERSION} of its backend, "
+                                         f"not {loaded_version!r}")
+
+    def load(self, sharded_state_dict: Any, checkpoint_dir: Any) -> dict[str, Any]:
+        """Fill every ShardedTensor's ``data`` (see the module); the state dict of those tensors."""
+        path = arrays_path(checkpoint_dir)
+        tensors = _tensors(sharded_state_dict)
+        stored = gs.read_metadata(path).tensors if any(t.allow_shape_mismatch for t in tensors) else {}
+        staging = HostStaging()
+        targets: dict[str, gs.ShardedTensor] = {}
+        for i, t in enumerate(tensors):
+            if t.data is None:
+                t.init_data("cpu", init_fn=torch.zeros if t.allow_shape_mismatch else torch.empty)
+            else:
+                t.data = t.data.detach()
+                if t.allow_shape_mismatch:
+                    t.data.zero_()
+            assert t.data is not None
+            data = numpy_view(staging.host(t.data, for_save=False))
+            shape = tuple(stored[t.key].global_shape) if t.key in stored else tuple(t.global_shape)
+            piece = _piece(t, data, shape, main=True, padded=shape != tuple(t.global_shape))
+            if piece is not None:
+                targets[f"{i}:{t.key}"] = piece
+        comm = self.comm if self.comm is not None else (default_comm() or SingleProcessComm())
+        gs.load(targets, path, comm=comm, allow_lossy_cast=self.allow_lossy_cast)
+        staging.finish_load()
+        return dict_list_map_outplace(lambda t: t.data, sharded_state_dict)
+
+    def load_tensors_metadata(self, checkpoint_dir: Any) -> dict[str, MegatronTensor]:
+        """Each stored key as a ShardedTensor of its global shape and dtype, without data."""
+        metadata = gs.read_metadata(arrays_path(checkpoint_dir))
+        return {key: MegatronTensor.from_rank_offsets(
+                    key, torch.empty(t.global_shape, dtype=torch_dtype(t.dtype), device="meta")).without_data()
+                for key, t in metadata.tensors.items() if not gs.is_padding_key(key)}
+
+
+    def remove_sharded_tensors(self, checkpoint_dir: Any, key_prefix: str) -> None:
+        # TODO(limitation): removing keys from a saved checkpoint (dist_checkpointing's
+        # remove_sharded_tensors) is not supported; load and save again without them.
+        raise NotImplementedError(f"the globalshard strategy cannot remove keys from a saved checkpoint (asked for "
+                                  f"{key_prefix!r} in {os.fspath(checkpoint_dir)!r}); load it and save it again "
+                                  "without them")
+
+
+def _registered() -> None:
+    register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION, SaveStrategy())
+    register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION, LoadStrategy())
+
+
+_registered()

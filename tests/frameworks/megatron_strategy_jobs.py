@@ -1,0 +1,275 @@
+"""Megatron-Core's own sharded state dicts through ``dist_checkpointing`` with the
+globalshard strategy (run by test_megatron_strategy.py), beside its default
+``torch_dist`` strategy as the oracle. The scoped patches are megatron_jobs'."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from megatron_jobs import (
+    _differences,
+    _keeping_step,
+    _megatron,
+    _named,
+    _on_cpu,
+    build,
+    logits,
+    scramble,
+    setup,
+    trained,
+)
+
+# isort: split
+# (Megatron-Core is imported once megatron_jobs has applied its patches.)
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
+
+import globalshard as gs
+import globalshard_torch.megatron as gm
+from globalshard.cli import main as cli
+
+
+def _state(chunks: list[Any], opt: Any, sharding: str | None, loading: bool) -> dict[str, Any]:
+    """What Megatron's trainer hands to dist_checkpointing: the chunks' sharded state
+    dicts and, with an optimizer, its sharded state dict of ``sharding`` type."""
+    state = _megatron(chunks)
+    if opt is not None:
+        state["optimizer"] = opt.sharded_state_dict(state["model0"], is_loading=loading,
+                                                    metadata={"distrib_optim_sharding_type": sharding})
+    return state
+
+
+@contextlib.contextmanager
+def _exchanges_on_cpu() -> Iterator[None]:
+    """A scoped patch while the block runs: Megatron's fully parallel load sends what each
+    rank read to the others in buffers it makes with ``device="cuda"``; made on the CPU."""
+    real = torch.empty_like
+    torch.empty_like = _on_cpu(real)
+    try:
+        yield
+    finally:
+        torch.empty_like = real
+
+
+def _loaded(chunks: list[Any], opt: Any, sharding: str | None, path: str, strategy: Any = None) -> None:
+    """dist_checkpointing.load of ``path`` (its backend found from its metadata.json unless
+    ``strategy``) into the chunks and the optimizer, as Megatron's trainer applies it."""
+    with _exchanges_on_cpu():
+        loaded = dist_checkpointing.load(_state(chunks, opt, sharding, True), path, sharded_strategy=strategy)
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(loaded.get(f"model{i}", {}))  # a chunk without layers holds nothing
+    if opt is not None:
+        for part in opt.chained_optimizers:  # see megatron_jobs.distopt_scenario
+            part._set_main_param_and_optimizer_states = _keeping_step(part)
+        opt.load_state_dict(loaded["optimizer"])
+
+
+def _differing(x: Any, y: Any, at: str = "") -> list[str]:
+    """Where two nested dicts differ: keys, tensors (dtype or values), other values."""
+    if isinstance(x, dict) and isinstance(y, dict):
+        if x.keys() != y.keys():
+            return [f"{at}: keys {sorted(set(x) ^ set(y))}"]
+        return [d for k in x for d in _differing(x[k], y[k], f"{at}.{k}")]
+    if torch.is_tensor(x) and torch.is_tensor(y):
+        return [] if x.dtype == y.dtype and torch.equal(x, y) else [f"{at}: {x.dtype} {y.dtype}"]
+    return [] if x == y else [f"{at}: {x!r} vs {y!r}"[:200]]
+
+
+def _dp_group() -> Any:
+    """The group Megatron's trainer parallelizes checkpoint saves and loads over."""
+    return ps.get_data_parallel_group(with_context_parallel=True)
+
+
+def _built(model: dict[str, Any], layout: Any, salt: str, sharding: str | None) -> tuple[list[Any], Any]:
+    if sharding is None:
+        chunks = build(model, layout)
+        scramble(chunks, layout, model, salt)
+        return chunks, None
+    gpt, _, opt = trained(model, layout, salt)
+    return [gpt], opt
+
+
+def scenario(rank: int, *, path: str, name: str, save: dict[str, int], load: dict[str, int], model: dict[str, Any],
+             load_model: dict[str, Any] | None = None, sharding: str | None = None,
+             background: bool = False, parallel: bool = False) -> dict[str, Any]:
+    """Saved at ``save`` by dist_checkpointing with the globalshard strategy (in the
+    background with ``background``: the weights change before the save is
+    finalized; wrapped in Megatron's fully parallel save and load over DP with
+    ``parallel``, as its trainer does by default) and with torch_dist; loaded at
+    ``load`` (into ``load_model``'s sizes when given) by dist_checkpointing from
+    each: every tensor, and with an optimizer every Adam moment, main parameter
+    and group, compared."""
+    ours, theirs = os.path.join(path, name, "globalshard"), os.path.join(path, name, "torch_dist")
+    if rank == 0:
+        os.makedirs(ours)
+        os.makedirs(theirs)
+    dist.barrier()
+    layout = setup(model, **save)
+    a, a_opt = _built(model, layout, "saved", sharding)
+    before = logits(a, layout)
+    saved = _named(a, layout)
+    dist_checkpointing.save(_state(a, a_opt, sharding, False), theirs)
+    changed = False
+    if background:
+        queue = AsyncCallsQueue()
+        request = dist_checkpointing.save(_state(a, a_opt, sharding, False), ours,
+                                          sharded_strategy=gm.SaveStrategy(saver=gs.AsyncSaver()),
+                                          async_sharded_save=True)
+        queue.schedule_async_request(request)
+        scramble(a, layout, model, "training goes on")  # the checkpoint holds the values of the call
+        changed = any(not torch.equal(t, saved[k]) for k, t in _named(a, layout).items())
+        queue.maybe_finalize_async_calls(blocking=True)
+        queue.close()
+    else:
+        strategy = gm.SaveStrategy()
+        if parallel:
+            strategy = FullyParallelSaveStrategyWrapper(strategy, _dp_group())
+        dist_checkpointing.save(_state(a, a_opt, sharding, False), ours, sharded_strategy=strategy)
+    with open(os.path.join(ours, "metadata.json")) as f:
+        backend = json.load(f)["sharded_backend"]
+    verified = cli(["verify", gm.arrays_path(ours)]) == 0 if rank == 0 else None
+    meta_ours = {k: (tuple(t.global_shape), str(t.dtype)) for k, t in
+                 dist_checkpointing.load_tensors_metadata(ours).items()}
+    meta_theirs = {k: (tuple(t.global_shape), str(t.dtype)) for k, t in
+                   dist_checkpointing.load_tensors_metadata(theirs).items()}
+    # Every tensor whole, as Megatron's tools read a checkpoint (load_plain_tensors).
+    plain = _differing(*(dist_checkpointing.load_plain_tensors(p) for p in (ours, theirs)))
+    if sharding == "dp_reshardable":  # its buckets' padding between parameters is saved from torch.empty
+        plain = [d for d in plain if not d.startswith(".optimizer.distributed.")]
+    del a, a_opt
+
+    load_model = load_model or model
+    layout = setup(load_model, **load)
+    b, b_opt = _built(load_model, layout, "fresh", sharding)
+    _loaded(b, b_opt, sharding, ours, FullyParallelLoadStrategyWrapper(gm.LoadStrategy(), _dp_group())
+            if parallel else None)
+    c, c_opt = _built(load_model, layout, "other", sharding)
+    _loaded(c, c_opt, sharding, theirs)
+    if sharding is None:
+        b_t, c_t = _named(b, layout), _named(c, layout)
+        differ = sorted(k for k in b_t if not torch.equal(b_t[k], c_t[k]))
+    else:
+        differ = _differences(b[0], b_opt, c[0], c_opt, layout)
+    return {"differ": differ, "tensors": len(_named(b, layout)), "before": before, "after": logits(b, layout),
+            "backend": backend, "verified": verified, "same_metadata": meta_ours == meta_theirs,
+            "keys": len(meta_ours), "changed": changed, "plain": plain}
+
+
+def scenarios(rank: int, *, path: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [(failed_background if case.get("fail") else scenario)(rank, path=path, **case) for case in cases]
+
+
+def _cut(key: str, whole: torch.Tensor, fragments: tuple[int, ...], prepend: int, fill: bool,
+         replicas: int) -> dict[str, ShardedTensor]:
+    """``whole`` cut into a regular grid of ``fragments`` pieces per axis, as Megatron
+    describes them (``from_rank_offsets``; the first ``prepend`` axes prepended, so
+    each piece is one element along them), each piece ``replicas`` times (the first
+    the main replica). ``fill``: the pieces hold the values, else zeros to load into."""
+    out = {}
+    grid = np.indices(fragments).reshape(len(fragments), -1).T
+    for n, at in enumerate(grid):
+        index = tuple(slice(int(i) * (s // f), (int(i) + 1) * (s // f)) for i, s, f in zip(at, whole.shape, fragments))
+        local = whole[index].clone() if fill else torch.zeros_like(whole[index])
+        local = local.reshape(local.shape[prepend:])
+        offsets = [(axis, int(i), f) for axis, (i, f) in enumerate(zip(at, fragments)) if f > 1 or axis < prepend]
+        for r in range(replicas):
+            out[f"{key}/{n}/{r}"] = ShardedTensor.from_rank_offsets(key, local if r == 0 else local.clone(), *offsets,
+                                                                   replica_id=r, prepend_axis_num=prepend)
+    return out
+
+
+@st.composite
+def _cuts(draw: Any) -> tuple[tuple[int, ...], int, tuple[int, ...], tuple[int, ...]]:
+    """A global shape, how many of its first axes are prepended, and two grids that cut it."""
+    ndim = draw(st.integers(1, 3))
+    prepend = draw(st.integers(0, ndim - 1))
+    shape, saved, loaded = [], [], []
+    for axis in range(ndim):
+        if axis < prepend:  # one element per piece along a prepended axis
+            size = draw(st.integers(1, 3))
+            shape.append(size), saved.append(size), loaded.append(size)
+            continue
+        s, lo = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+        shape.append(math.lcm(s, lo) * draw(st.integers(1, 2))), saved.append(s), loaded.append(lo)
+    return tuple(shape), prepend, tuple(saved), tuple(loaded)
+
+
+def properties(rank: int, *, path: str) -> int:
+    """In one process (hypothesis): a global array cut one way, each piece held once or
+    twice (replicas), saved by dist_checkpointing with the globalshard strategy, then
+    loaded cut another way (prepended axes included): every piece equals the
+    global array's slice. Returns the number of examples run."""
+    runs = []
+
+    @settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(_cuts(), st.integers(1, 2), st.sampled_from([torch.float32, torch.bfloat16]))
+    def check(cut: Any, replicas: int, dtype: torch.dtype) -> None:
+        shape, prepend, saved, loaded = cut
+        where = tempfile.mkdtemp(dir=path)
+        whole = torch.randn(shape, generator=torch.Generator().manual_seed(len(runs))).to(dtype)
+        dist_checkpointing.save(_cut("w", whole, saved, prepend, True, replicas), where,
+                                sharded_strategy=gm.SaveStrategy())
+        state = dist_checkpointing.load(_cut("w", whole, loaded, prepend, False, 1), where)
+        expected = _cut("w", whole, loaded, prepend, True, 1)
+        assert state.keys() == expected.keys()
+        for k, t in expected.items():
+            assert torch.equal(state[k], t.data), (k, shape, prepend, saved, loaded)
+        runs.append(1)
+
+    check()
+    return len(runs)
+
+
+def failed_background(rank: int, *, path: str, name: str, save: dict[str, int], model: dict[str, Any],
+                      fail: bool) -> dict[str, Any]:
+    """A background save whose writer process is killed on rank 1 (at its third
+    filesystem operation, by the crash harness's hook): whether each rank's
+    finalization raised, and whether anything looks like a checkpoint after."""
+    from globalshard.checkpoint.writer import Writer
+
+    ours = os.path.join(path, name)
+    if rank == 0:
+        os.makedirs(ours)
+    dist.barrier()
+    layout = setup(model, **save)
+    a, _ = _built(model, layout, "saved", None)
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the writer imports the hook from there
+    os.environ["PYTHONPATH"] = os.pathsep.join([tests, *filter(None, [os.environ.get("PYTHONPATH")])])
+    writer = Writer(setup=("saver:writer_hook", [3 if rank == 1 else None, None]))
+    queue = AsyncCallsQueue()
+    request = dist_checkpointing.save(_state(a, None, None, False), ours, async_sharded_save=True,
+                                      sharded_strategy=gm.SaveStrategy(saver=gs.AsyncSaver(writer=writer)))
+    queue.schedule_async_request(request)
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+        error = None
+    except gs.GlobalShardError as e:
+        error = type(e).__name__
+    queue.close()
+    writer.close()
+    dist.barrier()
+    try:
+        dist_checkpointing.load(_state(a, None, None, True), ours)
+        loads = True
+    except CheckpointingException:
+        loads = False
+    return {"error": error, "megatron_metadata": os.path.exists(os.path.join(ours, "metadata.json")),
+            "committed": os.path.exists(os.path.join(gm.arrays_path(ours), "metadata.json")), "loads": loads}

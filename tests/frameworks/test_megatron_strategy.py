@@ -1,0 +1,92 @@
+"""Megatron-Core's own ``dist_checkpointing`` with globalshard as its sharded
+strategy: Megatron's models and distributed optimizer describe their state
+with ``sharded_state_dict()`` as its trainer does, ``dist_checkpointing.save``
+stores it through ``globalshard_torch.megatron.SaveStrategy`` and
+``dist_checkpointing.load`` finds the backend by itself. The oracle is the
+same state saved and loaded with Megatron's default strategy (torch_dist).
+
+All scenarios run in one spawn of 2 gloo ranks (``megatron_strategy_jobs``)."""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from ranks import run
+
+DENSE = dict(hidden=16, heads=4, groups=2, ffn=32, glu=True, bias=False, vocab=64, tied=False)
+CASES = [
+    # Stacked layers (prepend_axis_num=1), fused SwiGLU fc1 (a ShardedTensorFactory) and GQA QKV cut by TP.
+    dict(name="tp2_to_pp2_tied", save=dict(tp=2, pp=1), load=dict(tp=1, pp=2), model={**DENSE, "tied": True}),
+    dict(name="vpp2_to_tp2", save=dict(tp=1, pp=2, vpp=2), load=dict(tp=2, pp=1), model=DENSE),
+    dict(name="moe_ep2_to_tp2", save=dict(tp=1, pp=1, ep=2), load=dict(tp=2, pp=1), model={**DENSE, "experts": 4}),
+    # The distributed optimizer's two current formats: param-shaped (reshards over any layout) and
+    # its buffers as they are (reshards over DP only), the second with bf16 parameters and their fp32
+    # main copies, as Megatron's trainer keeps them.
+    dict(name="distopt_fully_reshardable_dp2_to_tp2", save=dict(tp=1, pp=1), load=dict(tp=2, pp=1), model=DENSE,
+         sharding="fully_reshardable"),
+    dict(name="distopt_dp_reshardable_bf16_dp2", save=dict(tp=1, pp=1), load=dict(tp=1, pp=1),
+         model={**DENSE, "bf16": True}, sharding="dp_reshardable"),
+    # Megatron's fully parallel save and load (its trainer's default), over DP=2 and then DP=1.
+    dict(name="fully_parallel_dp2_to_tp2", save=dict(tp=1, pp=1), load=dict(tp=2, pp=1), model=DENSE, parallel=True),
+    dict(name="fully_parallel_distopt_dp2", save=dict(tp=1, pp=1), load=dict(tp=1, pp=1), model=DENSE,
+         sharding="fully_reshardable", parallel=True),
+    # The background save Megatron's trainer makes (async_sharded_save, its AsyncCallsQueue).
+    dict(name="async_tp2_to_tp1", save=dict(tp=2, pp=1), load=dict(tp=1, pp=1), model=DENSE, background=True),
+]
+# allow_shape_mismatch (embeddings and output layer): a vocabulary padded to another size on load
+# (at 128 and TP=2, rank 1's rows are all beyond the stored ones).
+RESIZED = [
+    dict(name="vocab_64_to_128", save=dict(tp=2, pp=1), load=dict(tp=2, pp=1), model=DENSE,
+         load_model={**DENSE, "vocab": 128}),
+    dict(name="vocab_72_to_64", save=dict(tp=1, pp=1), load=dict(tp=2, pp=1), model={**DENSE, "vocab": 72},
+         load_model=DENSE),
+]
+
+# A background save that fails on one rank (its writer process killed).
+FAILED = [dict(name="async_writer_killed", save=dict(tp=2, pp=1), model=DENSE, fail=True)]
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    path = tmp_path_factory.mktemp("megatron_strategy")
+    cases = CASES + RESIZED + FAILED
+    per_rank = run(2, "megatron_strategy_jobs:scenarios", str(path / "ranks"), path=str(path), cases=cases)
+    return {case["name"]: [rank[i] for rank in per_rank] for i, case in enumerate(cases)}
+
+
+def _checked(ranks):
+    for r in ranks:
+        assert r["differ"] == [], f"differ from torch_dist's load: {r['differ']}"
+        assert r["tensors"] > 0
+        assert r["backend"] == "globalshard"
+        assert r["same_metadata"] and r["keys"] > 0, "load_tensors_metadata differs from torch_dist's"
+        assert r["plain"] == [], f"load_plain_tensors differs from torch_dist's: {r['plain']}"
+    assert [r["verified"] for r in ranks if r["verified"] is not None] == [True]
+
+
+@pytest.mark.parametrize("case", [c["name"] for c in CASES])
+def test_megatrons_sharded_state_dict_reshards_through_the_globalshard_strategy(outcomes, case):
+    ranks = outcomes[case]
+    _checked(ranks)
+    (before,) = [r["before"] for r in ranks if r["before"] is not None]
+    (after,) = [r["after"] for r in ranks if r["after"] is not None]
+    assert np.max(np.abs(np.array(after) - np.array(before))) < 1e-5
+    if "async" in case:
+        assert all(r["changed"] for r in ranks), "training did not change the weights during the save"
+
+
+@pytest.mark.parametrize("case", [c["name"] for c in RESIZED])
+def test_a_padded_vocabulary_loads_as_megatrons_own_strategy_loads_it(outcomes, case):
+    _checked(outcomes[case])
+
+
+def test_a_background_save_that_fails_on_one_rank_fails_on_every_rank_and_leaves_no_checkpoint(outcomes):
+    for r in outcomes["async_writer_killed"]:
+        assert r["error"] is not None, "the finalization did not raise"
+        assert not r["megatron_metadata"] and not r["committed"] and not r["loads"]
+
+
+def test_any_two_cuts_of_a_global_array_round_trip_through_dist_checkpointing(tmp_path):
+    (examples,) = run(1, "megatron_strategy_jobs:properties", str(tmp_path / "ranks"), path=str(tmp_path))
+    assert examples == 25
