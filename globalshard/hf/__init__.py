@@ -17,7 +17,9 @@ here by offsets because its numpy API has no bfloat16. The tests check both
 directions against the ``safetensors`` package itself.
 
 A mapping file (JSON; ``globalshard/mappings/`` ships ``llama`` for the
-demo's model, ``megatron_gpt`` for Megatron-Core's GPTModel and
+demo's model, ``megatron_gpt`` for Megatron-Core's GPTModel saved by
+globalshard's rules, ``megatron_dist`` for the same saved by Megatron's
+``dist_checkpointing`` with globalshard's strategy, and
 ``torchtitan_llama3``, each to Hugging Face's ``LlamaForCausalLM``)::
 
     {"params": {"heads": 32, "kv_heads": 8, "rope_theta": 500000.0},
@@ -53,6 +55,13 @@ a rule or a ``skip`` pattern: nothing is left out silently.
   as Megatron-Core's ``linear_qkv`` and torchtitan's fused ``wqkv`` lay out
   grouped-query attention); a part's tensor is its rows of every block.
   Part sizes are proportions of the whole axis, as without groups.
+* ``stacked`` (a list of field names, on a rule): the key's leading axes
+  number those fields, as Megatron-Core's sharded state dict stacks each
+  layer's tensors under one key (``"stacked": ["layer"]`` on
+  ``decoder.layers.mlp.linear_fc2.weight`` of shape ``[layers, h, f]``); each
+  index is one tensor of the rest of the axes, the fields substituted into
+  its names. Such rules are for export only: reading Hugging Face files back
+  (:class:`SafetensorsSource`, ``load_hf``) fills per-layer keys.
 * ``config``: written as ``config.json`` beside the files. Values are JSON,
   or one of ``{"$param": name}``, ``{"$shape": hf_name, "axis": i}``
   (``"divide": param`` divides it), ``{"$count": hf_name_with_{layer}}``

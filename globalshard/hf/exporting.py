@@ -110,7 +110,7 @@ def _windows(ckpt: Checkpoint, p: HfTensor) -> Iterator[tuple[Box, np.ndarray]]:
     stored = numpy_dtype(ckpt.metadata.tensors[p.key].dtype)
     if p.rotary is None and p.lora is None:
         for window in p.box.row_windows(stored.itemsize, WINDOW_BYTES):
-            yield window, ckpt.read_array(p.key, window)
+            yield window, _read(ckpt, p, window)
         return
     rows = p.box.shape[0]
     unit = rows // p.rotary if p.rotary else 1  # whole heads per window
@@ -120,7 +120,7 @@ def _windows(ckpt: Checkpoint, p: HfTensor) -> Iterator[tuple[Box, np.ndarray]]:
     for r0 in range(0, rows, step):
         n = min(step, rows - r0)
         window = Box((p.box.offset[0] + r0, *p.box.offset[1:]), (n, *p.box.shape[1:]))
-        buf = ckpt.read_array(p.key, window)
+        buf = _read(ckpt, p, window)
         if p.lora is not None and a is not None:
             _, b_key, scale = p.lora
             rank = a.shape[0]
@@ -131,6 +131,11 @@ def _windows(ckpt: Checkpoint, p: HfTensor) -> Iterator[tuple[Box, np.ndarray]]:
         if p.rotary is not None:
             buf = _to_halves(buf, n // unit)
         yield window, buf
+
+
+def _read(ckpt: Checkpoint, p: HfTensor, window: Box) -> np.ndarray:
+    """``window`` of the piece's array (below a stacked key's leading axes)."""
+    return ckpt.read_array(p.key, p.stored_box(window)).reshape(window.shape)
 
 
 def _write_file(ckpt: Checkpoint, path: str, pieces: Sequence[HfTensor], out_dtype: Mapping[str, str],

@@ -76,6 +76,7 @@ class _Rule:
     rotary: int | None = None
     lora: _Lora | None = None
     groups: int = 1
+    stacked: tuple[str, ...] = ()  # fields numbered by the key's leading axes
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,8 @@ class HfTensor:
     halves. ``lora``: the keys of the adapter merged into it and its scale.
     ``at``: where the box starts in the Hugging Face tensor's first axis
     (a grouped split makes one tensor of several boxes, in order).
+    ``lead``: the indices on the key's leading axes that a stacked rule
+    numbers (its layers); ``box`` is then a box of the array below them.
     """
 
     name: str
@@ -95,6 +98,11 @@ class HfTensor:
     rotary: int | None = None
     lora: tuple[str, str, float] | None = None
     at: int = 0
+    lead: tuple[int, ...] = ()
+
+    def stored_box(self, box: Box) -> Box:
+        """``box`` (a box of this piece's array) as a box of the stored key."""
+        return Box(self.lead + box.offset, (1,) * len(self.lead) + box.shape) if self.lead else box
 
 
 class NameMapping:
@@ -118,11 +126,15 @@ class NameMapping:
                 raise ExportError(f"{at}: needs a string 'key'")
             rotary = self._count(t, "rotary", at)
             lora = self._lora(t.get("lora"), f"{at}.lora")
+            stacked = self._stacked(t, at)
+            if stacked and lora is not None:
+                raise ExportError(f"{at}: a stacked key merges no adapter")
             split = t.get("split")
             if split is None:
                 if not isinstance(t.get("name"), str):
                     raise ExportError(f"{at}: needs a string 'name' or a 'split'")
-                self.rules.append(_Rule(_compile(t["key"], at), t["key"], t["name"], 0, (), rotary, lora))
+                self.rules.append(_Rule(_compile(t["key"], at), t["key"], t["name"], 0, (), rotary, lora,
+                                        stacked=stacked))
                 continue
             if not isinstance(split, dict) or not isinstance(split.get("parts"), list) or not split["parts"]:
                 raise ExportError(f"{at}.split: needs a non-empty 'parts' list")
@@ -142,7 +154,7 @@ class NameMapping:
                 if part.rotary is not None and part.rotary % groups:
                     raise ExportError(f"{at}.split.parts[{j}].rotary: {part.rotary} heads in {groups} groups")
             self.rules.append(_Rule(_compile(t["key"], at), t["key"], None, axis, tuple(parts), rotary, lora,
-                                    groups))
+                                    groups, stacked))
         self.skip = [re.compile(p) for p in doc.get("skip") or []]
         config = doc.get("config")
         if config is not None and not isinstance(config, dict):
@@ -166,6 +178,16 @@ class NameMapping:
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ExportError(f"{at}.{field}: a positive integer or the name of one in params, got {value!r}")
         return value
+
+    def _stacked(self, doc: Mapping[str, Any], at: str) -> tuple[str, ...]:
+        """``doc["stacked"]``: the fields that number the key's leading axes, in order."""
+        stacked = doc.get("stacked", [])
+        if not isinstance(stacked, list) or not all(isinstance(f, str) and f.isidentifier() for f in stacked):
+            raise ExportError(f"{at}.stacked: a list of field names, got {stacked!r}")
+        in_key = [f for f in stacked if "{" + f + "}" in doc["key"]]
+        if in_key or len(set(stacked)) != len(stacked):
+            raise ExportError(f"{at}.stacked: {stacked} must be distinct fields that the key does not hold")
+        return tuple(stacked)
 
     def _lora(self, doc: Any, at: str) -> _Lora | None:
         if doc is None:
@@ -222,30 +244,17 @@ class NameMapping:
                         problems += _lora_problems(key, shape, a, shapes[a], b, shapes[b])
                     elif a in shapes or b in shapes:
                         problems.append(f"{key!r}: the checkpoint has only one of its adapter's {a!r} and {b!r}")
-                if rule.name is not None:
-                    pieces.append(HfTensor(rule.name.format(**fields), key, Box.full(shape), rule.rotary, lora))
-                    problems += _rotary_problems(pieces[-1])
+                n = len(rule.stacked)
+                if len(shape) < n:
+                    problems.append(f"{key!r}: {len(shape)} axes, fewer than its stacked fields {list(rule.stacked)}")
                     break
-                if rule.axis >= len(shape):
-                    problems.append(f"{key!r}: split on axis {rule.axis} of a {len(shape)}-d tensor")
-                    break
-                total, units = shape[rule.axis], sum(p.size for p in rule.parts)
-                sizes = [total // units * p.size for p in rule.parts]
-                if total % units or any(n % rule.groups for n in sizes):
-                    problems.append(f"{key!r}: axis {rule.axis} of {total} does not split in proportions "
-                                    f"{[p.size for p in rule.parts]}"
-                                    f"{f' in {rule.groups} groups' if rule.groups > 1 else ''}")
-                    break
-                block, start = total // rule.groups, 0
-                for p, n in zip(rule.parts, sizes):
-                    rows = n // rule.groups
-                    heads = p.rotary // rule.groups if p.rotary is not None else None
-                    for g in range(rule.groups):  # a part of a grouped split: its rows of every group
-                        offset = tuple(g * block + start if a == rule.axis else 0 for a in range(len(shape)))
-                        size = tuple(rows if a == rule.axis else s for a, s in enumerate(shape))
-                        pieces.append(HfTensor(p.name.format(**fields), key, Box(offset, size), heads, lora, g * rows))
-                        problems += _rotary_problems(pieces[-1])
-                    start += rows
+                for lead in np.ndindex(*shape[:n]):  # one array per index of the stacked axes (one without)
+                    numbered = fields | {f: str(i) for f, i in zip(rule.stacked, lead)}
+                    got, trouble = _rule_pieces(rule, key, shape[n:], numbered, lora, tuple(int(i) for i in lead))
+                    pieces += got
+                    problems += trouble
+                    if trouble:
+                        break
                 break
             else:
                 if any(s.fullmatch(key) for s in self.skip):
@@ -313,6 +322,35 @@ class NameMapping:
             raise ExportError(f"{self.where}: {at}: unknown directive {kind!r}")
 
         return {k: value(v, f"config.{k}") for k, v in self.config.items()}
+
+
+def _rule_pieces(rule: _Rule, key: str, shape: tuple[int, ...], fields: dict[str, str],
+                 lora: tuple[str, str, float] | None, lead: tuple[int, ...]) -> tuple[list[HfTensor], list[str]]:
+    """The pieces one rule cuts an array of ``shape`` into (the key's, or one
+    array of a stacked key's, at ``lead``), and the problems it finds."""
+    if rule.name is not None:
+        piece = HfTensor(rule.name.format(**fields), key, Box.full(shape), rule.rotary, lora, lead=lead)
+        return [piece], _rotary_problems(piece)
+    if rule.axis >= len(shape):
+        return [], [f"{key!r}: split on axis {rule.axis} of a {len(shape)}-d tensor"]
+    total, units = shape[rule.axis], sum(p.size for p in rule.parts)
+    sizes = [total // units * p.size for p in rule.parts]
+    if total % units or any(n % rule.groups for n in sizes):
+        return [], [f"{key!r}: axis {rule.axis} of {total} does not split in proportions "
+                    f"{[p.size for p in rule.parts]}{f' in {rule.groups} groups' if rule.groups > 1 else ''}"]
+    pieces: list[HfTensor] = []
+    problems: list[str] = []
+    block, start = total // rule.groups, 0
+    for p, n in zip(rule.parts, sizes):
+        rows = n // rule.groups
+        heads = p.rotary // rule.groups if p.rotary is not None else None
+        for g in range(rule.groups):  # a part of a grouped split: its rows of every group
+            offset = tuple(g * block + start if a == rule.axis else 0 for a in range(len(shape)))
+            size = tuple(rows if a == rule.axis else s for a, s in enumerate(shape))
+            pieces.append(HfTensor(p.name.format(**fields), key, Box(offset, size), heads, lora, g * rows, lead))
+            problems += _rotary_problems(pieces[-1])
+        start += rows
+    return pieces, problems
 
 
 def _hf_shapes(pieces: Sequence[HfTensor]) -> dict[str, tuple[int, ...]]:

@@ -18,6 +18,8 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from megatron_jobs import (
+    BATCH,
+    SEQ,
     _differences,
     _keeping_step,
     _megatron,
@@ -173,8 +175,37 @@ def scenario(rank: int, *, path: str, name: str, save: dict[str, int], load: dic
             "keys": len(meta_ours), "changed": changed, "plain": plain}
 
 
+def exported(rank: int, *, path: str, name: str, save: dict[str, int], model: dict[str, Any],
+             export: bool) -> dict[str, Any]:
+    """A Megatron Llama saved at ``save`` by dist_checkpointing with the globalshard
+    strategy, exported by ``globalshard export --map megatron_dist`` and opened by
+    transformers: its logits (rank 0) beside Megatron's before the save."""
+    import transformers
+
+    ckpt, hf = os.path.join(path, name, "ckpt"), os.path.join(path, name, "hf")
+    if rank == 0:
+        os.makedirs(ckpt)
+    dist.barrier()
+    layout = setup(model, **save)
+    a, _ = _built(model, layout, "saved", None)
+    before = logits(a, layout)
+    dist_checkpointing.save(_state(a, None, None, False), ckpt, sharded_strategy=gm.SaveStrategy())
+    out = None
+    if rank == 0:
+        params = {"heads": model["heads"], "kv_heads": model["groups"], "rms_norm_eps": 1e-5, "rope_theta": 10000}
+        args = [f"--param={k}={v}" for k, v in params.items()]
+        assert cli(["export", gm.arrays_path(ckpt), hf, "--map", "megatron_dist", *args]) == 0
+        reference = transformers.LlamaForCausalLM.from_pretrained(hf).eval()
+        ids = (torch.arange(BATCH * SEQ).reshape(BATCH, SEQ) * 7) % 50
+        with torch.no_grad():
+            out = reference(ids).logits.flatten().tolist()
+    dist.barrier()
+    return {"before": before, "exported": out}
+
+
 def scenarios(rank: int, *, path: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [(failed_background if case.get("fail") else scenario)(rank, path=path, **case) for case in cases]
+    kinds = {"fail": failed_background, "export": exported}
+    return [next((f for k, f in kinds.items() if case.get(k)), scenario)(rank, path=path, **case) for case in cases]
 
 
 def _cut(key: str, whole: torch.Tensor, fragments: tuple[int, ...], prepend: int, fill: bool,

@@ -46,11 +46,18 @@ RESIZED = [
 # A background save that fails on one rank (its writer process killed).
 FAILED = [dict(name="async_writer_killed", save=dict(tp=2, pp=1), model=DENSE, fail=True)]
 
+# A Megatron Llama (RMSNorm, SwiGLU, 2 query groups) exported to Hugging Face Llama from what the strategy stored.
+LLAMA = {**DENSE, "llama": True}
+EXPORTS = [
+    dict(name="export_tp2", save=dict(tp=2, pp=1), model=LLAMA, export=True),
+    dict(name="export_pp2_tied", save=dict(tp=1, pp=2), model={**LLAMA, "tied": True}, export=True),
+]
+
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     path = tmp_path_factory.mktemp("megatron_strategy")
-    cases = CASES + RESIZED + FAILED
+    cases = CASES + RESIZED + FAILED + EXPORTS
     per_rank = run(2, "megatron_strategy_jobs:scenarios", str(path / "ranks"), path=str(path), cases=cases)
     return {case["name"]: [rank[i] for rank in per_rank] for i, case in enumerate(cases)}
 
@@ -85,6 +92,14 @@ def test_a_background_save_that_fails_on_one_rank_fails_on_every_rank_and_leaves
     for r in outcomes["async_writer_killed"]:
         assert r["error"] is not None, "the finalization did not raise"
         assert not r["megatron_metadata"] and not r["committed"] and not r["loads"]
+
+
+@pytest.mark.parametrize("case", [c["name"] for c in EXPORTS])
+def test_what_the_strategy_stored_exports_to_a_llama_transformers_runs_with_megatrons_logits(outcomes, case):
+    ranks = outcomes[case]
+    (before,) = [r["before"] for r in ranks if r["before"] is not None]
+    (exported,) = [r["exported"] for r in ranks if r["exported"] is not None]
+    assert np.max(np.abs(np.array(exported) - np.array(before))) < 1e-5
 
 
 def test_any_two_cuts_of_a_global_array_round_trip_through_dist_checkpointing(tmp_path):

@@ -436,3 +436,97 @@ def test_config_shape_of_a_tensor_a_grouped_split_assembles_is_its_whole_shape(t
     _, got = read_all(tmp_path / "hf")
     assert tuple(got["q"].shape) == (16, 3)
     assert out["config"] == {"q_rows": 16, "head_dim": 4}
+
+
+def as_megatron_dist_keys(hf, layers, heads, kv_heads):
+    """A Llama under Megatron-Core's sharded state dict keys: each layer's tensors
+    stacked under one key, Q, K and V interleaved per query group, [gate; up]."""
+    def stacked(name):
+        return np.stack([hf[f"model.layers.{i}.{name}"] for i in range(layers)])
+
+    def qkv(i, part):
+        q, k, v = (hf[f"model.layers.{i}.self_attn.{x}_proj.{part}"] for x in "qkv")
+        per = heads // kv_heads
+        q = q.reshape(kv_heads, per * len(q) // heads, *q.shape[1:])
+        k, v = k.reshape(kv_heads, -1, *k.shape[1:]), v.reshape(kv_heads, -1, *v.shape[1:])
+        return np.concatenate([q, k, v], axis=1).reshape(-1, *q.shape[2:])
+
+    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+           "decoder.final_layernorm.weight": hf["model.norm.weight"],
+           "decoder.layers.self_attention.linear_qkv.layer_norm_weight": stacked("input_layernorm.weight"),
+           "decoder.layers.mlp.linear_fc1.layer_norm_weight": stacked("post_attention_layernorm.weight"),
+           "decoder.layers.self_attention.linear_proj.weight": stacked("self_attn.o_proj.weight"),
+           "decoder.layers.mlp.linear_fc2.weight": stacked("mlp.down_proj.weight"),
+           "decoder.layers.self_attention.linear_qkv.weight": np.stack([qkv(i, "weight") for i in range(layers)]),
+           "decoder.layers.mlp.linear_fc1.weight": np.stack([np.concatenate(
+               [hf[f"model.layers.{i}.mlp.{x}_proj.weight"] for x in ("gate", "up")]) for i in range(layers)])}
+    if "lm_head.weight" in hf:
+        out["output_layer.weight"] = hf["lm_head.weight"]
+    if "model.layers.0.self_attn.q_proj.bias" in hf:
+        out["decoder.layers.self_attention.linear_qkv.bias"] = np.stack([qkv(i, "bias") for i in range(layers)])
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_a_megatron_dist_checkpoints_stacked_layers_export_as_hugging_face_layers(tmp_path_factory, data):
+    path = tmp_path_factory.mktemp("stacked")
+    layers, kv_heads = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 2))
+    heads, hd = kv_heads * data.draw(st.integers(1, 2)), data.draw(st.integers(1, 3))
+    hidden, ffn, vocab = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 4)), data.draw(st.integers(1, 6))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+
+    def w(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    hf = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": w(hidden)}
+    if data.draw(st.booleans()):
+        hf["lm_head.weight"] = w(vocab, hidden)
+    bias = data.draw(st.booleans())
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        hf |= {p + "input_layernorm.weight": w(hidden), p + "post_attention_layernorm.weight": w(hidden),
+               p + "self_attn.q_proj.weight": w(heads * hd, hidden),
+               p + "self_attn.k_proj.weight": w(kv_heads * hd, hidden),
+               p + "self_attn.v_proj.weight": w(kv_heads * hd, hidden),
+               p + "self_attn.o_proj.weight": w(hidden, heads * hd),
+               p + "mlp.gate_proj.weight": w(ffn, hidden), p + "mlp.up_proj.weight": w(ffn, hidden),
+               p + "mlp.down_proj.weight": w(hidden, ffn)}
+        if bias:
+            hf |= {p + "self_attn.q_proj.bias": w(heads * hd), p + "self_attn.k_proj.bias": w(kv_heads * hd),
+                   p + "self_attn.v_proj.bias": w(kv_heads * hd)}
+    save_global(as_megatron_dist_keys(hf, layers, heads, kv_heads), path / "ckpt",
+                extra={"optimizer.state.exp_avg.decoder.final_layernorm.weight": w(hidden)})
+    import globalshard.hf.exporting as hfmod
+
+    old, hfmod.WINDOW_BYTES = hfmod.WINDOW_BYTES, data.draw(st.sampled_from([hfmod.WINDOW_BYTES, 4 * hidden]))
+    try:  # windows of one row too: a window's box is below the stacked axis
+        index = export(str(path / "ckpt"), str(path / "hf"),
+                       mapping=NameMapping.load("megatron_dist", {"heads": heads, "kv_heads": kv_heads}))
+    finally:
+        hfmod.WINDOW_BYTES = old
+    _, got = read_all(path / "hf")
+    assert got.keys() == hf.keys()
+    for name, value in hf.items():
+        assert np.array_equal(got[name].numpy(), value), name
+    assert index["config"]["num_hidden_layers"] == layers and index["config"]["head_dim"] == hd
+    assert index["config"]["tie_word_embeddings"] == ("lm_head.weight" not in hf)
+
+
+@pytest.mark.parametrize("rule,match", [
+    ({"key": "decoder.layers.{layer}.w", "stacked": ["layer"], "name": "x.{layer}"}, r"must be distinct fields"),
+    ({"key": "decoder.layers.w", "stacked": "layer", "name": "x.{layer}"}, r"stacked: a list of field names"),
+    ({"key": "decoder.layers.w", "stacked": ["layer"], "name": "x.{layer}",
+      "lora": {"A": "a", "B": "b"}}, r"a stacked key merges no adapter"),
+])
+def test_a_stacked_rule_that_cannot_be_meant_is_refused_naming_it(rule, match):
+    with pytest.raises(ExportError, match=r"tensors\[0\].*" + match):
+        NameMapping({"tensors": [rule]})
+
+
+def test_a_stacked_key_with_fewer_axes_than_its_fields_is_named(tmp_path):
+    save_global({"decoder.layers.w": np.zeros(3, np.float32)}, tmp_path / "ckpt")
+    mapping = NameMapping({"tensors": [{"key": "decoder.layers.w", "stacked": ["layer", "expert"],
+                                        "name": "x.{layer}.{expert}"}]})
+    with pytest.raises(ExportError, match=r"'decoder.layers.w': 1 axes, fewer than its stacked fields"):
+        export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), mapping=mapping)
