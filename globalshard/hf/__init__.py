@@ -73,8 +73,8 @@ a rule or a ``skip`` pattern: nothing is left out silently.
 integers.
 """
 
-from globalshard.hf.exporting import WINDOW_BYTES, export
-from globalshard.hf.naming import MAPPINGS_DIR, DamagedFileError, ExportError, HfTensor, NameMapping, parse_size
+from globalshard.hf.exporting import WINDOW_BYTES, export, parse_size
+from globalshard.hf.naming import MAPPINGS_DIR, DamagedFileError, ExportError, HfTensor, NameMapping
 from globalshard.hf.safetensors_file import SAFETENSORS_DTYPES, SafetensorsSource, read_header
 
 __all__ = ["NameMapping", "export", "SafetensorsSource", "parse_size", "SAFETENSORS_DTYPES", "ExportError",

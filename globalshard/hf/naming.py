@@ -34,21 +34,6 @@ class DamagedFileError(ExportError, StorageError):
     (a :class:`~globalshard.errors.StorageError`, as any damaged data)."""
 
 
-def parse_size(text: str) -> int:
-    """``"5GB"`` -> 5_000_000_000; ``"512MiB"``, ``"100kB"``, plain bytes.
-
-    >>> parse_size("5GB"), parse_size("2MiB"), parse_size("1000")
-    (5000000000, 2097152, 1000)
-    """
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKMGT]?i?B?)\s*", text)
-    if not m:
-        raise ExportError(f"not a size: {text!r} (examples: 5GB, 500MB, 2GiB)")
-    unit = m.group(2).upper().rstrip("B")
-    scale = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-             "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
-    return int(float(m.group(1)) * scale)
-
-
 # --------------------------------------------------------------------------- mapping
 
 
