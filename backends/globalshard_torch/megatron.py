@@ -29,7 +29,9 @@ target with ``allow_shape_mismatch`` (the padded vocabulary of embeddings and
 output layers) reads the part of the stored array it overlaps and is zero
 elsewhere, as Megatron's own strategy does. Loading fills each target's
 ``data`` in place (created on the CPU when it is None) and returns the state
-dict of those tensors.
+dict of those tensors. Errors are Megatron's ``CheckpointingException``, as
+from its own strategies, with globalshard's message (naming the key, box or
+file) and its error as the cause.
 
 ``SaveStrategy(saver=gs.AsyncSaver())`` also serves
 ``dist_checkpointing.save(..., async_sharded_save=True)``: the call returns
@@ -42,10 +44,12 @@ Megatron writes its ``metadata.json``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -83,6 +87,17 @@ def arrays_path(checkpoint_dir: Any) -> str:
     return os.path.join(os.fspath(checkpoint_dir), ARRAYS)
 
 
+@contextlib.contextmanager
+def _megatron_errors() -> Iterator[None]:
+    """Our errors as Megatron's ``CheckpointingException`` (what callers of
+    dist_checkpointing catch, as they catch its own strategies'), with the same
+    message and the original as its cause."""
+    try:
+        yield
+    except gs.GlobalShardError as e:
+        raise CheckpointingException(f"{type(e).__name__}: {e}") from e
+
+
 def _tensors(sharded_state_dict: Any) -> list[MegatronTensor]:
     out = []
     for value in nested_values(sharded_state_dict):
@@ -96,25 +111,32 @@ def _tensors(sharded_state_dict: Any) -> list[MegatronTensor]:
     return out
 
 
-def _piece(t: MegatronTensor, data: Any, global_shape: tuple[int, ...], *, main: bool,
-           padded: bool = False) -> gs.ShardedTensor | None:
-    """The core's piece for a ShardedTensor whose local values are ``data`` (numpy).
-    Its prepended axes become leading axes of one element. ``padded``: a target
-    whose global shape differs from the stored ``global_shape``; it gets the part
-    of its box inside the stored array (None when there is none)."""
+def _box(t: MegatronTensor) -> Box:
+    """A ShardedTensor's box of the global array (its prepended axes one element long)."""
+    return Box(tuple(t.global_offset), (1,) * t.prepend_axis_num + tuple(t.local_shape))
+
+
+def _inside(t: MegatronTensor, global_shape: tuple[int, ...]) -> Box | None:
+    """The part of its box inside an array of ``global_shape`` (None when none is)."""
+    inside = _box(t).intersect(Box.full(global_shape))
+    return None if inside is None or inside.is_empty else inside
+
+
+def _piece(t: MegatronTensor, data: Any, global_shape: tuple[int, ...], *, main: bool) -> gs.ShardedTensor:
+    """The core's piece for a ShardedTensor whose local values are ``data`` (numpy):
+    its prepended axes become leading axes of one element. When ``global_shape``
+    (the stored array's) is not the ShardedTensor's (``allow_shape_mismatch``), the
+    piece is the part of its box inside it, the rest padding (zero-filled on load)."""
     if tuple(data.shape) != tuple(t.local_shape):
         raise LayoutError(f"{t.key!r}: data of shape {tuple(data.shape)}, local_shape {tuple(t.local_shape)}")
-    view = data[(None,) * t.prepend_axis_num]
-    box = Box(tuple(t.global_offset), tuple(view.shape))
-    if padded:
-        stored = Box.full(global_shape)
-        inside = box.intersect(stored)
-        if inside is None or inside.is_empty:
-            return None
-        region = Region(local_box=inside.translate(tuple(-o for o in box.offset)), global_box=inside)
-        return gs.ShardedTensor(t.key, view, global_shape, (region,), replica_id=0 if main else 1, allow_padding=True)
-    return gs.ShardedTensor(t.key, view, global_shape, (Region(Box.full(view.shape), box),),
-                            replica_id=0 if main else 1)
+    view, box = data[(None,) * t.prepend_axis_num], _box(t)
+    replica = 0 if main else 1
+    if global_shape == tuple(t.global_shape):
+        return gs.ShardedTensor(t.key, view, global_shape, (Region(Box.full(view.shape), box),), replica_id=replica)
+    inside = _inside(t, global_shape)
+    assert inside is not None
+    region = Region(local_box=inside.translate(tuple(-o for o in box.offset)), global_box=inside)
+    return gs.ShardedTensor(t.key, view, global_shape, (region,), replica_id=replica, allow_padding=True)
 
 
 class SaveStrategy(AsyncSaveShardedStrategy):
@@ -146,10 +168,8 @@ class SaveStrategy(AsyncSaveShardedStrategy):
         for i, t in enumerate(_tensors(sharded_state_dict)):
             if t.data is None:
                 raise LayoutError(f"{t.key!r}: a ShardedTensor without data cannot be saved")
-            piece = _piece(t, numpy_view(staging.host(t.data, for_save=True)), tuple(t.global_shape),
-                           main=is_main_replica(t.replica_id))
-            assert piece is not None
-            pieces[f"{i}:{t.key}"] = piece
+            pieces[f"{i}:{t.key}"] = _piece(t, numpy_view(staging.host(t.data, for_save=True)),
+                                            tuple(t.global_shape), main=is_main_replica(t.replica_id))
         staging.ready()
         return staging, pieces
 
@@ -161,8 +181,9 @@ class SaveStrategy(AsyncSaveShardedStrategy):
 
     def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
         """Store the ShardedTensors; returns once the checkpoint is committed."""
-        staging, pieces = self._staged(sharded_state_dict, None)
-        staging.save(pieces, arrays_path(checkpoint_dir), None, **self._options())
+        with _megatron_errors():
+            staging, pieces = self._staged(sharded_state_dict, None)
+            staging.save(pieces, arrays_path(checkpoint_dir), None, **self._options())
 
     def async_save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> AsyncRequest:
         """Start the save in the background and describe its end to Megatron
@@ -172,8 +193,9 @@ class SaveStrategy(AsyncSaveShardedStrategy):
         if self.saver is None:
             self.saver = gs.AsyncSaver()
         saver = self.saver
-        staging, pieces = self._staged(sharded_state_dict, saver)
-        staging.save(pieces, arrays_path(checkpoint_dir), saver, **self._options())
+        with _megatron_errors():
+            staging, pieces = self._staged(sharded_state_dict, saver)
+            staging.save(pieces, arrays_path(checkpoint_dir), saver, **self._options())
         fd, over = tempfile.mkstemp(prefix="globalshard-megatron-")
         os.close(fd)
         os.unlink(over)
@@ -187,7 +209,8 @@ class SaveStrategy(AsyncSaveShardedStrategy):
 
         def finalize() -> None:
             try:
-                saver.wait()
+                with _megatron_errors():
+                    saver.wait()
             finally:
                 if os.path.exists(over):
                     os.unlink(over)
@@ -230,7 +253,10 @@ class LoadStrategy(LoadShardedStrategy):
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: Any) -> dict[str, Any]:
         """Fill every ShardedTensor's ``data`` (see the module); the state dict of those tensors."""
-        path = arrays_path(checkpoint_dir)
+        with _megatron_errors():
+            return self._load(sharded_state_dict, arrays_path(checkpoint_dir))
+
+    def _load(self, sharded_state_dict: Any, path: str) -> dict[str, Any]:
         tensors = _tensors(sharded_state_dict)
         stored = gs.read_metadata(path).tensors if any(t.allow_shape_mismatch for t in tensors) else {}
         staging = HostStaging()
@@ -243,11 +269,10 @@ class LoadStrategy(LoadShardedStrategy):
                 if t.allow_shape_mismatch:
                     t.data.zero_()
             assert t.data is not None
-            data = numpy_view(staging.host(t.data, for_save=False))
             shape = tuple(stored[t.key].global_shape) if t.key in stored else tuple(t.global_shape)
-            piece = _piece(t, data, shape, main=True, padded=shape != tuple(t.global_shape))
-            if piece is not None:
-                targets[f"{i}:{t.key}"] = piece
+            if shape != tuple(t.global_shape) and _inside(t, shape) is None:
+                continue  # all beyond the stored array: zeros, as set above (a device tensor is not staged)
+            targets[f"{i}:{t.key}"] = _piece(t, numpy_view(staging.host(t.data, for_save=False)), shape, main=True)
         comm = self.comm if self.comm is not None else (default_comm() or SingleProcessComm())
         gs.load(targets, path, comm=comm, allow_lossy_cast=self.allow_lossy_cast)
         staging.finish_load()
@@ -255,7 +280,8 @@ class LoadStrategy(LoadShardedStrategy):
 
     def load_tensors_metadata(self, checkpoint_dir: Any) -> dict[str, MegatronTensor]:
         """Each stored key as a ShardedTensor of its global shape and dtype, without data."""
-        metadata = gs.read_metadata(arrays_path(checkpoint_dir))
+        with _megatron_errors():
+            metadata = gs.read_metadata(arrays_path(checkpoint_dir))
         return {key: MegatronTensor.from_rank_offsets(
                     key, torch.empty(t.global_shape, dtype=torch_dtype(t.dtype), device="meta")).without_data()
                 for key, t in metadata.tensors.items() if not gs.is_padding_key(key)}

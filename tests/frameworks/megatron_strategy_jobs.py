@@ -292,8 +292,8 @@ def failed_background(rank: int, *, path: str, name: str, save: dict[str, int], 
     try:
         queue.maybe_finalize_async_calls(blocking=True)
         error = None
-    except gs.GlobalShardError as e:
-        error = type(e).__name__
+    except CheckpointingException as e:  # Megatron's, with ours as the cause
+        error = type(e.__cause__).__name__
     queue.close()
     writer.close()
     dist.barrier()
@@ -304,3 +304,36 @@ def failed_background(rank: int, *, path: str, name: str, save: dict[str, int], 
         loads = False
     return {"error": error, "megatron_metadata": os.path.exists(os.path.join(ours, "metadata.json")),
             "committed": os.path.exists(os.path.join(gm.arrays_path(ours), "metadata.json")), "loads": loads}
+
+
+def conventions(rank: int, *, path: str) -> dict[str, Any]:
+    """In one process, Megatron's own dist_checkpointing tests (test_serialization.py:
+    test_load_error_msg, test_tensor_shape_mismatch, test_empty_load) with the globalshard
+    strategy: what each load gave, or the error it raised."""
+    def outcome(state: dict[str, Any], where: str) -> Any:
+        try:
+            loaded = dist_checkpointing.load(state, where)
+        except CheckpointingException as e:
+            return f"CheckpointingException: {e}"
+        return {k: v.tolist() if torch.is_tensor(v) else v for k, v in loaded.items()}
+
+    strategy = gm.SaveStrategy()
+    whole = torch.arange(32).unsqueeze(0).expand(2, 32).contiguous()
+    shapes = os.path.join(path, "shapes")
+    os.makedirs(shapes)
+    dist_checkpointing.save({"rigid": ShardedTensor.from_rank_offsets("keyA", whole, (1, 0, 1)),
+                             "flexible": ShardedTensor.from_rank_offsets("keyB", whole.clone(), (1, 0, 1),
+                                                                         allow_shape_mismatch=True)},
+                            shapes, sharded_strategy=strategy)
+    out: dict[str, Any] = {}
+    for cols in (28, 36):  # fewer and more columns than stored
+        out[f"rigid_{cols}"] = outcome({"rigid": ShardedTensor.from_rank_offsets("keyA", torch.ones(2, cols))}, shapes)
+        out[f"flexible_{cols}"] = outcome({"flexible": ShardedTensor.from_rank_offsets(
+            "keyB", torch.ones(2, cols, dtype=whole.dtype), allow_shape_mismatch=True)}, shapes)
+    out["renamed"] = outcome({"some_key": ShardedTensor.from_rank_offsets("different_key", torch.ones(2, 32))},
+                             shapes)
+    empty = os.path.join(path, "empty")
+    os.makedirs(empty)
+    dist_checkpointing.save({"common": "common-value"}, empty, sharded_strategy=strategy)
+    out["empty"] = outcome({"common": "common-value"}, empty)
+    return out

@@ -102,6 +102,18 @@ def test_what_the_strategy_stored_exports_to_a_llama_transformers_runs_with_mega
     assert np.max(np.abs(np.array(exported) - np.array(before))) < 1e-5
 
 
+def test_megatrons_own_serialization_tests_pass_with_the_globalshard_strategy(tmp_path):
+    """Megatron's test_serialization.py cases on errors, shapes and empty states, in one process."""
+    (out,) = run(1, "megatron_strategy_jobs:conventions", str(tmp_path / "ranks"), path=str(tmp_path))
+    for cols in (28, 36):  # a rigid target of another global shape is refused, naming the key and both shapes
+        assert out[f"rigid_{cols}"].startswith("CheckpointingException: MismatchError"), out[f"rigid_{cols}"]
+        assert "keyA" in out[f"rigid_{cols}"] and f"(2, {cols})" in out[f"rigid_{cols}"]
+    assert out["flexible_28"] == {"flexible": [list(range(28))] * 2}  # the part it overlaps
+    assert out["flexible_36"] == {"flexible": [list(range(32)) + [0] * 4] * 2}  # zeros beyond, as torch_dist
+    assert out["renamed"].startswith("CheckpointingException") and "different_key" in out["renamed"]
+    assert out["empty"] == {"common": "common-value"}
+
+
 def test_any_two_cuts_of_a_global_array_round_trip_through_dist_checkpointing(tmp_path):
     (examples,) = run(1, "megatron_strategy_jobs:properties", str(tmp_path / "ranks"), path=str(tmp_path))
     assert examples == 25
