@@ -43,6 +43,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper,
     FullyParallelSaveStrategyWrapper,
 )
+from megatron.core.dist_checkpointing.validation import StrictHandling
 
 import globalshard as gs
 import globalshard_torch.megatron as gm
@@ -132,8 +133,10 @@ def scenario(rank: int, *, path: str, name: str, save: dict[str, int], load: dic
     changed = False
     if background:
         queue = AsyncCallsQueue()
-        request = dist_checkpointing.save(_state(a, a_opt, sharding, False), ours,
-                                          sharded_strategy=gm.SaveStrategy(saver=gs.AsyncSaver()),
+        strategy = gm.SaveStrategy(saver=gs.AsyncSaver())
+        if parallel:
+            strategy = FullyParallelSaveStrategyWrapper(strategy, _dp_group())
+        request = dist_checkpointing.save(_state(a, a_opt, sharding, False), ours, sharded_strategy=strategy,
                                           async_sharded_save=True)
         queue.schedule_async_request(request)
         scramble(a, layout, model, "training goes on")  # the checkpoint holds the values of the call
@@ -308,8 +311,8 @@ def failed_background(rank: int, *, path: str, name: str, save: dict[str, int], 
 
 def conventions(rank: int, *, path: str) -> dict[str, Any]:
     """In one process, Megatron's own dist_checkpointing tests (test_serialization.py:
-    test_load_error_msg, test_tensor_shape_mismatch, test_empty_load) with the globalshard
-    strategy: what each load gave, or the error it raised."""
+    test_load_error_msg, test_tensor_shape_mismatch, test_empty_load; test_strict.py) with
+    the globalshard strategy: what each load gave, or the error it raised."""
     def outcome(state: dict[str, Any], where: str) -> Any:
         try:
             loaded = dist_checkpointing.load(state, where)
@@ -336,4 +339,15 @@ def conventions(rank: int, *, path: str) -> dict[str, Any]:
     os.makedirs(empty)
     dist_checkpointing.save({"common": "common-value"}, empty, sharded_strategy=strategy)
     out["empty"] = outcome({"common": "common-value"}, empty)
+    # test_strict.py: mismatched keys returned, with what matched loaded.
+    mixed = os.path.join(path, "strict")
+    os.makedirs(mixed)
+    dist_checkpointing.save({"a": ShardedTensor.from_rank_offsets("TenA", torch.arange(2.0)),
+                             "b": ShardedTensor.from_rank_offsets("TenB", torch.ones(3))}, mixed,
+                            sharded_strategy=strategy)
+    loaded, missing, unexpected = dist_checkpointing.load(
+        {"a": ShardedTensor.from_rank_offsets("TenA", torch.zeros(2)),
+         "c": ShardedTensor.from_rank_offsets("TenC", torch.zeros(4))}, mixed, strict=StrictHandling.RETURN_ALL)
+    out["strict"] = {"loaded": {k: v.tolist() for k, v in loaded.items()}, "missing": sorted(missing),
+                     "unexpected": sorted(unexpected)}
     return out

@@ -33,6 +33,9 @@ CASES = [
          sharding="fully_reshardable", parallel=True),
     # The background save Megatron's trainer makes (async_sharded_save, its AsyncCallsQueue).
     dict(name="async_tp2_to_tp1", save=dict(tp=2, pp=1), load=dict(tp=1, pp=1), model=DENSE, background=True),
+    # Both, as Megatron-LM's trainer saves with --async-save: fully parallel over DP=2, in the background.
+    dict(name="async_fully_parallel_dp2_to_tp2", save=dict(tp=1, pp=1), load=dict(tp=2, pp=1), model=DENSE,
+         background=True, parallel=True),
 ]
 # allow_shape_mismatch (embeddings and output layer): a vocabulary padded to another size on load
 # (at 128 and TP=2, rank 1's rows are all beyond the stored ones).
@@ -103,7 +106,8 @@ def test_what_the_strategy_stored_exports_to_a_llama_transformers_runs_with_mega
 
 
 def test_megatrons_own_serialization_tests_pass_with_the_globalshard_strategy(tmp_path):
-    """Megatron's test_serialization.py cases on errors, shapes and empty states, in one process."""
+    """Megatron's test_serialization.py cases on errors, shapes and empty states, and a
+    test_strict.py case, in one process."""
     (out,) = run(1, "megatron_strategy_jobs:conventions", str(tmp_path / "ranks"), path=str(tmp_path))
     for cols in (28, 36):  # a rigid target of another global shape is refused, naming the key and both shapes
         assert out[f"rigid_{cols}"].startswith("CheckpointingException: MismatchError"), out[f"rigid_{cols}"]
@@ -112,6 +116,7 @@ def test_megatrons_own_serialization_tests_pass_with_the_globalshard_strategy(tm
     assert out["flexible_36"] == {"flexible": [list(range(32)) + [0] * 4] * 2}  # zeros beyond, as torch_dist
     assert out["renamed"].startswith("CheckpointingException") and "different_key" in out["renamed"]
     assert out["empty"] == {"common": "common-value"}
+    assert out["strict"] == {"loaded": {"a": [0.0, 1.0]}, "missing": ["TenB"], "unexpected": ["TenC"]}
 
 
 def test_any_two_cuts_of_a_global_array_round_trip_through_dist_checkpointing(tmp_path):
