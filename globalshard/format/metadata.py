@@ -309,6 +309,17 @@ def parse_metadata(data: bytes | str, *, source: str = METADATA_FILE, fast: bool
         return _parse_metadata(data, source, fast)
 
 
+def _whose(doc: Any) -> str:
+    """What a metadata.json another library wrote is, when it says (Megatron-Core's
+    dist_checkpointing names its backends), and where globalshard's part is."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("sharded_backend"), str):
+        return ""
+    backend = doc["sharded_backend"]
+    where = " (its globalshard checkpoint is the 'globalshard' directory beside this file)" \
+        if backend == "globalshard" else ""
+    return f": it is Megatron-Core dist_checkpointing's, sharded backend {backend[:80]!r}{where}"
+
+
 def _parse_metadata(data: bytes | str, source: str, fast: bool) -> Metadata:
     doc = loads(data, source, strict_integers=True)
     p = _Parser()
@@ -326,7 +337,8 @@ def _parse_metadata(data: bytes | str, source: str, fast: bool) -> Metadata:
         p.bad("$.version", f"unsupported format version {short(version)}; this library reads versions "
                            f"{', '.join(map(str, READABLE_VERSIONS))}")
     if p.problems:
-        raise MetadataError(format_problems(f"{source} is not a globalshard metadata document", p.problems))
+        raise MetadataError(format_problems(f"{source} is not a globalshard metadata document{_whose(doc)}",
+                                            p.problems))
     assert isinstance(version, int)
     save_id = None
     if version >= 2:

@@ -462,3 +462,17 @@ def test_version_1_has_no_bases():
     del doc["save_id"]
     with pytest.raises(MetadataError, match="bases"):
         parse_metadata(json.dumps(doc))
+
+
+@pytest.mark.parametrize("backend,says", [
+    ("globalshard", "its globalshard checkpoint is the 'globalshard' directory beside this file"),
+    ("torch_dist", "sharded backend 'torch_dist'"),
+])
+def test_megatrons_metadata_json_is_named_as_megatrons_with_where_ours_is(backend, says):
+    doc = {"sharded_backend": backend, "sharded_backend_version": 1, "common_backend": "torch",
+           "common_backend_version": 1}
+    with pytest.raises(MetadataError, match="is not a globalshard metadata document: it is Megatron-Core") as e:
+        parse_metadata(json.dumps(doc), source="ckpt/metadata.json")
+    assert says in str(e.value) and "$.format" in str(e.value)
+    if backend != "globalshard":
+        assert "directory beside" not in str(e.value)
