@@ -20,6 +20,10 @@ CASES = [
     dict(name="tp2_to_pp2_tied", save=dict(tp=2, pp=1), load=dict(tp=1, pp=2), model={**DENSE, "tied": True}),
     dict(name="vpp2_to_tp2", save=dict(tp=1, pp=2, vpp=2), load=dict(tp=2, pp=1), model=DENSE),
     dict(name="moe_ep2_to_tp2", save=dict(tp=1, pp=1, ep=2), load=dict(tp=2, pp=1), model={**DENSE, "experts": 4}),
+    # Megatron's uneven pipeline_model_parallel_layout, and multi-token prediction (its layer on the last stage).
+    dict(name="layout_3_1_to_vpp2", save=dict(tp=1, pp=2, pp_layout="Ettt|tL"), load=dict(tp=1, pp=2, vpp=2),
+         model=DENSE),
+    dict(name="mtp_pp2_to_tp2", save=dict(tp=1, pp=2), load=dict(tp=2, pp=1), model={**DENSE, "mtp": True}),
     # The distributed optimizer's two current formats: param-shaped (reshards over any layout) and
     # its buffers as they are (reshards over DP only), the second with bf16 parameters and their fp32
     # main copies, as Megatron's trainer keeps them.
