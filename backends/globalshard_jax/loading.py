@@ -81,7 +81,7 @@ def _concrete(key: str, sharding: Any) -> Any:
 
 def load(path: Any, abstract_pytree: Any = None, *, comm: Comm | None = None, keys: KeyMap = None,
          allow_lossy_cast: bool = False, kvstore: Any = None,
-         stats: gs.IOStats | None = None, strict: bool = True) -> Restored:
+         stats: gs.IOStats | None = None, strict: bool = True, fallback_sharding: Any = None) -> Restored:
     """Arrays for every leaf of ``abstract_pytree``, and the trainer state.
 
     Without ``abstract_pytree``, the pytree the checkpoint's :func:`save` was
@@ -92,11 +92,15 @@ def load(path: Any, abstract_pytree: Any = None, *, comm: Comm | None = None, ke
     ``jax.Array`` leaves (see below), numpy arrays as numpy arrays,
     Python numbers as Python numbers, typed PRNG keys with their saved
     implementation. A ``jax.Array`` saved with a ``NamedSharding`` comes back
-    with it, over this job's devices in ``jax.devices()`` order, when there
-    are as many as its mesh had (each process reading only its boxes);
-    otherwise whole on the default device. A checkpoint that ``gj.save`` did
-    not write (a torch one) comes back as nested dicts of numpy arrays, its
-    keys split at the dots.
+    with it, as Orbax restores it: over the devices of the same ids (each
+    process reading only its boxes). Where this job lacks them, it takes
+    ``fallback_sharding`` (Orbax's argument of that name: a sharding for
+    every such leaf, such as a replicated ``NamedSharding`` of this job's
+    mesh, or ``SingleDeviceSharding`` for one device), and without one the
+    load is a ``MismatchError`` naming the leaf, where Orbax raises too.
+    Other arrays come back on the default device. A checkpoint that
+    ``gj.save`` did not write (a torch one) comes back as nested dicts of
+    numpy arrays, its keys split at the dots.
 
     A leaf is a ``jax.ShapeDtypeStruct`` (with a ``sharding``: a
     ``NamedSharding`` or any other; without one, the array goes to the
@@ -120,7 +124,10 @@ def load(path: Any, abstract_pytree: Any = None, *, comm: Comm | None = None, ke
     if abstract_pytree is None:
         if keys is not None:
             raise LayoutError("keys= maps a target's leaves to checkpoint keys; without a target there are none")
-        return _whole(path, comm=comm, allow_lossy_cast=allow_lossy_cast, kvstore=kvstore, stats=stats)
+        return _whole(path, comm=comm, allow_lossy_cast=allow_lossy_cast, kvstore=kvstore, stats=stats,
+                      fallback=fallback_sharding)
+    if fallback_sharding is not None:
+        raise LayoutError("fallback_sharding is for a load without a target; a target's leaves carry their shardings")
     return _load(path, abstract_pytree, None, comm=comm, keys=keys, allow_lossy_cast=allow_lossy_cast,
                  kvstore=kvstore, stats=stats, strict=strict)
 
@@ -279,22 +286,37 @@ def _impl_name(dtype: Any) -> str:
     return next((name for name in ("threefry2x32", "rbg", "unsafe_rbg") if _key_dtype(name) == dtype), str(dtype))
 
 
-def _saved_sharding(leaf: dict[str, Any]) -> Any:
-    """The ``NamedSharding`` a leaf was saved with, over this job's devices in ``jax.devices()`` order
-    (as Orbax restores it without a target), when there are as many; None (the default device) otherwise."""
+def _saved_sharding(leaf: dict[str, Any], fallback: Any) -> Any:
+    """The ``NamedSharding`` a leaf was saved with, as Orbax restores it without a target: over the
+    devices of the ids it recorded, or (a file written before they were) this job's devices in
+    ``jax.devices()`` order when there are as many. Where this job does not have them, ``fallback``
+    (Orbax's ``fallback_sharding``), else a MismatchError naming the leaf. None (the default device)
+    for a leaf saved without a ``NamedSharding``."""
     mesh = leaf.get("mesh")
-    if mesh is None or int(np.prod(mesh["shape"])) != jax.device_count():
+    if mesh is None:
         return None
-    devices = np.array(jax.devices()).reshape(mesh["shape"])
+    by_id = {d.id: d for d in jax.devices()}
+    ids = mesh.get("devices")
+    if ids is not None and all(i in by_id for i in ids):
+        devices = np.array([by_id[i] for i in ids]).reshape(mesh["shape"])
+    elif ids is None and int(np.prod(mesh["shape"])) == jax.device_count():
+        devices = np.array(jax.devices()).reshape(mesh["shape"])
+    elif fallback is not None:
+        return fallback
+    else:
+        saved = f"devices {ids}" if ids is not None else f"{int(np.prod(mesh['shape']))} devices"
+        raise gs.MismatchError(f"{leaf['key']!r}: saved over a mesh of {saved}, which this job does not have "
+                            f"({jax.device_count()} devices, ids {sorted(by_id)[:16]}); pass a target, or "
+                            "fallback_sharding= for such leaves (as Orbax's)")
     spec = jax.sharding.PartitionSpec(*(tuple(p) if isinstance(p, list) else p for p in leaf["spec"]))
     return jax.sharding.NamedSharding(jax.sharding.Mesh(devices, tuple(mesh["axes"])), spec)
 
 
-def _whole(path: Any, *, comm: Comm, allow_lossy_cast: bool, kvstore: Any, stats: gs.IOStats | None) -> Restored:
+def _whole(path: Any, *, comm: Comm, allow_lossy_cast: bool, kvstore: Any, stats: gs.IOStats | None,
+           fallback: Any) -> Restored:
     """:func:`load` without a target: the saved pytree rebuilt from its skeleton (``gj.save``'s), or
     nested dicts of the stored arrays split at the dots."""
-    # TODO(limitation): a saved sharding is restored only onto as many devices as it had (in jax.devices()
-    # order); on others, and for shardings other than NamedSharding, the arrays go to the default device.
+    # TODO(limitation): shardings other than NamedSharding come back on the default device.
     checkpoint = gs.Checkpoint(path, kvstore=kvstore)
     described = checkpoint.trainer_state.get(TREE, {}).get("pytree")
     if described is None:
@@ -311,10 +333,10 @@ def _whole(path: Any, *, comm: Comm, allow_lossy_cast: bool, kvstore: Any, stats
             abstract[leaf["key"]] = _SCALAR_KINDS[leaf["kind"]]
         elif leaf["kind"] == "prng_key":
             abstract[leaf["key"]] = jax.ShapeDtypeStruct(tuple(leaf["shape"]), _key_dtype(leaf["impl"]),
-                                                         sharding=_saved_sharding(leaf))
+                                                         sharding=_saved_sharding(leaf, fallback))
         else:
             abstract[leaf["key"]] = jax.ShapeDtypeStruct(tuple(leaf["shape"]), np.dtype(leaf["dtype"]),
-                                                         sharding=_saved_sharding(leaf))
+                                                         sharding=_saved_sharding(leaf, fallback))
     got, trainer_state = _load(path, abstract, checkpoint, comm=comm, keys=mapping or None,
                                allow_lossy_cast=allow_lossy_cast, kvstore=kvstore, stats=stats, strict=False)
     values = dict(got)  # keyed by each leaf's key: a dict key holding dots is that key whole

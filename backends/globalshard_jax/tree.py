@@ -76,7 +76,8 @@ def _leaf(key: str, leaf: Any, keys: KeyMap) -> dict[str, Any]:
     sharding = getattr(leaf, "sharding", None)
     if isinstance(sharding, jax.sharding.NamedSharding):
         mesh = sharding.mesh
-        out["mesh"] = {"shape": [int(n) for n in mesh.devices.shape], "axes": [str(a) for a in mesh.axis_names]}
+        out["mesh"] = {"shape": [int(n) for n in mesh.devices.shape], "axes": [str(a) for a in mesh.axis_names],
+                       "devices": [int(d.id) for d in mesh.devices.flat]}
         out["spec"] = [list(p) if isinstance(p, tuple) else p for p in sharding.spec]
     return out
 

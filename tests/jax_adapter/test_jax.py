@@ -439,13 +439,69 @@ def test_without_a_target_the_saved_pytree_comes_back_in_orbaxs_containers(tmp_p
     assert gj.load(tmp_path / "ours", {"step": 0}, strict=False)[1] == {"epoch": 2}
 
 
-def test_without_a_target_a_sharding_over_other_devices_comes_back_on_the_default_one(tmp_path):
-    # Saved over a mesh of 3 of the 8 devices: no mesh of this job's devices is that one.
-    w = jax.device_put(jnp_arange((6, 2)), NamedSharding(mesh("3"), P("x")))
-    gj.save(tmp_path / "c", {"w": w})
-    got, _ = gj.load(tmp_path / "c")
-    assert got["w"].sharding.is_equivalent_to(jax.sharding.SingleDeviceSharding(jax.devices()[0]), 2)
-    assert np.array_equal(np.asarray(got["w"]), np.asarray(w))
+def test_without_a_target_a_sharding_comes_back_over_the_devices_of_its_ids_as_in_orbax(tmp_path):
+    # Meshes over some of the 8 devices (the last four; three, out of order): the same devices, by id.
+    for n, (ids, shape) in enumerate([([4, 5, 6, 7], (2, 2)), ([2, 0, 1], (3, 1))]):
+        m = Mesh(np.array([DEVICES[i] for i in ids]).reshape(shape), ("x", "y"))
+        w = jax.device_put(jnp_arange((6, 4)), NamedSharding(m, P("x", "y")))
+        gj.save(tmp_path / f"c{n}", {"w": w})
+        got, _ = gj.load(tmp_path / f"c{n}")
+        assert [d.id for d in got["w"].sharding.mesh.devices.flat] == ids
+        assert got["w"].sharding.is_equivalent_to(w.sharding, 2)
+        assert np.array_equal(np.asarray(got["w"]), np.asarray(w))
+
+
+ELSEWHERE = textwrap.dedent("""
+    import os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=12"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import globalshard_jax as gj
+    mesh = Mesh(np.array(jax.devices()[8:12]).reshape(2, 2), ("x", "y"))
+    w = jax.device_put(np.arange(24, dtype=np.float32).reshape(6, 4), NamedSharding(mesh, P("x", "y")))
+    gj.save(sys.argv[1], {"w": w, "n": np.ones(3)})
+""")
+
+
+def test_without_a_target_a_mesh_this_job_lacks_takes_fallback_sharding_or_is_named(tmp_path):
+    # Saved by a job of 12 devices over ids 8-11, which this one (8 devices) does not have. As with
+    # Orbax: the fallback_sharding given, or an error naming the leaf (not whole arrays put elsewhere).
+    subprocess.run([sys.executable, "-c", ELSEWHERE, str(tmp_path / "c")], check=True, env={**os.environ})
+    with pytest.raises(gs.MismatchError, match=r"'w': saved over a mesh of devices \[8, 9, 10, 11\].*"
+                                               r"fallback_sharding="):
+        gj.load(tmp_path / "c")
+    fallback = NamedSharding(mesh("2x4"), P())
+    got, _ = gj.load(tmp_path / "c", fallback_sharding=fallback)
+    assert got["w"].sharding.is_equivalent_to(fallback, 2)
+    assert np.array_equal(np.asarray(got["w"]), np.arange(24, dtype=np.float32).reshape(6, 4))
+    assert isinstance(got["n"], np.ndarray)
+    with pytest.raises(gs.LayoutError, match="fallback_sharding is for a load without a target"):
+        gj.load(tmp_path / "c", {"w": got["w"]}, fallback_sharding=fallback)
+
+
+def test_without_a_target_a_mesh_saved_without_its_device_ids_is_laid_over_jax_devices(tmp_path, monkeypatch):
+    # A file written before the ids were recorded: as Orbax without them, jax.devices() in order when
+    # there are as many; else the fallback or an error.
+    import globalshard_jax.tree as tree
+
+    real = tree._leaf
+
+    def without_ids(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out.get("mesh", {}).pop("devices", None)
+        return out
+
+    monkeypatch.setattr(tree, "_leaf", without_ids)
+    reversed_mesh = Mesh(np.array(DEVICES[::-1]).reshape(2, 4), ("x", "y"))
+    gj.save(tmp_path / "c8", {"w": jax.device_put(jnp_arange((4, 8)), NamedSharding(reversed_mesh, P("x", "y")))})
+    gj.save(tmp_path / "c3", {"w": jax.device_put(jnp_arange((6, 2)), NamedSharding(mesh("3"), P("x")))})
+    monkeypatch.undo()
+    got, _ = gj.load(tmp_path / "c8")
+    assert [d.id for d in got["w"].sharding.mesh.devices.flat] == [d.id for d in DEVICES]
+    assert np.array_equal(np.asarray(got["w"]), np.asarray(jnp_arange((4, 8))))
+    with pytest.raises(gs.MismatchError, match=r"'w': saved over a mesh of 3 devices"):
+        gj.load(tmp_path / "c3")
 
 
 class _Adam(NamedTuple):
