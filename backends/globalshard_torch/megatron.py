@@ -286,7 +286,6 @@ class LoadStrategy(LoadShardedStrategy):
                     key, torch.empty(t.global_shape, dtype=torch_dtype(t.dtype), device="meta")).without_data()
                 for key, t in metadata.tensors.items() if not gs.is_padding_key(key)}
 
-
     def remove_sharded_tensors(self, checkpoint_dir: Any, key_prefix: str) -> None:
         # TODO(limitation): removing keys from a saved checkpoint (dist_checkpointing's
         # remove_sharded_tensors) is not supported; load and save again without them.
