@@ -70,3 +70,10 @@ def run(world: int, target: str, out_dir: str, **args: Any) -> list[Any]:
             failures.append(f"rank {r}: {outcome['type']}: {outcome['message']}\n{outcome['trace']}")
     assert not failures, "\n".join(failures)
     return values
+
+
+def outcomes_by_case(world: int, target: str, path: str, cases: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """``target(rank, path=, cases=)`` run once on ``world`` ranks for all the cases (one spawn: the
+    framework imports once); each case's name -> its outcome on every rank."""
+    per_rank = run(world, target, os.path.join(path, "ranks"), path=path, cases=cases)
+    return {case["name"]: [rank[i] for rank in per_rank] for i, case in enumerate(cases)}

@@ -193,6 +193,17 @@ def test_an_optax_chain_over_a_parameter_dict_reshards_as_orbax_restores_it(opta
     np.testing.assert_allclose(ours, after, rtol=1e-6, atol=0)
 
 
+def _restored_without_a_target_by_both(tmp_path, tree):
+    """``tree`` saved by gj.save and by Orbax, then restored by each without a target: (ours, Orbax's)."""
+    gj.save(tmp_path / "gs", tree)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "orbax", tree)
+        checkpointer.wait_until_finished()
+        theirs = checkpointer.restore(tmp_path / "orbax")
+    ours, _ = gj.load(tmp_path / "gs")
+    return ours, theirs
+
+
 def test_a_pytree_of_every_leaf_kind_restored_without_a_target_holds_what_orbax_restores(tmp_path):
     # Sharded jax arrays, numpy arrays, bf16, Python numbers, None, a tuple in a list: Orbax's
     # restore(path) with no target against gj.load(path), same tree, leaf types, dtypes, values, shardings.
@@ -200,12 +211,7 @@ def test_a_pytree_of_every_leaf_kind_restored_without_a_target_holds_what_orbax_
     tree = {"params": {"w": jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(m, P(None, "tp"))),
                        "b": np.arange(4, dtype=np.int64)},
             "layers": [jnp.ones(3, jnp.bfloat16), (2.5, True, None), ()], "step": 7}
-    gj.save(tmp_path / "gs", tree)
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(tmp_path / "orbax", tree)
-        checkpointer.wait_until_finished()
-        theirs = checkpointer.restore(tmp_path / "orbax")
-    ours, _ = gj.load(tmp_path / "gs")
+    ours, theirs = _restored_without_a_target_by_both(tmp_path, tree)
     assert jax.tree.structure(ours) == jax.tree.structure(theirs)
     assert ours["layers"][1:] == theirs["layers"][1:] == [[2.5, True, None], ()]
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(theirs)):
@@ -220,12 +226,7 @@ def test_a_sharding_over_some_devices_comes_back_without_a_target_where_orbax_pu
     # A mesh over the last 4 of the 8 devices: Orbax restores it over the same device ids; so do we.
     m = Mesh(np.array(jax.devices()[4:]).reshape(2, 2), ("dp", "tp"))
     tree = {"w": jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(m, P("dp", "tp")))}
-    gj.save(tmp_path / "gs", tree)
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(tmp_path / "orbax", tree)
-        checkpointer.wait_until_finished()
-        theirs = checkpointer.restore(tmp_path / "orbax")
-    ours, _ = gj.load(tmp_path / "gs")
+    ours, theirs = _restored_without_a_target_by_both(tmp_path, tree)
     assert ours["w"].sharding.is_equivalent_to(theirs["w"].sharding, 2)
     assert [d.id for d in ours["w"].sharding.mesh.devices.flat] == [4, 5, 6, 7]
     assert np.array_equal(np.asarray(ours["w"]), np.asarray(theirs["w"]))

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from ranks import run
+from ranks import outcomes_by_case
 
 import globalshard_torch as gt
 
@@ -101,10 +101,8 @@ EXPORTS = [
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    path = tmp_path_factory.mktemp("megatron")
-    cases = CASES + EXPORTS + DISTOPT + ROUNDTRIPS
-    per_rank = run(2, "megatron_jobs:scenarios", str(path / "ranks"), path=str(path), cases=cases)
-    return {case["name"]: [rank[i] for rank in per_rank] for i, case in enumerate(cases)}
+    return outcomes_by_case(2, "megatron_jobs:scenarios", str(tmp_path_factory.mktemp("megatron")),
+                            CASES + EXPORTS + DISTOPT + ROUNDTRIPS)
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in CASES])

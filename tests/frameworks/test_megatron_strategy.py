@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from ranks import run
+from ranks import outcomes_by_case, run
 
 DENSE = dict(hidden=16, heads=4, groups=2, ffn=32, glu=True, bias=False, vocab=64, tied=False)
 CASES = [
@@ -63,10 +63,8 @@ EXPORTS = [
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    path = tmp_path_factory.mktemp("megatron_strategy")
-    cases = CASES + RESIZED + FAILED + EXPORTS
-    per_rank = run(2, "megatron_strategy_jobs:scenarios", str(path / "ranks"), path=str(path), cases=cases)
-    return {case["name"]: [rank[i] for rank in per_rank] for i, case in enumerate(cases)}
+    return outcomes_by_case(2, "megatron_strategy_jobs:scenarios", str(tmp_path_factory.mktemp("megatron_strategy")),
+                            CASES + RESIZED + FAILED + EXPORTS)
 
 
 def _checked(ranks):
