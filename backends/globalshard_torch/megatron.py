@@ -258,7 +258,9 @@ class LoadStrategy(LoadShardedStrategy):
 
     def _load(self, sharded_state_dict: Any, path: str) -> dict[str, Any]:
         tensors = _tensors(sharded_state_dict)
-        stored = gs.read_metadata(path).tensors if any(t.allow_shape_mismatch for t in tensors) else {}
+        comm = self.comm if self.comm is not None else (default_comm() or SingleProcessComm())
+        checkpoint = gs.Checkpoint.open(path, comm=comm)  # its metadata sizes padded targets, then it loads
+        stored = checkpoint.metadata.tensors
         staging = HostStaging()
         targets: dict[str, gs.ShardedTensor] = {}
         for i, t in enumerate(tensors):
@@ -269,12 +271,12 @@ class LoadStrategy(LoadShardedStrategy):
                 if t.allow_shape_mismatch:
                     t.data.zero_()
             assert t.data is not None
-            shape = tuple(stored[t.key].global_shape) if t.key in stored else tuple(t.global_shape)
+            shape = tuple(stored[t.key].global_shape) if t.allow_shape_mismatch and t.key in stored \
+                else tuple(t.global_shape)
             if shape != tuple(t.global_shape) and _inside(t, shape) is None:
                 continue  # all beyond the stored array: zeros, as set above (a device tensor is not staged)
             targets[f"{i}:{t.key}"] = _piece(t, numpy_view(staging.host(t.data, for_save=False)), shape, main=True)
-        comm = self.comm if self.comm is not None else (default_comm() or SingleProcessComm())
-        gs.load(targets, path, comm=comm, allow_lossy_cast=self.allow_lossy_cast)
+        checkpoint.load(targets, comm=comm, allow_lossy_cast=self.allow_lossy_cast)
         staging.finish_load()
         return dict_list_map_outplace(lambda t: t.data, sharded_state_dict)
 

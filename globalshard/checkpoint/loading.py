@@ -124,16 +124,9 @@ def load(
         CheckpointNotFoundError, MetadataError, MismatchError, CastError,
         StorageError, CommError.
     """
-    checkpoint: list[Checkpoint] = []
-
-    def open_() -> None:
-        checkpoint.append(Checkpoint(path, kvstore=kvstore, io=io))
-
-    # Every rank must find the checkpoint before any rank plans against it.
     with gc_paused():  # as in Checkpoint.load
-        run_collectively(comm if comm is not None else SingleProcessComm(), "load: opening", open_)
-        return checkpoint[0].load(state, comm=comm, allow_lossy_cast=allow_lossy_cast, stats=stats,
-                                  shared_reads=shared_reads)
+        return Checkpoint.open(path, comm=comm, kvstore=kvstore, io=io).load(
+            state, comm=comm, allow_lossy_cast=allow_lossy_cast, stats=stats, shared_reads=shared_reads)
 
 
 def _expected_attributes(metadata: Metadata, plan: LoadPlan) -> dict[str, Expect]:
@@ -225,6 +218,18 @@ class Checkpoint:
         self._engine = open_engine(self._store, self._io)
         self.metadata = _read_metadata(self._store)
         self._trainer_state = _read_trainer_state(self._store, self.metadata)
+
+    @classmethod
+    def open(cls, path: Any, *, comm: Comm | None = None, kvstore: Any = None, io: str | None = None) -> Checkpoint:
+        """The checkpoint opened on every rank of ``comm``, as :func:`load` opens it: every
+        rank must find it before any plans against it, and if one cannot, every rank raises."""
+        checkpoint: list[Checkpoint] = []
+
+        def open_() -> None:
+            checkpoint.append(cls(path, kvstore=kvstore, io=io))
+
+        run_collectively(comm if comm is not None else SingleProcessComm(), "load: opening", open_)
+        return checkpoint[0]
 
     @property
     def trainer_state(self) -> dict[str, Any]:

@@ -333,6 +333,11 @@ def conventions(rank: int, *, path: str) -> dict[str, Any]:
         out[f"rigid_{cols}"] = outcome({"rigid": ShardedTensor.from_rank_offsets("keyA", torch.ones(2, cols))}, shapes)
         out[f"flexible_{cols}"] = outcome({"flexible": ShardedTensor.from_rank_offsets(
             "keyB", torch.ones(2, cols, dtype=whole.dtype), allow_shape_mismatch=True)}, shapes)
+    # Both in one load: the rigid target is still refused, not given the overlap the other may take.
+    out["rigid_with_flexible"] = outcome({
+        "rigid": ShardedTensor.from_rank_offsets("keyA", torch.ones(2, 28, dtype=whole.dtype)),
+        "flexible": ShardedTensor.from_rank_offsets("keyB", torch.ones(2, 28, dtype=whole.dtype),
+                                                    allow_shape_mismatch=True)}, shapes)
     out["renamed"] = outcome({"some_key": ShardedTensor.from_rank_offsets("different_key", torch.ones(2, 32))},
                              shapes)
     empty = os.path.join(path, "empty")

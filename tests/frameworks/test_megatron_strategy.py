@@ -114,6 +114,7 @@ def test_megatrons_own_serialization_tests_pass_with_the_globalshard_strategy(tm
     for cols in (28, 36):  # a rigid target of another global shape is refused, naming the key and both shapes
         assert out[f"rigid_{cols}"].startswith("CheckpointingException: MismatchError"), out[f"rigid_{cols}"]
         assert "keyA" in out[f"rigid_{cols}"] and f"(2, {cols})" in out[f"rigid_{cols}"]
+    assert out["rigid_with_flexible"].startswith("CheckpointingException: MismatchError"), out["rigid_with_flexible"]
     assert out["flexible_28"] == {"flexible": [list(range(28))] * 2}  # the part it overlaps
     assert out["flexible_36"] == {"flexible": [list(range(32)) + [0] * 4] * 2}  # zeros beyond, as torch_dist
     assert out["renamed"].startswith("CheckpointingException") and "different_key" in out["renamed"]
