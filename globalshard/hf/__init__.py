@@ -20,7 +20,9 @@ A mapping file (JSON; ``globalshard/mappings/`` ships ``llama`` for the
 demo's model, ``megatron_gpt`` for Megatron-Core's GPTModel saved by
 globalshard's rules, ``megatron_dist`` for the same saved by Megatron's
 ``dist_checkpointing`` with globalshard's strategy, and
-``torchtitan_llama3``, each to Hugging Face's ``LlamaForCausalLM``)::
+``torchtitan_llama3``, each to Hugging Face's ``LlamaForCausalLM``;
+``megatron_gpt_qwen3``, ``megatron_dist_qwen3`` and ``torchtitan_qwen3`` to
+``Qwen3ForCausalLM``; ``torchtitan_qwen3_moe`` to ``Qwen3MoeForCausalLM``)::
 
     {"params": {"heads": 32, "kv_heads": 8, "rope_theta": 500000.0},
      "tensors": [
@@ -65,9 +67,19 @@ a rule or a ``skip`` pattern: nothing is left out silently.
 * ``config``: written as ``config.json`` beside the files. Values are JSON,
   or one of ``{"$param": name}``, ``{"$shape": hf_name, "axis": i}``
   (``"divide": param`` divides it), ``{"$count": hf_name_with_{layer}}``
-  (how many layers have it), ``{"$present": hf_name}``, ``{"$absent":
-  hf_name}``, ``{"$dtype": hf_name}`` (its exported dtype, for
-  ``torch_dtype``). Without it no ``config.json`` is written (nor removed).
+  (how many layers have it), ``{"$indices": hf_name_with_{layer}}`` (the
+  sorted layer numbers that have it), ``{"$present": hf_name}``,
+  ``{"$absent": hf_name}`` (true or false; with ``"then": a, "else": b``,
+  the value ``a`` or ``b``, themselves JSON or directives), ``{"$dtype":
+  hf_name}`` (its exported dtype, for ``torch_dtype``). A name may hold
+  ``{field}``s: ``$present`` asks whether any tensor has such a name,
+  ``$shape`` and ``$dtype`` read them all, which must agree. Without it no
+  ``config.json`` is written (nor removed).
+* ``extends``: the name of a shipped mapping, or a path from this file's
+  directory. Its rules follow this file's (the first rule a key matches
+  applies, on export and on reading back); its ``params``, ``skip`` patterns
+  and ``config`` keys are merged under this file's (a ``config`` key set to
+  ``null`` is left out).
 
 ``params`` are numbers; sizes, heads and layer counts must be positive
 integers.

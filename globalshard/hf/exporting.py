@@ -18,6 +18,7 @@ import numpy as np
 from globalshard.checkpoint import Checkpoint
 from globalshard.dtypes import canonical_name, numpy_dtype
 from globalshard.geometry import Box
+from globalshard.hf.config import hf_config
 from globalshard.hf.naming import ExportError, HfTensor, NameMapping, _hf_shapes, _to_halves
 from globalshard.hf.safetensors_file import SAFETENSORS_DTYPES
 
@@ -60,7 +61,7 @@ def export(checkpoint: str | Checkpoint, out: str, *, mapping: NameMapping | Non
         if p.lora is not None and not _is_float(stored):
             raise ExportError(f"{p.key!r}: an adapter merges into floating-point tensors only, not {stored}")
         out_dtype[p.name] = want
-    config = mapping.hf_config(pieces, out_dtype)
+    config = hf_config(mapping, pieces, out_dtype)
     # Files of bounded size, in the order the mapping lists the tensors (a tensor: its pieces, in order).
     by_name: dict[str, list[HfTensor]] = {}
     for p in pieces:

@@ -186,14 +186,9 @@ class NameMapping:
 
     @classmethod
     def load(cls, path: str, params: Mapping[str, float] | None = None) -> NameMapping:
-        """A mapping file, or the name of a shipped one (``"llama"``)."""
-        if not os.path.exists(path) and re.fullmatch(r"[a-z0-9_-]+", path):
-            path = os.path.join(MAPPINGS_DIR, f"{path}.json")
-        try:
-            with open(path, encoding="utf-8") as f:
-                doc = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ExportError(f"cannot read the mapping {path}: {e}") from None
+        """A mapping file, or the name of a shipped one (``"llama"``), with the
+        mappings it ``extends`` merged in."""
+        doc, path = _read_mapping(path, ())
         return cls(doc, params=params, where=path)
 
     @classmethod
@@ -270,44 +265,6 @@ class NameMapping:
                     break
         return out
 
-    def hf_config(self, pieces: Sequence[HfTensor], out_dtype: Mapping[str, str]) -> dict[str, Any] | None:
-        """The ``config.json`` the mapping describes for these tensors, or None."""
-        if self.config is None:
-            return None
-        shapes = _hf_shapes(pieces)
-
-        def value(v: Any, at: str) -> Any:
-            if isinstance(v, list):
-                return [value(x, f"{at}[{i}]") for i, x in enumerate(v)]
-            if not isinstance(v, dict):
-                return v
-            directive = [k for k in v if k.startswith("$")]
-            if not directive:
-                return {k: value(x, f"{at}.{k}") for k, x in v.items()}
-            kind, arg = directive[0], v[directive[0]]
-            if kind == "$param":
-                return self._param(arg, f"{self.where}: {at} needs params.{arg}")
-            if kind in ("$present", "$absent"):
-                return (arg in shapes) == (kind == "$present")
-            if kind == "$count":
-                pattern = _compile(arg, at)
-                return len({n for n in shapes if pattern.fullmatch(n)})
-            if arg not in shapes:
-                raise ExportError(f"{self.where}: {at} reads {arg!r}, which the export does not write")
-            if kind == "$dtype":
-                return out_dtype[arg]
-            if kind == "$shape":
-                n = shapes[arg][int(v.get("axis", 0))]
-                if "divide" in v:
-                    d = self._count(v, "divide", at)
-                    if n % d:
-                        raise ExportError(f"{self.where}: {at}: {n} does not divide by {d}")
-                    n //= d
-                return n
-            raise ExportError(f"{self.where}: {at}: unknown directive {kind!r}")
-
-        return {k: value(v, f"config.{k}") for k, v in self.config.items()}
-
 
 def _rule_pieces(rule: _Rule, key: str, shape: tuple[int, ...], fields: dict[str, str],
                  lora: tuple[str, str, float] | None, lead: tuple[int, ...]) -> tuple[list[HfTensor], list[str]]:
@@ -374,6 +331,41 @@ def _to_halves(rows: np.ndarray, heads: int) -> np.ndarray:
 def _from_halves(rows: np.ndarray, heads: int) -> np.ndarray:
     n = rows.shape[0]
     return rows.reshape(heads, 2, n // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _read_mapping(path: str, seen: tuple[str, ...]) -> tuple[dict[str, Any], str]:
+    """A mapping file's JSON (or a shipped one's, by name) and its path, the
+    mapping it ``extends`` merged in: its rules after this one's (the first
+    rule a key matches applies), its params, skip patterns and config keys
+    under this one's (a config key set to null is left out)."""
+    if not os.path.exists(path) and re.fullmatch(r"[a-z0-9_-]+", path):
+        path = os.path.join(MAPPINGS_DIR, f"{path}.json")
+    if os.path.realpath(path) in seen:
+        raise ExportError(f"{path}: 'extends' goes round in a circle: {' -> '.join(seen)}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ExportError(f"cannot read the mapping {path}: {e}") from None
+    if not isinstance(doc, dict) or "extends" not in doc:
+        return doc, path
+    base = doc["extends"]
+    if not isinstance(base, str) or not base:
+        raise ExportError(f"{path}: extends: the name of a shipped mapping or a path, got {base!r}")
+    if not re.fullmatch(r"[a-z0-9_-]+", base):  # a path, from the extending file's directory
+        base = os.path.join(os.path.dirname(path), base)
+    parent, _ = _read_mapping(base, (*seen, os.path.realpath(path)))
+    for field, kind in (("tensors", list), ("skip", list), ("params", dict), ("config", dict)):
+        for d, at in ((doc, path), (parent, base)):
+            if d.get(field) is not None and not isinstance(d[field], kind):
+                raise ExportError(f"{at}: {field} must be a JSON {'list' if kind is list else 'object'}")
+    config = {**(parent.get("config") or {}), **(doc.get("config") or {})}
+    return {**{k: v for k, v in doc.items() if k != "extends"},
+            "tensors": [*(doc.get("tensors") or []), *(parent.get("tensors") or [])],
+            "skip": [*(parent.get("skip") or []), *(doc.get("skip") or [])],
+            "params": {**(parent.get("params") or {}), **(doc.get("params") or {})},
+            "config": {k: v for k, v in config.items() if v is not None}
+            if "config" in doc or "config" in parent else None}, path
 
 
 def _compile(key: str, where: str) -> re.Pattern[str]:

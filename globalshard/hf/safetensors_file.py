@@ -135,6 +135,8 @@ class SafetensorsSource:
                     continue
                 fields = m.groupdict()
                 key = _fill(rule.key, fields)
+                if key in out:  # the first rule that gives a key reads it, as the first a key matches exports it
+                    continue
                 names = [_fill(t, fields) for t in targets]
                 missing = [n for n in names if n not in self.entries]
                 if missing:

@@ -140,7 +140,8 @@ def config(m: dict[str, Any], vpp: int = 1, first: int | None = None,
                  else dict(pipeline_dtype=torch.float32))
     # A Llama: RMSNorm and SwiGLU (Megatron's defaults are LayerNorm and GeLU).
     llama = dict(normalization="RMSNorm", activation_func=torch.nn.functional.silu) if m.get("llama") else {}
-    return TransformerConfig(**moe, **llama, **mtp, num_layers=NUM_LAYERS, hidden_size=m["hidden"],
+    return TransformerConfig(**moe, **llama, **mtp, qk_layernorm=bool(m.get("qk_norm")),  # a Qwen3
+                             num_layers=NUM_LAYERS, hidden_size=m["hidden"],
                              num_attention_heads=m["heads"],
                              num_query_groups=m["groups"], ffn_hidden_size=m["ffn"],
                              gated_linear_unit=m["glu"], add_bias_linear=m["bias"], use_cpu_initialization=True,
@@ -156,8 +157,8 @@ def config(m: dict[str, Any], vpp: int = 1, first: int | None = None,
 def build(m: dict[str, Any], layout: gt.ParallelLayout) -> list[GPTModel]:
     """This rank's model: its virtual pipeline chunks, in local order (one without VPP)."""
     vpp, cfg = layout.vpp_size, CONFIGS[layout]
-    spec = get_gpt_layer_local_spec(num_experts=m.get("experts"), normalization=cfg.normalization
-                                    if m.get("llama") else None)
+    spec = get_gpt_layer_local_spec(num_experts=m.get("experts"), qk_layernorm=bool(m.get("qk_norm")),
+                                    normalization=cfg.normalization if m.get("llama") else None)
     stages = [c if vpp > 1 else None for c in range(vpp)]
     return [GPTModel(cfg, transformer_layer_spec=spec, vocab_size=m["vocab"], max_sequence_length=SEQ,
                      position_embedding_type="rope", share_embeddings_and_output_weights=m["tied"],
@@ -303,11 +304,12 @@ def scenario(rank: int, *, path: str, save: dict[str, int], load: dict[str, int]
 
 
 def export_scenario(rank: int, *, path: str, save: dict[str, int], load: dict[str, int], model: dict[str, Any],
-                    name: str, export: bool) -> dict[str, Any]:
+                    name: str, export: str) -> dict[str, Any]:
     """Saved at ``save`` with globalshard, exported by ``globalshard export
-    --map megatron_gpt`` and opened by transformers (its logits returned by
-    rank 0); the exported folder then read back by ``load_hf`` into a fresh
-    model at ``load`` (its logits returned by the rank that holds them)."""
+    --map <export>`` and opened by transformers as the architecture its
+    ``config.json`` names (its logits and class name returned by rank 0); the
+    exported folder then read back by ``load_hf`` into a fresh model at
+    ``load`` (its logits returned by the rank that holds them)."""
     import transformers
 
     from globalshard.cli import main as cli
@@ -316,20 +318,21 @@ def export_scenario(rank: int, *, path: str, save: dict[str, int], load: dict[st
     a, layout, before = saved_with_globalshard(ckpt, save, model)
     del a
     params = {"heads": model["heads"], "kv_heads": model["groups"], "rms_norm_eps": 1e-5, "rope_theta": 10000}
-    exported = None
+    exported = architecture = None
     if rank == 0:
         args = [f"--param={k}={v}" for k, v in params.items()]
-        assert cli(["export", ckpt, hf, "--map", "megatron_gpt", *args]) == 0
-        reference = transformers.LlamaForCausalLM.from_pretrained(hf).eval()
+        assert cli(["export", ckpt, hf, "--map", export, *args]) == 0
+        reference = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
         ids = (torch.arange(BATCH * SEQ).reshape(BATCH, SEQ) * 7) % 50
         with torch.no_grad():
             exported = reference(ids).logits.flatten().tolist()
+        architecture = type(reference).__name__
     dist.barrier()
     layout = setup(model, **load)
     b = build(model, layout)
     scramble(b, layout, model, "fresh")
-    gt.load_hf(hf, b, layout, rules(model), mapping="megatron_gpt", params=params)
-    return {"before": before, "exported": exported, "after": logits(b, layout)}
+    gt.load_hf(hf, b, layout, rules(model), mapping=export, params=params)
+    return {"before": before, "exported": exported, "architecture": architecture, "after": logits(b, layout)}
 
 
 def trained(model: dict[str, Any], layout: gt.ParallelLayout, salt: str) -> tuple[GPTModel, Any, Any]:

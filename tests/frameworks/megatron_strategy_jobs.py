@@ -179,10 +179,11 @@ def scenario(rank: int, *, path: str, name: str, save: dict[str, int], load: dic
 
 
 def exported(rank: int, *, path: str, name: str, save: dict[str, int], model: dict[str, Any],
-             export: bool) -> dict[str, Any]:
+             export: str) -> dict[str, Any]:
     """A Megatron Llama saved at ``save`` by dist_checkpointing with the globalshard
-    strategy, exported by ``globalshard export --map megatron_dist`` and opened by
-    transformers: its logits (rank 0) beside Megatron's before the save."""
+    strategy, exported by ``globalshard export --map <export>`` and opened by
+    transformers as the architecture its ``config.json`` names: its logits and
+    class name (rank 0) beside Megatron's logits before the save."""
     import transformers
 
     ckpt, hf = os.path.join(path, name, "ckpt"), os.path.join(path, name, "hf")
@@ -193,17 +194,18 @@ def exported(rank: int, *, path: str, name: str, save: dict[str, int], model: di
     a, _ = _built(model, layout, "saved", None)
     before = logits(a, layout)
     dist_checkpointing.save(_state(a, None, None, False), ckpt, sharded_strategy=gm.SaveStrategy())
-    out = None
+    out = architecture = None
     if rank == 0:
         params = {"heads": model["heads"], "kv_heads": model["groups"], "rms_norm_eps": 1e-5, "rope_theta": 10000}
         args = [f"--param={k}={v}" for k, v in params.items()]
-        assert cli(["export", gm.arrays_path(ckpt), hf, "--map", "megatron_dist", *args]) == 0
-        reference = transformers.LlamaForCausalLM.from_pretrained(hf).eval()
+        assert cli(["export", gm.arrays_path(ckpt), hf, "--map", export, *args]) == 0
+        reference = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
         ids = (torch.arange(BATCH * SEQ).reshape(BATCH, SEQ) * 7) % 50
         with torch.no_grad():
             out = reference(ids).logits.flatten().tolist()
+        architecture = type(reference).__name__
     dist.barrier()
-    return {"before": before, "exported": out}
+    return {"before": before, "exported": out, "architecture": architecture}
 
 
 def scenarios(rank: int, *, path: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -90,13 +90,17 @@ ROUNDTRIPS = [
          model={**DENSE, "experts": 4}, roundtrip=True),
 ]
 # A Megatron-Core Llama (RMSNorm, SwiGLU, rotary, GQA) exported to Hugging Face Llama, opened by
-# transformers, and the export read back into another layout by load_hf.
+# transformers, and the export read back into another layout by load_hf; with qk_layernorm, a Qwen3.
 LLAMA = {**DENSE, "llama": True}
 EXPORTS = [
-    dict(name="export_tp2_untied", save=dict(tp=2, pp=1), load=dict(tp=1, pp=2), model=LLAMA, export=True),
+    dict(name="export_tp2_untied", save=dict(tp=2, pp=1), load=dict(tp=1, pp=2), model=LLAMA,
+         export="megatron_gpt"),
     dict(name="export_pp2_tied", save=dict(tp=1, pp=2), load=dict(tp=2, pp=1), model={**LLAMA, "tied": True},
-         export=True),
+         export="megatron_gpt"),
+    dict(name="export_qwen3_tp2", save=dict(tp=2, pp=1), load=dict(tp=1, pp=2), model={**LLAMA, "qk_norm": True},
+         export="megatron_gpt_qwen3"),
 ]
+ARCHITECTURES = {"megatron_gpt": "LlamaForCausalLM", "megatron_gpt_qwen3": "Qwen3ForCausalLM"}
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +123,8 @@ def test_every_tensor_equals_megatrons_own_load_and_the_logits_carry_over(outcom
 @pytest.mark.parametrize("case", [c["name"] for c in EXPORTS])
 def test_a_megatron_llama_exports_to_a_llama_transformers_runs_with_the_same_logits_and_back(outcomes, case):
     ranks = outcomes[case]
+    export = next(c["export"] for c in EXPORTS if c["name"] == case)
+    assert [r["architecture"] for r in ranks if r["architecture"] is not None] == [ARCHITECTURES[export]]
     (before,) = [r["before"] for r in ranks if r["before"] is not None]
     (exported,) = [r["exported"] for r in ranks if r["exported"] is not None]
     (after,) = [r["after"] for r in ranks if r["after"] is not None]

@@ -53,12 +53,16 @@ RESIZED = [
 # A background save that fails on one rank (its writer process killed).
 FAILED = [dict(name="async_writer_killed", save=dict(tp=2, pp=1), model=DENSE, fail=True)]
 
-# A Megatron Llama (RMSNorm, SwiGLU, 2 query groups) exported to Hugging Face Llama from what the strategy stored.
+# A Megatron Llama (RMSNorm, SwiGLU, 2 query groups) exported to Hugging Face Llama from what the strategy
+# stored; with qk_layernorm, to Hugging Face Qwen3.
 LLAMA = {**DENSE, "llama": True}
 EXPORTS = [
-    dict(name="export_tp2", save=dict(tp=2, pp=1), model=LLAMA, export=True),
-    dict(name="export_pp2_tied", save=dict(tp=1, pp=2), model={**LLAMA, "tied": True}, export=True),
+    dict(name="export_tp2", save=dict(tp=2, pp=1), model=LLAMA, export="megatron_dist"),
+    dict(name="export_pp2_tied", save=dict(tp=1, pp=2), model={**LLAMA, "tied": True}, export="megatron_dist"),
+    dict(name="export_qwen3_pp2", save=dict(tp=1, pp=2), model={**LLAMA, "qk_norm": True},
+         export="megatron_dist_qwen3"),
 ]
+ARCHITECTURES = {"megatron_dist": "LlamaForCausalLM", "megatron_dist_qwen3": "Qwen3ForCausalLM"}
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +106,8 @@ def test_a_background_save_that_fails_on_one_rank_fails_on_every_rank_and_leaves
 @pytest.mark.parametrize("case", [c["name"] for c in EXPORTS])
 def test_what_the_strategy_stored_exports_to_a_llama_transformers_runs_with_megatrons_logits(outcomes, case):
     ranks = outcomes[case]
+    export = next(c["export"] for c in EXPORTS if c["name"] == case)
+    assert [r["architecture"] for r in ranks if r["architecture"] is not None] == [ARCHITECTURES[export]]
     (before,) = [r["before"] for r in ranks if r["before"] is not None]
     (exported,) = [r["exported"] for r in ranks if r["exported"] is not None]
     assert np.max(np.abs(np.array(exported) - np.array(before))) < 1e-5

@@ -17,7 +17,13 @@ Interleaved1F1B: 2 stages per rank) reloads at dp_shard=2, at PP=2 1F1B and
 into one process as DCP loads it; the FSDP2 x TP save reloads at PP=2.
 Its ``ParallelAwareDataloader`` at DP=2 resumes each rank's batches. Qwen3's
 dense debugmodel (tied embeddings, fused GQA QKV) reloads at TP=2 and into one
-process as DCP loads it, its embeddings still tied."""
+process as DCP loads it, its embeddings still tied.
+
+Qwen3 to Hugging Face: the dense model exported with ``--map torchtitan_qwen3``
+and the MoE with ``torchtitan_qwen3_moe`` hold every tensor torchtitan's own
+``Qwen3StateDictAdapter.to_hf`` makes, and transformers' ``Qwen3ForCausalLM``
+and ``Qwen3MoeForCausalLM`` give torchtitan's logits; the dense export reads
+back into the FSDP2 x TP model by ``load_hf``."""
 
 import json
 
@@ -155,3 +161,45 @@ def test_a_qwen3_with_tied_embeddings_reloads_as_dcp_loads_it_and_stays_tied(tie
     work, w = tied_saved, WORLDS[layout]
     for r in reloaded_as_dcp_loads(work, layout, w["world"], name="qwen3_tied", dp_shard=w["dp_shard"], tp=w["tp"]):
         assert r["tensors"] == 25 and r["tied"] == [True]
+
+
+def test_a_qwen3_exports_to_a_qwen3_transformers_runs_with_torchtitans_logits_and_back(tied_saved, tmp_path):
+    params = {"heads": 16, "kv_heads": 8}
+    (r,) = run(1, "torchtitan_jobs:exported", str(tmp_path / "ranks"), work=str(tied_saved), name="qwen3_tied",
+               hf=str(tmp_path / "hf"), mapping="torchtitan_qwen3", params=params)
+    assert r["architecture"] == "Qwen3ForCausalLM"
+    # Every tensor torchtitan's own Qwen3StateDictAdapter.to_hf makes, equal; it leaves the tied lm_head out,
+    # the export writes it (and an untied config): the same model.
+    assert r["differ"] == [] and r["only_theirs"] == [] and r["only_ours"] == ["lm_head.weight"]
+    assert r["skipped"] and all(k.startswith("optimizer.") for k in r["skipped"])
+    assert r["logits_diff"] < 1e-5
+    # And back into torchtitan's FSDP2 x TP Qwen3 (fused wqkv, q_norm and k_norm), as DCP loads the original.
+    # Its lm_head is its embeddings: the files' own lm_head is left unread, which only strict=False allows.
+    for back in run(4, "torchtitan_jobs:from_hf", str(tmp_path / "back"), work=str(tied_saved),
+                    hf=str(tmp_path / "hf"), dp_shard=2, tp=2, name="qwen3_tied", mapping="torchtitan_qwen3",
+                    params=params, strict=False):
+        assert back["tensors"] == 20 and back["differ"] == [] and back["unread"] == ["lm_head.weight"]
+
+
+def test_a_qwen3_moe_exports_to_transformers_qwen3_moe_once_its_expert_bias_is_let_go(moe_saved, tmp_path):
+    from globalshard.hf import ExportError, NameMapping, export
+
+    work, _ = moe_saved
+    params = {"heads": 16, "kv_heads": 8, "top_k": 2}
+    # Hugging Face's Qwen3 MoE routes without the load-balancing bias torchtitan's routes with: the shipped
+    # mapping stops at it, naming it, and writes nothing.
+    with pytest.raises(ExportError, match=r"layers\.0\.moe\.expert_bias_E"):
+        export(str(work / "ours"), str(tmp_path / "refused"), mapping=NameMapping.load("torchtitan_qwen3_moe", params))
+    assert not (tmp_path / "refused").exists()
+    # Letting it go, as the mapping's description says (and torchtitan's own adapter does).
+    mapping = tmp_path / "without_expert_bias.json"
+    mapping.write_text(json.dumps({"extends": "torchtitan_qwen3_moe", "skip": [r"layers\..*\.moe\.expert_bias_E"]}))
+    (r,) = run(1, "torchtitan_jobs:exported", str(tmp_path / "ranks"), work=str(work), name="qwen3",
+               hf=str(tmp_path / "hf"), mapping=str(mapping), params=params, zero_expert_bias=True)
+    assert r["architecture"] == "Qwen3MoeForCausalLM"
+    assert r["differ"] == [] and r["only_ours"] == [] and r["only_theirs"] == []  # experts split as its adapter does
+    assert sorted(k for k in r["skipped"] if not k.startswith("optimizer.")) == [
+        "layers.0.moe.expert_bias_E", "layers.1.moe.expert_bias_E"]
+    # torchtitan runs its experts in bfloat16 (transformers in float32): 3e-4 apart here; routing without
+    # normalising the top k, or with the bias, puts them 0.04 and 0.07 apart.
+    assert r["logits_diff"] < 2e-3

@@ -206,27 +206,69 @@ def dataloader(rank: int, *, work: str) -> dict[str, Any]:
     return out
 
 
-def from_hf(rank: int, *, work: str, hf: str, dp_shard: int, tp: int) -> dict[str, Any]:
+def from_hf(rank: int, *, work: str, hf: str, dp_shard: int, tp: int, name: str = "llama3",
+            mapping: str = "torchtitan_llama3", params: dict[str, float] | None = None,
+            strict: bool = True) -> dict[str, Any]:
     """A Hugging Face folder read by ``load_hf`` straight into torchtitan's parallelized
     model (its fused ``wqkv`` DTensors), compared with DCP's load of the original state."""
-    (model,), _ = build(dp_shard, tp, 11, work)
-    gt.load_hf(hf, model, gt.ParallelLayout(num_layers=6), None, mapping="torchtitan_llama3",
-               params={"heads": 16, "kv_heads": 16})
-    (reference,), optimizers = build(dp_shard, tp, 13, work)
+    (model,), _ = build(dp_shard, tp, 11, work, model=name)
+    got = gt.load_hf(hf, model, gt.ParallelLayout(num_layers=len(model.layers)), None, mapping=mapping,
+                     params=params or {"heads": 16, "kv_heads": 16}, strict=strict)
+    (reference,), optimizers = build(dp_shard, tp, 13, work, model=name)
     sd = state([reference], optimizers)
     dcp.load(sd, checkpoint_id=os.path.join(work, "dcp"))
     ModelWrapper(reference).load_state_dict({k: v for k, v in sd.items() if k != "optimizer"})
     ours, theirs = (dict(m.named_parameters()) for m in (model, reference))
-    return {"tensors": len(theirs),
+    return {"tensors": len(theirs), "unread": got["unread"],
             "differ": sorted(k for k in theirs if not torch.equal(_local(ours[k]), _local(theirs[k])))}
 
 
-def logits(parts: list[Any]) -> torch.Tensor:
+def exported(rank: int, *, work: str, name: str, hf: str, mapping: str, params: dict[str, float],
+             zero_expert_bias: bool = False) -> dict[str, Any]:
+    """What ``train`` saved, loaded into one process, exported to Hugging Face with
+    ``mapping`` and opened by transformers: the largest difference of its logits from
+    torchtitan's forward of the same weights, and each exported tensor beside what
+    torchtitan's own state dict adapter (``to_hf``) makes of them. With
+    ``zero_expert_bias``, torchtitan's forward routes without its load-balancing
+    expert bias, which Hugging Face's architecture does not have."""
+    import transformers
+    from safetensors import safe_open
+
+    from globalshard.hf import NameMapping, export
+
+    out = export(os.path.join(work, "ours"), hf, mapping=NameMapping.load(mapping, params))
+    (part,), optimizers = build(1, 1, 5, work, model=name)
+    sd = state([part], optimizers)
+    gt.load(sd, os.path.join(work, "ours"))
+    ModelWrapper(part).load_state_dict({k: v for k, v in sd.items() if k != "optimizer"})
+    ours = {}
+    for file in sorted(os.listdir(hf)):
+        if file.endswith(".safetensors"):
+            with safe_open(os.path.join(hf, file), "pt") as f:
+                ours |= {k: f.get_tensor(k) for k in f.keys()}
+    model_spec = spec(name, ParallelismConfig())
+    full = {k: _local(v) for k, v in ModelWrapper(part).state_dict().items()}
+    theirs = model_spec.state_dict_adapter(model_spec.model, None).to_hf(dict(full))
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
+    tokens = (torch.arange(2 * 16).reshape(2, 16) * 37) % 2048
+    with torch.no_grad():
+        hf_logits = model(tokens).logits
+    if zero_expert_bias:
+        full = {k: torch.zeros_like(v) if k.endswith("expert_bias_E") else v for k, v in full.items()}
+    diff = (logits([part], name, full) - hf_logits).abs().max().item()
+    return {"skipped": out["skipped"], "architecture": type(model).__name__, "logits_diff": diff,
+            "only_ours": sorted(set(ours) - set(theirs)), "only_theirs": sorted(set(theirs) - set(ours)),
+            "differ": sorted(k for k in set(ours) & set(theirs) if not torch.equal(ours[k], theirs[k]))}
+
+
+def logits(parts: list[Any], name: str = "llama3", full: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """torchtitan's forward of a fixed batch (one document: a causal flex-attention mask), in
-    float32: the same weights in an unparallelized debugmodel (FSDP2's mixed precision
+    float32: the same weights (or ``full``) in an unparallelized model (FSDP2's mixed precision
     policy would compute in bfloat16)."""
-    plain = llama3.model_registry("debugmodel", attn_backend="flex").model.build()
-    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in ModelWrapper(parts).state_dict().items()}
+    plain = spec(name, ParallelismConfig()).model.build()
+    if full is None:
+        full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+                for k, v in ModelWrapper(parts).state_dict().items()}
     ModelWrapper(plain).load_state_dict(full)
     tokens = (torch.arange(2 * 16).reshape(2, 16) * 37) % 2048
     positions = torch.arange(16).unsqueeze(0).expand(2, 16)

@@ -1,0 +1,81 @@
+"""A mapping's ``config``: the ``config.json`` written beside exported files.
+
+Its values are JSON, or directives read from what the export writes (the
+Hugging Face names and shapes of its tensors) and from the mapping's
+``params``. Pure: nothing is read but the arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from globalshard.hf.naming import ExportError, HfTensor, NameMapping, _compile, _hf_shapes
+
+
+def hf_config(mapping: NameMapping, pieces: Sequence[HfTensor], out_dtype: Mapping[str, str]) -> dict[str, Any] | None:
+    """The ``config.json`` ``mapping`` describes for these tensors, or None.
+
+    A name in a directive may hold ``{field}``s (``model.layers.{layer}.mlp.gate.weight``):
+    ``$present`` then asks whether any tensor has such a name, ``$shape``
+    and ``$dtype`` read every such tensor, which must agree, and ``$indices``
+    lists the values its one field takes (the layers that have it).
+    """
+    if mapping.config is None:
+        return None
+    shapes = _hf_shapes(pieces)
+    where = mapping.where
+
+    def named(arg: Any, at: str) -> list[str]:
+        if not isinstance(arg, str):
+            raise ExportError(f"{where}: {at}: a directive names a Hugging Face tensor, got {arg!r}")
+        pattern = _compile(arg, at)
+        return sorted(n for n in shapes if pattern.fullmatch(n))
+
+    def agreed(values: dict[str, Any], arg: str, at: str) -> Any:
+        if not values:
+            raise ExportError(f"{where}: {at} reads {arg!r}, which the export does not write")
+        if len(set(values.values())) > 1:
+            raise ExportError(f"{where}: {at}: the tensors named {arg!r} disagree: {values}")
+        return next(iter(values.values()))
+
+    def value(v: Any, at: str) -> Any:
+        if isinstance(v, list):
+            return [value(x, f"{at}[{i}]") for i, x in enumerate(v)]
+        if not isinstance(v, dict):
+            return v
+        directive = [k for k in v if k.startswith("$")]
+        if not directive:
+            return {k: value(x, f"{at}.{k}") for k, x in v.items()}
+        kind, arg = directive[0], v[directive[0]]
+        if kind == "$param":
+            return mapping._param(arg, f"{where}: {at} needs params.{arg}")
+        if kind in ("$present", "$absent"):
+            holds = bool(named(arg, at)) == (kind == "$present")
+            if "then" not in v and "else" not in v:
+                return holds
+            if "then" not in v or "else" not in v:
+                raise ExportError(f"{where}: {at}: {kind} with 'then' needs 'else' too, and the reverse")
+            return value(v["then"], f"{at}.then") if holds else value(v["else"], f"{at}.else")
+        if kind == "$count":
+            return len(named(arg, at))
+        if kind == "$indices":
+            pattern = _compile(arg, at) if isinstance(arg, str) else None
+            if pattern is None or pattern.groups != 1:
+                raise ExportError(f"{where}: {at}: $indices names tensors with one {{field}}, got {arg!r}")
+            found = {m.group(1) for n in shapes if (m := pattern.fullmatch(n))}
+            return sorted(int(i) for i in found) if all(i.isdigit() for i in found) else sorted(found)
+        if kind == "$dtype":
+            return agreed({n: out_dtype[n] for n in named(arg, at)}, arg, at)
+        if kind == "$shape":
+            axis = int(v.get("axis", 0))
+            n = agreed({name: shapes[name][axis] for name in named(arg, at) if axis < len(shapes[name])}, arg, at)
+            if "divide" in v:
+                d = mapping._count(v, "divide", at)
+                if n % d:
+                    raise ExportError(f"{where}: {at}: {n} does not divide by {d}")
+                n //= d
+            return n
+        raise ExportError(f"{where}: {at}: unknown directive {kind!r}")
+
+    return {k: value(v, f"config.{k}") for k, v in mapping.config.items()}

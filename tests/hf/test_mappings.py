@@ -1,0 +1,250 @@
+"""Mapping files that extend others, config directives over names with
+fields, and the shipped Qwen3 mappings (torchtitan's dense and MoE keys,
+Megatron-Core's with qk_layernorm) against Hugging Face's Qwen3 names."""
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.numpy import save_file
+from test_hf import read_all, save_global
+
+import globalshard as gs
+from globalshard.hf import ExportError, NameMapping, SafetensorsSource, export
+
+
+def write(path, doc):
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_a_mapping_that_extends_another_has_its_rules_first_and_its_config_over_the_bases(tmp_path):
+    (tmp_path / "maps").mkdir()
+    write(tmp_path / "maps" / "base.json", {
+        "params": {"p": 1, "q": 2},
+        "tensors": [{"key": "a", "name": "A"}, {"key": "b.{layer}", "name": "B.{layer}"}],
+        "skip": ["s.*"],
+        "config": {"x": 1, "y": 2, "gone": 3, "p": {"$param": "p"}, "q": {"$param": "q"}}})
+    derived = write(tmp_path / "maps" / "derived.json", {
+        "extends": "base.json", "params": {"p": 5},
+        "tensors": [{"key": "a", "name": "A2"}, {"key": "c", "name": "C"}],
+        "skip": ["t.*"],
+        "config": {"y": 3, "gone": None, "z": {"$shape": "B.{layer}", "axis": 0}}})
+    save_global({k: np.full((3,), i, np.float32) for i, k in enumerate(["a", "b.0", "b.1", "c", "s1", "t1"])},
+                tmp_path / "ckpt")
+    out = export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), mapping=NameMapping.load(derived))
+    _, got = read_all(tmp_path / "hf")
+    assert sorted(got) == ["A2", "B.0", "B.1", "C"]  # the derived rule for "a" wins over the base's
+    assert got["A2"].tolist() == [0, 0, 0] and got["C"].tolist() == [3, 3, 3]
+    assert sorted(out["skipped"]) == ["s1", "t1"]  # both files' skip patterns
+    assert out["config"] == {"x": 1, "y": 3, "p": 5, "q": 2, "z": 3}  # null leaves "gone" out
+    # Read back, the first rule that gives a key reads it, as on export, even where files hold both names.
+    (tmp_path / "both").mkdir()
+    save_file({"A": np.ones(3, np.float32), "A2": np.full(3, 2, np.float32)}, str(tmp_path / "both" / "m.safetensors"))
+    out = np.zeros(3, np.float32)
+    SafetensorsSource(str(tmp_path / "both"), NameMapping.load(derived)).read("a", gs.Box.full((3,)), out)
+    assert out.tolist() == [2, 2, 2]
+
+
+def test_a_shipped_mapping_is_extended_by_name(tmp_path):
+    path = write(tmp_path / "mine.json", {"extends": "megatron_dist", "skip": ["rng\\..*"]})
+    mapping = NameMapping.load(path, {"heads": 4, "kv_heads": 2})
+    shipped = NameMapping.load("megatron_dist", {"heads": 4, "kv_heads": 2})
+    assert [r.key for r in mapping.rules] == [r.key for r in shipped.rules]
+    assert mapping.config == shipped.config and [s.pattern for s in mapping.skip][-1] == "rng\\..*"
+
+
+@pytest.mark.parametrize("docs,match", [
+    ({"a.json": {"extends": "b.json"}, "b.json": {"extends": "a.json"}}, r"goes round in a circle"),
+    ({"a.json": {"extends": 5}}, r"a\.json: extends: the name of a shipped mapping or a path, got 5"),
+    ({"a.json": {"extends": "missing.json"}}, r"cannot read the mapping .*missing\.json"),
+    ({"a.json": {"extends": "b.json"}, "b.json": {"tensors": {"key": "x"}}}, r"b\.json: tensors must be a JSON list"),
+    ({"a.json": {"extends": "b.json", "config": [1]}, "b.json": {}}, r"a\.json: config must be a JSON object"),
+])
+def test_a_mapping_that_cannot_be_extended_is_named(tmp_path, docs, match):
+    for name, doc in docs.items():
+        write(tmp_path / name, doc)
+    with pytest.raises(ExportError, match=match):
+        NameMapping.load(str(tmp_path / "a.json"))
+
+
+def export_config(tmp_path, config, names=("L.0.gate", "L.2.gate", "L.1.dense")):
+    save_global({n: np.zeros((4 if "gate" in n else 6, 2), np.float32) for n in names}, tmp_path / "ckpt")
+    mapping = NameMapping({"tensors": [{"key": "{name}", "name": "{name}"}], "config": config})
+    return export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), mapping=mapping)["config"]
+
+
+def test_config_directives_read_names_with_fields(tmp_path):
+    config = export_config(tmp_path, {
+        "moe": {"$present": "L.{layer}.gate", "then": {"$shape": "L.{layer}.gate", "axis": 0}, "else": 0},
+        "shared": {"$present": "L.{layer}.shared", "then": 1, "else": {"$count": "L.{layer}.dense"}},
+        "dense_layers": {"$indices": "L.{layer}.dense"}, "gated": {"$indices": "L.{layer}.gate"},
+        "dtype": {"$dtype": "L.{layer}.gate"}, "any": {"$absent": "L.{layer}.shared"}})
+    assert config == {"moe": 4, "shared": 1, "dense_layers": [1], "gated": [0, 2], "dtype": "float32", "any": True}
+
+
+@pytest.mark.parametrize("config,match", [
+    ({"x": {"$shape": "L.{layer}.{kind}", "axis": 0}},
+     r"config\.x: the tensors named 'L\.\{layer\}\.\{kind\}' disagree"),
+    ({"x": {"$present": "L.{layer}.gate", "then": 1}}, r"config\.x: \$present with 'then' needs 'else' too"),
+    ({"x": {"$indices": "L.{layer}.{kind}"}}, r"config\.x: \$indices names tensors with one \{field\}"),
+    ({"x": {"$shape": "L.{layer}.shared"}}, r"config\.x reads 'L\.\{layer\}\.shared', which the export does not write"),
+])
+def test_a_config_directive_that_cannot_be_read_is_named_before_anything_is_written(tmp_path, config, match):
+    with pytest.raises(ExportError, match=match):
+        export_config(tmp_path, config)
+    assert not (tmp_path / "hf").exists()
+
+
+# ------------------------------------------------------------------ Qwen3
+
+
+def qwen3(draw, rng):
+    """A random Qwen3 under Hugging Face's names: dense, or MoE with some dense layers."""
+    layers, kv_heads = draw(st.integers(1, 3)), draw(st.integers(1, 2))
+    heads, hd = kv_heads * draw(st.integers(1, 2)), 2 * draw(st.integers(1, 2))
+    hidden, ffn, vocab = draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(st.integers(1, 5))
+    experts = draw(st.sampled_from([0, 1, 3]))
+    moe_layers = [i for i in range(layers) if experts and draw(st.booleans())]
+
+    def w(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    hf = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": w(hidden)}
+    if draw(st.booleans()):
+        hf["lm_head.weight"] = w(vocab, hidden)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        hf |= {p + "input_layernorm.weight": w(hidden), p + "post_attention_layernorm.weight": w(hidden),
+               p + "self_attn.q_proj.weight": w(heads * hd, hidden),
+               p + "self_attn.k_proj.weight": w(kv_heads * hd, hidden),
+               p + "self_attn.v_proj.weight": w(kv_heads * hd, hidden),
+               p + "self_attn.o_proj.weight": w(hidden, heads * hd),
+               p + "self_attn.q_norm.weight": w(hd), p + "self_attn.k_norm.weight": w(hd)}
+        if i in moe_layers:
+            hf[p + "mlp.gate.weight"] = w(experts, hidden)
+            for e in range(experts):
+                hf |= {p + f"mlp.experts.{e}.gate_proj.weight": w(ffn, hidden),
+                       p + f"mlp.experts.{e}.up_proj.weight": w(ffn, hidden),
+                       p + f"mlp.experts.{e}.down_proj.weight": w(hidden, ffn)}
+        else:
+            hf |= {p + "mlp.gate_proj.weight": w(ffn + 1, hidden), p + "mlp.up_proj.weight": w(ffn + 1, hidden),
+                   p + "mlp.down_proj.weight": w(hidden, ffn + 1)}
+    return hf, dict(layers=layers, heads=heads, kv_heads=kv_heads, hd=hd, ffn=ffn, experts=experts,
+                    moe_layers=moe_layers)
+
+
+def as_torchtitan_keys(hf, m, fused):
+    """The model under torchtitan's qwen3 keys: its state dict's wq/wk/wv (or the fused
+    wqkv parameter, interleaved per kv group), its experts stacked on a first axis."""
+    out = {"tok_embeddings.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    if "lm_head.weight" in hf:
+        out["lm_head.weight"] = hf["lm_head.weight"]
+    names = {"attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+             "attention.wo.weight": "self_attn.o_proj.weight", "attention.q_norm.weight": "self_attn.q_norm.weight",
+             "attention.k_norm.weight": "self_attn.k_norm.weight", "feed_forward.w1.weight": "mlp.gate_proj.weight",
+             "feed_forward.w3.weight": "mlp.up_proj.weight", "feed_forward.w2.weight": "mlp.down_proj.weight",
+             "moe.router.gate.weight": "mlp.gate.weight"}
+    for i in range(m["layers"]):
+        h, t = f"model.layers.{i}.", f"layers.{i}."
+        out |= {t + ours: hf[h + theirs] for ours, theirs in names.items() if h + theirs in hf}
+        q, k, v = (hf[h + f"self_attn.{x}_proj.weight"] for x in "qkv")
+        if fused:
+            g = m["kv_heads"]
+            out[t + "attention.qkv_linear.wqkv.weight"] = np.concatenate(
+                [q.reshape(g, -1, q.shape[1]), k.reshape(g, -1, k.shape[1]), v.reshape(g, -1, v.shape[1])],
+                axis=1).reshape(-1, q.shape[1])
+        else:
+            out |= {t + "attention.qkv_linear.wq.weight": q, t + "attention.qkv_linear.wk.weight": k,
+                    t + "attention.qkv_linear.wv.weight": v}
+        if i in m["moe_layers"]:
+            for ours, theirs in (("w1_EFD", "gate_proj"), ("w3_EFD", "up_proj"), ("w2_EDF", "down_proj")):
+                out[t + f"moe.routed_experts.inner_experts.{ours}"] = np.stack(
+                    [hf[h + f"mlp.experts.{e}.{theirs}.weight"] for e in range(m["experts"])])
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_torchtitan_qwen3_keys_export_to_each_hugging_face_qwen3_tensor_exactly_and_read_back(tmp_path_factory, data):
+    path = tmp_path_factory.mktemp("qwen3")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    hf, m = qwen3(data.draw, rng)
+    fused = data.draw(st.booleans())
+    keys = as_torchtitan_keys(hf, m, fused)
+    save_global(keys, path / "ckpt", extra={"optimizer.state.norm.weight.exp_avg": hf["model.norm.weight"]})
+    name = "torchtitan_qwen3_moe" if m["moe_layers"] else "torchtitan_qwen3"
+    params = {"heads": m["heads"], "kv_heads": m["kv_heads"], "top_k": 1}
+    index = export(str(path / "ckpt"), str(path / "hf"), mapping=NameMapping.load(name, params))
+    _, got = read_all(path / "hf")
+    assert got.keys() == hf.keys()
+    for n, value in hf.items():
+        assert np.array_equal(got[n].numpy(), value), n
+    config = index["config"]
+    assert config["head_dim"] == m["hd"] and config["num_hidden_layers"] == m["layers"]
+    assert config["tie_word_embeddings"] == ("lm_head.weight" not in hf)
+    if m["moe_layers"]:
+        assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["num_experts"] == m["experts"]
+        assert config["mlp_only_layers"] == [i for i in range(m["layers"]) if i not in m["moe_layers"]]
+        assert config["moe_intermediate_size"] == m["ffn"]
+        assert config["intermediate_size"] == (m["ffn"] + 1 if len(m["moe_layers"]) < m["layers"] else m["ffn"])
+    else:
+        assert config["architectures"] == ["Qwen3ForCausalLM"] and config["intermediate_size"] == m["ffn"] + 1
+    # Back: every key a rule reads (stacked experts are export only) equals what was saved.
+    source = SafetensorsSource(str(path / "hf"), NameMapping.load(name, params))
+    readable = [k for k in keys if "inner_experts" not in k]
+    assert set(readable) <= set(source.keys)
+    for k in readable:
+        out = np.empty(keys[k].shape, np.float32)
+        source.read(k, gs.Box.full(keys[k].shape), out)
+        assert np.array_equal(out, keys[k]), k
+
+
+def test_megatron_qwen3_mappings_add_the_query_and_key_norms_to_megatrons_llama(tmp_path):
+    rng = np.random.default_rng(0)
+    hd, heads, hidden = 4, 2, 3
+
+    def w(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    norms = {"q": w(2, hd), "k": w(2, hd)}  # 2 layers, stacked as Megatron's sharded state dict keys them
+    dist = {"embedding.word_embeddings.weight": w(5, hidden), "decoder.final_layernorm.weight": w(hidden),
+            "decoder.layers.self_attention.linear_qkv.weight": w(2, (heads + 2) * hd, hidden),
+            "decoder.layers.self_attention.linear_qkv.layer_norm_weight": w(2, hidden),
+            "decoder.layers.self_attention.linear_proj.weight": w(2, hidden, heads * hd),
+            "decoder.layers.mlp.linear_fc1.layer_norm_weight": w(2, hidden),
+            "decoder.layers.mlp.linear_fc1.weight": w(2, 6, hidden),
+            "decoder.layers.mlp.linear_fc2.weight": w(2, hidden, 3),
+            **{f"decoder.layers.self_attention.{x}_layernorm.weight": v for x, v in norms.items()}}
+    per_layer = {k.replace("decoder.layers.", f"decoder.layers.{i}."): v[i] for k, v in dist.items()
+                 if k.startswith("decoder.layers.") for i in range(2)}
+    per_layer |= {k: v for k, v in dist.items() if not k.startswith("decoder.layers.")}
+    for name, arrays in (("megatron_dist_qwen3", dist), ("megatron_gpt_qwen3", per_layer)):
+        save_global(arrays, tmp_path / name)
+        out = export(str(tmp_path / name), str(tmp_path / f"{name}_hf"),
+                     mapping=NameMapping.load(name, {"heads": heads, "kv_heads": 1}))
+        _, got = read_all(tmp_path / f"{name}_hf")
+        for i in range(2):
+            for x in "qk":
+                assert np.array_equal(got[f"model.layers.{i}.self_attn.{x}_norm.weight"].numpy(), norms[x][i])
+        assert out["config"]["architectures"] == ["Qwen3ForCausalLM"] and out["config"]["head_dim"] == hd
+        assert "mlp_bias" not in out["config"] and out["config"]["num_hidden_layers"] == 2
+    # The Llama mappings they extend refuse the norms rather than drop them.
+    with pytest.raises(ExportError, match=r"q_layernorm"):
+        export(str(tmp_path / "megatron_dist_qwen3"), str(tmp_path / "llama_hf"),
+               mapping=NameMapping.load("megatron_dist", {"heads": heads, "kv_heads": 1}))
+
+
+def test_the_documented_mapping_that_lets_a_moes_expert_bias_go_skips_it_and_only_it(tmp_path):
+    docs = (Path(__file__).parents[2] / "docs" / "cli.md").read_text()
+    doc = json.loads(re.search(r"```json\n(\{\"extends\".*?)```", docs, re.S).group(1))
+    mapping = NameMapping.load(write(tmp_path / "mine.json", doc), {"heads": 2, "kv_heads": 1, "top_k": 1})
+    shipped = NameMapping.load("torchtitan_qwen3_moe", {"heads": 2, "kv_heads": 1, "top_k": 1})
+    assert [s.pattern for s in mapping.skip][:-1] == [s.pattern for s in shipped.skip]
+    for key in ("layers.0.moe.expert_bias_E", "layers.17.moe.expert_bias_E"):
+        assert mapping.skip[-1].fullmatch(key) and not any(s.fullmatch(key) for s in shipped.skip)
+    assert not mapping.skip[-1].fullmatch("layers.0.moe.router.gate.weight")
