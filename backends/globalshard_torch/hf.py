@@ -53,8 +53,10 @@ def load_hf(directory: str, model: nn.Module | Sequence[nn.Module], layout: Para
             by default torch.distributed's, or this process alone.
 
     Returns:
-        Figures: ``{"bytes_read": ..., "tensors": ...}`` for this rank, and
-        ``"unread"``: the files' tensor names no rank read.
+        Figures: ``{"bytes_read": ..., "tensors": ...}`` for this rank,
+        ``"unread"``: the files' tensor names no rank read, and ``"skipped"``:
+        this rank's keys that the files lack and the mapping's ``skip``
+        patterns match (a MoE's load-balancing bias), left as they were.
 
     Raises:
         MismatchError: a key absent from the files, or a global shape that differs,
@@ -72,9 +74,13 @@ def load_hf(directory: str, model: nn.Module | Sequence[nn.Module], layout: Para
                 t.data[...] = 0  # Hugging Face files hold the true vocabulary only: padding rows are zero
             else:
                 targets[name] = t
-    problems = []
-    for name, t in targets.items():
+    problems, skipped = [], set()
+    for name, t in list(targets.items()):
         found = source.keys.get(t.key)
+        if found is None and any(s.fullmatch(t.key) for s in source.mapping.skip):
+            skipped.add(t.key)  # the mapping's skip: not part of the Hugging Face model; left as it is
+            del targets[name]
+            continue
         if found is None:
             problems.append(f"{t.key!r} ({name}): not in {directory} under the mapping")
             continue
@@ -104,4 +110,4 @@ def load_hf(directory: str, model: nn.Module | Sequence[nn.Module], layout: Para
         if covered is not None:
             t.data[~covered] = 0
     staging.finish_load()
-    return {"bytes_read": nbytes, "tensors": len(targets), "unread": unread}
+    return {"bytes_read": nbytes, "tensors": len(targets), "unread": unread, "skipped": sorted(skipped)}

@@ -39,7 +39,9 @@ globalshard's rules, ``megatron_dist`` for the same saved by Megatron's
 ``{field}`` in a key matches one dot-free name part (``{layer}``: digits)
 and is substituted into the names. A split's part sizes are proportions
 (numbers or ``params`` names) of the axis. Every checkpoint key must match
-a rule or a ``skip`` pattern: nothing is left out silently.
+a rule or a ``skip`` pattern: nothing is left out silently. Reading files
+back (``load_hf``), a model key the files lack that a ``skip`` pattern
+matches is left as it is and reported; any other is an error.
 
 * ``lora``: the checkpoint holds a low-rank adapter of the tensor, ``W +
   scale * B @ A`` (``B`` of shape ``[rows, r]``, ``A`` of ``[r, cols]``);
@@ -62,8 +64,10 @@ a rule or a ``skip`` pattern: nothing is left out silently.
   layer's tensors under one key (``"stacked": ["layer"]`` on
   ``decoder.layers.mlp.linear_fc2.weight`` of shape ``[layers, h, f]``); each
   index is one tensor of the rest of the axes, the fields substituted into
-  its names. Such rules are for export only: reading Hugging Face files back
-  (:class:`SafetensorsSource`, ``load_hf``) fills per-layer keys.
+  its names. Reading Hugging Face files back (:class:`SafetensorsSource`,
+  ``load_hf``), the key is those tensors one after the other on its leading
+  axes (torchtitan's experts ``w1_EFD`` from ``mlp.experts.{expert}``), and
+  every index up to the largest present must be there.
 * ``config``: written as ``config.json`` beside the files. Values are JSON,
   or one of ``{"$param": name}``, ``{"$shape": hf_name, "axis": i}``
   (``"divide": param`` divides it), ``{"$count": hf_name_with_{layer}}``

@@ -21,7 +21,7 @@ import numpy as np
 from globalshard.dtypes import numpy_dtype
 from globalshard.errors import MismatchError
 from globalshard.geometry import Box
-from globalshard.hf.naming import DamagedFileError, ExportError, HfTensor, NameMapping, _compile, _from_halves
+from globalshard.hf.naming import DamagedFileError, ExportError, HfTensor, NameMapping, _compile, _from_halves, _Rule
 
 #: Our dtype names and safetensors' (which has no fnuz float8 types).
 # TODO(limitation): float8_e4m3fnuz, float8_e5m2fnuz and complex128 have no safetensors
@@ -122,50 +122,76 @@ class SafetensorsSource:
 
         A name may back several keys: rules for alternative layouts of one
         tensor (torchtitan's ``wq`` of its state dict and its fused ``wqkv``
-        parameter) each read it; a model asks for the keys it has."""
+        parameter) each read it; a model asks for the keys it has. A stacked
+        rule's key is the tensors its fields number, one after the other on
+        its leading axes."""
         out: dict[str, tuple[str, tuple[int, ...], list[HfTensor]]] = {}
         for rule in self.mapping.rules:
-            if rule.stacked:  # TODO(limitation): keys stacked over layers are exported, never read back here
-                continue
             targets = [rule.name] if rule.name is not None else [p.name for p in rule.parts]
             first = _compile(targets[0], "mapping")
+            stacks: dict[str, dict[tuple[int, ...], tuple[str, tuple[int, ...], list[HfTensor]]]] = {}
             for name in sorted(self.entries):
                 m = first.fullmatch(name)
-                if m is None:
+                fields = m.groupdict() if m is not None else {}
+                if m is None or not all(fields.get(f, "").isdigit() for f in rule.stacked):
                     continue
-                fields = m.groupdict()
                 key = _fill(rule.key, fields)
                 if key in out:  # the first rule that gives a key reads it, as the first a key matches exports it
                     continue
-                names = [_fill(t, fields) for t in targets]
-                missing = [n for n in names if n not in self.entries]
-                if missing:
-                    raise ExportError(f"{key!r}: {self.directory} lacks {missing} (needed with {name!r})")
-                entries = [self.entries[n] for n in names]
-                if len({e.dtype for e in entries}) != 1:
-                    raise ExportError(f"{key!r}: {names} have different dtypes")
-                axis, groups = rule.axis, rule.groups
-                shape = list(entries[0].shape)
-                if rule.name is None:
-                    shape[axis] = sum(e.shape[axis] for e in entries)
-                rotary = [rule.rotary] if rule.name is not None else [p.rotary for p in rule.parts]
-                for n, e, heads in zip(names, entries, rotary):
-                    if heads is not None and (not e.shape or e.shape[0] % (2 * heads)):
-                        raise ExportError(f"{n!r}: {list(e.shape)} is not {heads} rotary heads of an even size")
-                    if groups > 1 and (not e.shape or e.shape[axis] % groups):
-                        raise ExportError(f"{n!r}: {list(e.shape)} does not split into {groups} groups")
-                pieces, start = [], 0
-                block = shape[axis] // groups if shape else 0
-                for n, e, heads in zip(names, entries, rotary):
-                    rows = e.shape[axis] // groups if e.shape else 0
-                    for g in range(groups):
-                        offset = tuple(g * block + start if a == axis else 0 for a in range(len(e.shape)))
-                        size = tuple(rows if a == axis else s for a, s in enumerate(e.shape))
-                        pieces.append(HfTensor(n, key, Box(offset, size), None if heads is None else heads // groups,
-                                            None, g * rows))
-                    start += rows if rule.name is None else 0
-                out[key] = (entries[0].dtype, tuple(shape), pieces)
+                lead = tuple(int(fields[f]) for f in rule.stacked)
+                found = self._pieces(rule, key, [_fill(t, fields) for t in targets], name, lead)
+                if rule.stacked:
+                    stacks.setdefault(key, {})[lead] = found
+                else:
+                    out[key] = found
+            for key, by_lead in stacks.items():
+                out[key] = self._stacked(key, rule.stacked, by_lead)
         return out
+
+    def _pieces(self, rule: _Rule, key: str, names: list[str], name: str,
+                lead: tuple[int, ...]) -> tuple[str, tuple[int, ...], list[HfTensor]]:
+        """The dtype, shape and pieces of the array ``names`` make under ``rule``."""
+        missing = [n for n in names if n not in self.entries]
+        if missing:
+            raise ExportError(f"{key!r}: {self.directory} lacks {missing} (needed with {name!r})")
+        entries = [self.entries[n] for n in names]
+        if len({e.dtype for e in entries}) != 1:
+            raise ExportError(f"{key!r}: {names} have different dtypes")
+        axis, groups = rule.axis, rule.groups
+        shape = list(entries[0].shape)
+        if rule.name is None:
+            shape[axis] = sum(e.shape[axis] for e in entries)
+        rotary = [rule.rotary] if rule.name is not None else [p.rotary for p in rule.parts]
+        for n, e, heads in zip(names, entries, rotary):
+            if heads is not None and (not e.shape or e.shape[0] % (2 * heads)):
+                raise ExportError(f"{n!r}: {list(e.shape)} is not {heads} rotary heads of an even size")
+            if groups > 1 and (not e.shape or e.shape[axis] % groups):
+                raise ExportError(f"{n!r}: {list(e.shape)} does not split into {groups} groups")
+        pieces, start = [], 0
+        block = shape[axis] // groups if shape else 0
+        for n, e, heads in zip(names, entries, rotary):
+            rows = e.shape[axis] // groups if e.shape else 0
+            for g in range(groups):
+                offset = tuple(g * block + start if a == axis else 0 for a in range(len(e.shape)))
+                size = tuple(rows if a == axis else s for a, s in enumerate(e.shape))
+                pieces.append(HfTensor(n, key, Box(offset, size), None if heads is None else heads // groups,
+                                       None, g * rows, lead))
+            start += rows if rule.name is None else 0
+        return entries[0].dtype, tuple(shape), pieces
+
+    def _stacked(self, key: str, fields: tuple[str, ...], by_lead: Mapping[tuple[int, ...], tuple[
+            str, tuple[int, ...], list[HfTensor]]]) -> tuple[str, tuple[int, ...], list[HfTensor]]:
+        """A stacked key: its arrays at every index of its leading axes, which must all be there."""
+        counts = tuple(max(lead[i] for lead in by_lead) + 1 for i in range(len(fields)))
+        missing = [lead for lead in np.ndindex(*counts) if tuple(int(i) for i in lead) not in by_lead]
+        if missing:
+            raise ExportError(f"{key!r}: {self.directory} lacks its {list(fields)} {missing[:8]} "
+                              f"(it has {len(by_lead)} of {math.prod(counts)})")
+        kinds = {(dtype, shape) for dtype, shape, _ in by_lead.values()}
+        if len(kinds) != 1:
+            raise ExportError(f"{key!r}: its {list(fields)} differ in dtype or shape: {sorted(kinds)}")
+        ((dtype, shape),) = kinds
+        return dtype, counts + shape, [p for lead in sorted(by_lead) for p in by_lead[lead][2]]
 
     def read(self, key: str, box: Box, out: np.ndarray) -> int:
         """Fill ``out`` (shape ``box.shape``) with ``box`` of ``key``; returns bytes read."""
@@ -175,12 +201,13 @@ class SafetensorsSource:
         _, _, pieces = self.keys[key]
         nbytes = 0
         for p in pieces:
-            part = p.box.intersect(box)
+            part = p.stored_box(p.box).intersect(box)  # a stacked key's piece: one index of its leading axes
             if part is None or part.volume == 0:
                 continue
             e = self.entries[p.name]
-            shift = [a - b for a, b in zip(part.offset, p.box.offset)]
-            local = Box((shift[0] + p.at, *shift[1:]) if shift else (), part.shape)
+            inner = Box(part.offset[len(p.lead):], part.shape[len(p.lead):])
+            shift = [a - b for a, b in zip(inner.offset, p.box.offset)]
+            local = Box((shift[0] + p.at, *shift[1:]) if shift else (), inner.shape)
             values = _read_rows(e, local) if p.rotary is None else _read_rotary(e, local, p.box.shape[0] // p.rotary)
             dst = out[tuple(slice(a - b, a - b + s) for a, b, s in zip(part.offset, box.offset, part.shape))]
             dst[...] = values if values.dtype == out.dtype else values.astype(out.dtype)

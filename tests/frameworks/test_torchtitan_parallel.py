@@ -22,8 +22,8 @@ process as DCP loads it, its embeddings still tied.
 Qwen3 to Hugging Face: the dense model exported with ``--map torchtitan_qwen3``
 and the MoE with ``torchtitan_qwen3_moe`` hold every tensor torchtitan's own
 ``Qwen3StateDictAdapter.to_hf`` makes, and transformers' ``Qwen3ForCausalLM``
-and ``Qwen3MoeForCausalLM`` give torchtitan's logits; the dense export reads
-back into the FSDP2 x TP model by ``load_hf``."""
+and ``Qwen3MoeForCausalLM`` give torchtitan's logits; the exports read back
+into the FSDP2 x TP (x EP) models by ``load_hf``."""
 
 import json
 
@@ -203,3 +203,9 @@ def test_a_qwen3_moe_exports_to_transformers_qwen3_moe_once_its_expert_bias_is_l
     # torchtitan runs its experts in bfloat16 (transformers in float32): 3e-4 apart here; routing without
     # normalising the top k, or with the bias, puts them 0.04 and 0.07 apart.
     assert r["logits_diff"] < 2e-3
+    # And back, as a fine-tune starts from Hugging Face's weights: load_hf fills torchtitan's MoE at
+    # dp_shard=2 x TP=2 x EP=4 (each rank's experts from their own files' rows), the bias left as it was.
+    for back in run(4, "torchtitan_jobs:from_hf", str(tmp_path / "back"), work=str(work), hf=str(tmp_path / "hf"),
+                    dp_shard=2, tp=2, ep=4, name="qwen3", mapping=str(mapping), params=params):
+        assert back["tensors"] == 23 and back["differ"] == [] and back["unread"] == []
+        assert back["skipped"] == ["layers.0.moe.expert_bias_E", "layers.1.moe.expert_bias_E"]

@@ -206,20 +206,21 @@ def dataloader(rank: int, *, work: str) -> dict[str, Any]:
     return out
 
 
-def from_hf(rank: int, *, work: str, hf: str, dp_shard: int, tp: int, name: str = "llama3",
+def from_hf(rank: int, *, work: str, hf: str, dp_shard: int, tp: int, ep: int = 1, name: str = "llama3",
             mapping: str = "torchtitan_llama3", params: dict[str, float] | None = None,
             strict: bool = True) -> dict[str, Any]:
     """A Hugging Face folder read by ``load_hf`` straight into torchtitan's parallelized
-    model (its fused ``wqkv`` DTensors), compared with DCP's load of the original state."""
-    (model,), _ = build(dp_shard, tp, 11, work, model=name)
+    model (its fused ``wqkv`` DTensors, a MoE's experts over EP), its parameters
+    compared with DCP's load of the original state."""
+    (model,), _ = build(dp_shard, tp, 11, work, ep=ep, model=name)
     got = gt.load_hf(hf, model, gt.ParallelLayout(num_layers=len(model.layers)), None, mapping=mapping,
                      params=params or {"heads": 16, "kv_heads": 16}, strict=strict)
-    (reference,), optimizers = build(dp_shard, tp, 13, work, model=name)
+    (reference,), optimizers = build(dp_shard, tp, 13, work, ep=ep, model=name)
     sd = state([reference], optimizers)
     dcp.load(sd, checkpoint_id=os.path.join(work, "dcp"))
     ModelWrapper(reference).load_state_dict({k: v for k, v in sd.items() if k != "optimizer"})
     ours, theirs = (dict(m.named_parameters()) for m in (model, reference))
-    return {"tensors": len(theirs), "unread": got["unread"],
+    return {"tensors": len(theirs), "unread": got["unread"], "skipped": got["skipped"],
             "differ": sorted(k for k in theirs if not torch.equal(_local(ours[k]), _local(theirs[k])))}
 
 

@@ -170,7 +170,7 @@ def as_torchtitan_keys(hf, m, fused):
 
 @settings(max_examples=30, deadline=None)
 @given(data=st.data())
-def test_torchtitan_qwen3_keys_export_to_each_hugging_face_qwen3_tensor_exactly_and_read_back(tmp_path_factory, data):
+def test_torchtitan_qwen3_keys_export_to_each_qwen3_tensor_exactly_and_read_back_in_any_box(tmp_path_factory, data):
     path = tmp_path_factory.mktemp("qwen3")
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     hf, m = qwen3(data.draw, rng)
@@ -194,14 +194,17 @@ def test_torchtitan_qwen3_keys_export_to_each_hugging_face_qwen3_tensor_exactly_
         assert config["intermediate_size"] == (m["ffn"] + 1 if len(m["moe_layers"]) < m["layers"] else m["ffn"])
     else:
         assert config["architectures"] == ["Qwen3ForCausalLM"] and config["intermediate_size"] == m["ffn"] + 1
-    # Back: every key a rule reads (stacked experts are export only) equals what was saved.
+    # Back: every key, its experts stacked again, whole and in any box, equals what was saved.
     source = SafetensorsSource(str(path / "hf"), NameMapping.load(name, params))
-    readable = [k for k in keys if "inner_experts" not in k]
-    assert set(readable) <= set(source.keys)
-    for k in readable:
-        out = np.empty(keys[k].shape, np.float32)
-        source.read(k, gs.Box.full(keys[k].shape), out)
-        assert np.array_equal(out, keys[k]), k
+    assert set(keys) <= set(source.keys)
+    for k, value in keys.items():
+        assert source.keys[k][1] == value.shape, k
+        lo = [data.draw(st.integers(0, n - 1)) for n in value.shape]
+        box = gs.Box(tuple(lo), tuple(data.draw(st.integers(1, n - a)) for a, n in zip(lo, value.shape)))
+        for b in (gs.Box.full(value.shape), box):
+            out = np.empty(b.shape, np.float32)
+            source.read(k, b, out)
+            assert np.array_equal(out, value[b.slices]), (k, b)
 
 
 def test_megatron_qwen3_mappings_add_the_query_and_key_norms_to_megatrons_llama(tmp_path):
@@ -248,3 +251,41 @@ def test_the_documented_mapping_that_lets_a_moes_expert_bias_go_skips_it_and_onl
     for key in ("layers.0.moe.expert_bias_E", "layers.17.moe.expert_bias_E"):
         assert mapping.skip[-1].fullmatch(key) and not any(s.fullmatch(key) for s in shipped.skip)
     assert not mapping.skip[-1].fullmatch("layers.0.moe.router.gate.weight")
+
+
+def test_a_stacked_key_read_back_needs_every_index_and_names_the_missing_ones(tmp_path):
+    names = {f"model.layers.0.mlp.experts.{e}.gate_proj.weight": np.full((2, 3), e, np.float32) for e in (0, 1, 3)}
+    save_file(names, str(tmp_path / "model.safetensors"))
+    mapping = NameMapping({"tensors": [{"key": "layers.{layer}.w1", "stacked": ["expert"],
+                                        "name": "model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight"}]})
+    with pytest.raises(ExportError, match=r"'layers\.0\.w1': .* lacks its \['expert'\] \[\(2,\)\] \(it has 3 of 4\)"):
+        SafetensorsSource(str(tmp_path), mapping)
+    names["model.layers.0.mlp.experts.2.gate_proj.weight"] = np.zeros((2, 4), np.float32)
+    save_file(names, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ExportError, match=r"'layers\.0\.w1': its \['expert'\] differ in dtype or shape"):
+        SafetensorsSource(str(tmp_path), mapping)
+
+
+def test_load_hf_leaves_a_model_key_the_files_lack_as_it_is_when_the_mapping_skips_it(tmp_path):
+    import torch
+
+    import globalshard_torch as gt
+
+    class Moe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1 = torch.nn.Parameter(torch.full((3, 2, 4), -1.0))  # 3 experts, stacked
+            self.register_buffer("expert_bias", torch.full((3,), 7.0))
+
+    experts = {f"experts.{e}.gate_proj.weight": np.full((2, 4), e, np.float32) for e in range(3)}
+    save_file(experts, str(tmp_path / "model.safetensors"))
+    rule = {"key": "w1", "stacked": ["expert"], "name": "experts.{expert}.gate_proj.weight"}
+    rules = gt.ShardingRules([(r".*", gt.Replicated())])
+    model = Moe()
+    with pytest.raises(gs.MismatchError, match=r"'expert_bias' \(expert_bias\): not in"):
+        gt.load_hf(str(tmp_path), model, gt.ParallelLayout(), rules, mapping=NameMapping({"tensors": [rule]}))
+    got = gt.load_hf(str(tmp_path), model, gt.ParallelLayout(), rules,
+                     mapping=NameMapping({"tensors": [rule], "skip": ["expert_bias"]}))
+    assert got["skipped"] == ["expert_bias"] and got["unread"] == []
+    assert model.expert_bias.tolist() == [7.0] * 3  # left as it was
+    assert [model.w1[e].unique().tolist() for e in range(3)] == [[0.0], [1.0], [2.0]]
