@@ -290,15 +290,24 @@ def _impl_name(dtype: Any) -> str:
 
 
 def _saved_sharding(leaf: dict[str, Any], fallback: Any) -> Any:
-    """The ``NamedSharding`` a leaf was saved with, as Orbax restores it without a target: over the
-    devices of the ids it recorded, or (a file written before they were) this job's devices in
-    ``jax.devices()`` order when there are as many. Where this job does not have them, ``fallback``
-    (Orbax's ``fallback_sharding``), else a MismatchError naming the leaf. None (the default device)
-    for a leaf saved without a ``NamedSharding``."""
+    """The sharding a leaf was saved with, as Orbax restores it without a target: a ``NamedSharding``
+    over the devices of the ids it recorded, or (a file written before they were) this job's devices
+    in ``jax.devices()`` order when there are as many; a ``SingleDeviceSharding`` on the device of
+    its id. Where this job does not have them, ``fallback`` (Orbax's ``fallback_sharding``), else a
+    MismatchError naming the leaf. None (the default device) for a leaf saved with neither."""
+    by_id = {d.id: d for d in jax.devices()}
+    device = leaf.get("device")
+    if device is not None:
+        if device in by_id:
+            return jax.sharding.SingleDeviceSharding(by_id[device])
+        if fallback is not None:
+            return fallback
+        raise gs.MismatchError(f"{leaf['key']!r}: saved on device {device}, which this job does not have "
+                               f"({jax.device_count()} devices, ids {sorted(by_id)[:16]}); pass a target, or "
+                               "fallback_sharding= for such leaves (as Orbax's)")
     mesh = leaf.get("mesh")
     if mesh is None:
         return None
-    by_id = {d.id: d for d in jax.devices()}
     ids = mesh.get("devices")
     if ids is not None and all(i in by_id for i in ids):
         devices = np.array([by_id[i] for i in ids]).reshape(mesh["shape"])
@@ -319,7 +328,8 @@ def _whole(path: Any, *, comm: Comm, allow_lossy_cast: bool, kvstore: Any, stats
            fallback: Any) -> Restored:
     """:func:`load` without a target: the saved pytree rebuilt from its skeleton (``gj.save``'s), or
     nested dicts of the stored arrays split at the dots."""
-    # TODO(limitation): shardings other than NamedSharding come back on the default device.
+    # TODO(limitation): shardings other than NamedSharding and SingleDeviceSharding come back on the
+    # default device.
     checkpoint = gs.Checkpoint.open(path, comm=comm, kvstore=kvstore)
     described = checkpoint.trainer_state.get(TREE, {}).get("pytree")
     if described is None:

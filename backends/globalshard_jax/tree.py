@@ -79,6 +79,9 @@ def _leaf(key: str, leaf: Any, keys: KeyMap) -> dict[str, Any]:
         out["mesh"] = {"shape": [int(n) for n in mesh.devices.shape], "axes": [str(a) for a in mesh.axis_names],
                        "devices": [int(d.id) for d in mesh.devices.flat]}
         out["spec"] = [list(p) if isinstance(p, tuple) else p for p in sharding.spec]
+    elif isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        (device,) = sharding.device_set
+        out["device"] = int(device.id)  # type: ignore[attr-defined]
     return out
 
 

@@ -20,7 +20,7 @@ optax = pytest.importorskip("optax")
 ocp = pytest.importorskip("orbax.checkpoint")
 
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import globalshard as gs  # noqa: E402
@@ -223,13 +223,17 @@ def test_a_pytree_of_every_leaf_kind_restored_without_a_target_holds_what_orbax_
 
 
 def test_a_sharding_over_some_devices_comes_back_without_a_target_where_orbax_puts_it(tmp_path):
-    # A mesh over the last 4 of the 8 devices: Orbax restores it over the same device ids; so do we.
+    # A mesh over the last 4 of the 8 devices, and an array on device 6 alone: Orbax restores them over
+    # the same device ids; so do we.
     m = Mesh(np.array(jax.devices()[4:]).reshape(2, 2), ("dp", "tp"))
-    tree = {"w": jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(m, P("dp", "tp")))}
+    tree = {"w": jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(m, P("dp", "tp"))),
+            "s": jax.device_put(jnp.arange(3.0), jax.devices()[6])}
     ours, theirs = _restored_without_a_target_by_both(tmp_path, tree)
     assert ours["w"].sharding.is_equivalent_to(theirs["w"].sharding, 2)
     assert [d.id for d in ours["w"].sharding.mesh.devices.flat] == [4, 5, 6, 7]
-    assert np.array_equal(np.asarray(ours["w"]), np.asarray(theirs["w"]))
+    assert ours["s"].sharding == theirs["s"].sharding == SingleDeviceSharding(jax.devices()[6])
+    for k in tree:
+        assert np.array_equal(np.asarray(ours[k]), np.asarray(theirs[k]))
 
 
 ELSEWHERE = """
@@ -240,11 +244,13 @@ import jax, numpy as np, orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import globalshard_jax as gj
 mesh = Mesh(np.array(jax.devices()[8:12]).reshape(2, 2), ("dp", "tp"))
-tree = {"w": jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4), NamedSharding(mesh, P("dp", "tp")))}
-gj.save(sys.argv[1] + "/gs", tree)
-with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(sys.argv[1] + "/orbax", tree)
-    checkpointer.wait_until_finished()
+trees = {"": {"w": jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4), NamedSharding(mesh, P("dp", "tp")))},
+         "_one": {"s": jax.device_put(np.arange(3, dtype=np.float32), jax.devices()[10])}}
+for suffix, tree in trees.items():
+    gj.save(sys.argv[1] + "/gs" + suffix, tree)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(sys.argv[1] + "/orbax" + suffix, tree)
+        checkpointer.wait_until_finished()
 """
 
 
@@ -268,6 +274,17 @@ def test_a_mesh_this_job_lacks_restored_without_a_target_fails_or_takes_the_fall
     assert np.array_equal(np.asarray(ours["w"]), np.asarray(theirs["w"]))
     assert ours["w"].sharding.is_equivalent_to(theirs["w"].sharding, 2)
     assert ours["w"].sharding.is_equivalent_to(fallback, 2)
+    # An array on device 10 alone: refused by both, and restored by both with the fallback.
+    with pytest.raises(ValueError, match="Topology mismatch"):
+        checkpointer.restore(tmp_path / "orbax_one")
+    with pytest.raises(gs.MismatchError, match="'s': saved on device 10"):
+        gj.load(tmp_path / "gs_one")
+    one = SingleDeviceSharding(jax.devices()[3])
+    theirs = ocp.Checkpointer(ocp.StandardCheckpointHandler()).restore(
+        tmp_path / "orbax_one", args=ocp.args.StandardRestore(fallback_sharding=one))
+    ours, _ = gj.load(tmp_path / "gs_one", fallback_sharding=one)
+    assert ours["s"].sharding == theirs["s"].sharding == one
+    assert np.array_equal(np.asarray(ours["s"]), np.asarray(theirs["s"]))
 
 
 def test_an_optax_state_restored_without_a_target_holds_what_orbax_restores(optax_saved):

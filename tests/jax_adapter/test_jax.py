@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 jax = pytest.importorskip("jax")
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import globalshard as gs  # noqa: E402
@@ -439,6 +439,18 @@ def test_without_a_target_the_saved_pytree_comes_back_in_orbaxs_containers(tmp_p
     assert gj.load(tmp_path / "ours", {"step": 0}, strict=False)[1] == {"epoch": 2}
 
 
+def test_without_a_target_an_array_on_one_device_comes_back_on_that_device_as_in_orbax(tmp_path):
+    tree = {"x": jax.device_put(jnp_arange((3, 2)), DEVICES[5]), "k": jax.device_put(jax.random.key(1), DEVICES[6]),
+            "d": jnp_arange((2,))}
+    assert all(isinstance(v.sharding, SingleDeviceSharding) for v in tree.values())
+    gj.save(tmp_path / "c", tree)
+    got, _ = gj.load(tmp_path / "c")
+    for name, device in (("x", DEVICES[5]), ("k", DEVICES[6]), ("d", jax.devices()[0])):
+        assert got[name].sharding == SingleDeviceSharding(device), name
+    assert np.array_equal(np.asarray(got["x"]), np.asarray(tree["x"]))
+    assert np.array_equal(jax.random.key_data(got["k"]), jax.random.key_data(tree["k"]))
+
+
 def test_without_a_target_a_sharding_comes_back_over_the_devices_of_its_ids_as_in_orbax(tmp_path):
     # Meshes over some of the 8 devices (the last four; three, out of order): the same devices, by id.
     for n, (ids, shape) in enumerate([([4, 5, 6, 7], (2, 2)), ([2, 0, 1], (3, 1))]):
@@ -461,6 +473,7 @@ ELSEWHERE = textwrap.dedent("""
     mesh = Mesh(np.array(jax.devices()[8:12]).reshape(2, 2), ("x", "y"))
     w = jax.device_put(np.arange(24, dtype=np.float32).reshape(6, 4), NamedSharding(mesh, P("x", "y")))
     gj.save(sys.argv[1], {"w": w, "n": np.ones(3)})
+    gj.save(sys.argv[1] + "_one", {"s": jax.device_put(np.arange(3, dtype=np.float32), jax.devices()[10])})
 """)
 
 
@@ -478,6 +491,12 @@ def test_without_a_target_a_mesh_this_job_lacks_takes_fallback_sharding_or_is_na
     assert isinstance(got["n"], np.ndarray)
     with pytest.raises(gs.LayoutError, match="fallback_sharding is for a load without a target"):
         gj.load(tmp_path / "c", {"w": got["w"]}, fallback_sharding=fallback)
+    # An array on one device, id 10: the same.
+    with pytest.raises(gs.MismatchError, match=r"'s': saved on device 10, which this job does not have.*"
+                                               r"fallback_sharding="):
+        gj.load(tmp_path / "c_one")
+    got, _ = gj.load(tmp_path / "c_one", fallback_sharding=SingleDeviceSharding(DEVICES[3]))
+    assert got["s"].sharding == SingleDeviceSharding(DEVICES[3]) and got["s"].tolist() == [0, 1, 2]
 
 
 def test_without_a_target_a_mesh_saved_without_its_device_ids_is_laid_over_jax_devices(tmp_path, monkeypatch):
