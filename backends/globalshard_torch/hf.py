@@ -82,7 +82,8 @@ def load_hf(directory: str, model: nn.Module | Sequence[nn.Module], layout: Para
             del targets[name]
             continue
         if found is None:
-            problems.append(f"{t.key!r} ({name}): not in {directory} under the mapping")
+            why = f": {source.incomplete[t.key]}" if t.key in source.incomplete else ""
+            problems.append(f"{t.key!r} ({name}): not in {directory} under the mapping{why}")
             continue
         dtype, shape, _ = found
         if shape != t.global_shape:

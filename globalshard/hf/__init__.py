@@ -22,7 +22,8 @@ globalshard's rules, ``megatron_dist`` for the same saved by Megatron's
 ``dist_checkpointing`` with globalshard's strategy, and
 ``torchtitan_llama3``, each to Hugging Face's ``LlamaForCausalLM``;
 ``megatron_gpt_qwen3``, ``megatron_dist_qwen3`` and ``torchtitan_qwen3`` to
-``Qwen3ForCausalLM``; ``torchtitan_qwen3_moe`` to ``Qwen3MoeForCausalLM``)::
+``Qwen3ForCausalLM``; ``megatron_dist_qwen3_moe`` and ``torchtitan_qwen3_moe``
+to ``Qwen3MoeForCausalLM``)::
 
     {"params": {"heads": 32, "kv_heads": 8, "rope_theta": 500000.0},
      "tensors": [
@@ -66,8 +67,10 @@ matches is left as it is and reported; any other is an error.
   index is one tensor of the rest of the axes, the fields substituted into
   its names. Reading Hugging Face files back (:class:`SafetensorsSource`,
   ``load_hf``), the key is those tensors one after the other on its leading
-  axes (torchtitan's experts ``w1_EFD`` from ``mlp.experts.{expert}``), and
-  every index up to the largest present must be there.
+  axes (torchtitan's experts ``w1_EFD`` from ``mlp.experts.{expert}``); a
+  key whose tensors are not all there (every index up to the largest
+  present), or disagree in shape, is not offered, and asking for it names
+  what is missing.
 * ``config``: written as ``config.json`` beside the files. Values are JSON,
   or one of ``{"$param": name}``, ``{"$shape": hf_name, "axis": i}``
   (``"divide": param`` divides it), ``{"$count": hf_name_with_{layer}}``

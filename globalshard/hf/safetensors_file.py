@@ -115,6 +115,8 @@ class SafetensorsSource:
                 raise ExportError(f"{index}: file name {name!r} is not inside the directory")
             self.entries |= read_header(os.path.join(directory, name))
         self.mapping = mapping or NameMapping.identity()
+        #: Stacked keys the files hold only some of, or in disagreeing shapes: why each is not in ``keys``.
+        self.incomplete: dict[str, str] = {}
         self.keys = self._invert()
 
     def _invert(self) -> dict[str, tuple[str, tuple[int, ...], list[HfTensor]]]:
@@ -145,7 +147,9 @@ class SafetensorsSource:
                 else:
                     out[key] = found
             for key, by_lead in stacks.items():
-                out[key] = self._stacked(key, rule.stacked, by_lead)
+                stacked = self._stacked(key, rule.stacked, by_lead)
+                if stacked is not None:
+                    out[key] = stacked
         return out
 
     def _pieces(self, rule: _Rule, key: str, names: list[str], name: str,
@@ -180,16 +184,20 @@ class SafetensorsSource:
         return entries[0].dtype, tuple(shape), pieces
 
     def _stacked(self, key: str, fields: tuple[str, ...], by_lead: Mapping[tuple[int, ...], tuple[
-            str, tuple[int, ...], list[HfTensor]]]) -> tuple[str, tuple[int, ...], list[HfTensor]]:
-        """A stacked key: its arrays at every index of its leading axes, which must all be there."""
+            str, tuple[int, ...], list[HfTensor]]]) -> tuple[str, tuple[int, ...], list[HfTensor]] | None:
+        """A stacked key: its arrays at every index of its leading axes. None, and the reason in
+        :attr:`incomplete`, when some are missing or they disagree (a model that asks for another
+        form of the key, a MoE's per-layer keys, is not refused for it)."""
         counts = tuple(max(lead[i] for lead in by_lead) + 1 for i in range(len(fields)))
         missing = [lead for lead in np.ndindex(*counts) if tuple(int(i) for i in lead) not in by_lead]
-        if missing:
-            raise ExportError(f"{key!r}: {self.directory} lacks its {list(fields)} {missing[:8]} "
-                              f"(it has {len(by_lead)} of {math.prod(counts)})")
         kinds = {(dtype, shape) for dtype, shape, _ in by_lead.values()}
-        if len(kinds) != 1:
-            raise ExportError(f"{key!r}: its {list(fields)} differ in dtype or shape: {sorted(kinds)}")
+        if missing:
+            self.incomplete[key] = (f"{self.directory} lacks its {list(fields)} {missing[:8]} "
+                                    f"(it has {len(by_lead)} of {math.prod(counts)})")
+        elif len(kinds) != 1:
+            self.incomplete[key] = f"its {list(fields)} differ in dtype or shape: {sorted(kinds)}"
+        if missing or len(kinds) != 1:
+            return None
         ((dtype, shape),) = kinds
         return dtype, counts + shape, [p for lead in sorted(by_lead) for p in by_lead[lead][2]]
 
@@ -197,7 +205,7 @@ class SafetensorsSource:
         """Fill ``out`` (shape ``box.shape``) with ``box`` of ``key``; returns bytes read."""
         if key not in self.keys:
             raise MismatchError(f"{key!r}: not in {self.directory} under the mapping "
-                                f"({len(self.keys)} keys found)")
+                                f"({self.incomplete.get(key, f'{len(self.keys)} keys found')})")
         _, _, pieces = self.keys[key]
         nbytes = 0
         for p in pieces:

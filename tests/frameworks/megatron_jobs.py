@@ -35,7 +35,11 @@ from megatron.core import dist_checkpointing  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+    get_gpt_mtp_block_spec,
+)
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.tensor_parallel import random as mrandom  # noqa: E402
 from megatron.core.transformer.module import Float16Module  # noqa: E402
@@ -134,7 +138,8 @@ NUM_LAYERS = 4
 def config(m: dict[str, Any], vpp: int = 1, first: int | None = None,
            pp_layout: str | None = None, etp: int | None = None) -> TransformerConfig:
     moe = dict(num_moe_experts=m["experts"], moe_router_topk=2, moe_token_dispatcher_type="allgather",
-               moe_aux_loss_coeff=0.0) if m.get("experts") else {}
+               moe_aux_loss_coeff=0.0, **({"moe_layer_freq": m["moe_freq"]} if m.get("moe_freq") else {}))\
+        if m.get("experts") else {}
     mtp = dict(mtp_num_layers=1) if m.get("mtp") else {}  # multi-token prediction (DeepSeek-V3's)
     precision = (dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16) if m.get("bf16")
                  else dict(pipeline_dtype=torch.float32))
@@ -160,6 +165,14 @@ def build(m: dict[str, Any], layout: gt.ParallelLayout) -> list[GPTModel]:
     spec = get_gpt_layer_local_spec(num_experts=m.get("experts"), qk_layernorm=bool(m.get("qk_norm")),
                                     normalization=cfg.normalization if m.get("llama") else None)
     stages = [c if vpp > 1 else None for c in range(vpp)]
+    if m.get("moe_freq"):  # dense and MoE layers: Megatron's block spec (it then keys each layer apart)
+        return [GPTModel(cfg, transformer_layer_spec=get_gpt_decoder_block_spec(
+                             cfg, use_transformer_engine=False, normalization=cfg.normalization, vp_stage=stage),
+                         vocab_size=m["vocab"], max_sequence_length=SEQ, position_embedding_type="rope",
+                         share_embeddings_and_output_weights=m["tied"], vp_stage=stage,
+                         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage))
+                for stage in stages]
     return [GPTModel(cfg, transformer_layer_spec=spec, vocab_size=m["vocab"], max_sequence_length=SEQ,
                      position_embedding_type="rope", share_embeddings_and_output_weights=m["tied"],
                      mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False, vp_stage=stage)

@@ -8,6 +8,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from typing import Any
@@ -196,7 +197,8 @@ def exported(rank: int, *, path: str, name: str, save: dict[str, int], model: di
     dist_checkpointing.save(_state(a, None, None, False), ckpt, sharded_strategy=gm.SaveStrategy())
     out = architecture = None
     if rank == 0:
-        params = {"heads": model["heads"], "kv_heads": model["groups"], "rms_norm_eps": 1e-5, "rope_theta": 10000}
+        params = {"heads": model["heads"], "kv_heads": model["groups"], "rms_norm_eps": 1e-5, "rope_theta": 10000,
+                  **({"top_k": 2} if model.get("experts") else {})}  # config's moe_router_topk
         args = [f"--param={k}={v}" for k, v in params.items()]
         assert cli(["export", gm.arrays_path(ckpt), hf, "--map", export, *args]) == 0
         reference = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
@@ -204,8 +206,12 @@ def exported(rank: int, *, path: str, name: str, save: dict[str, int], model: di
         with torch.no_grad():
             out = reference(ids).logits.flatten().tolist()
         architecture = type(reference).__name__
+        per_layer = sum(bool(re.match(r"decoder\.layers\.\d+\.", k))
+                        for k in gs.read_metadata(gm.arrays_path(ckpt)).tensors)
+        dense = getattr(reference.config, "mlp_only_layers", None)
     dist.barrier()
-    return {"before": before, "exported": out, "architecture": architecture}
+    return {"before": before, "exported": out, "architecture": architecture, "per_layer_keys": per_layer,
+            "dense_layers": dense} if rank == 0 else {"before": before, "exported": None, "architecture": None}
 
 
 def scenarios(rank: int, *, path: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -61,8 +61,15 @@ EXPORTS = [
     dict(name="export_pp2_tied", save=dict(tp=1, pp=2), model={**LLAMA, "tied": True}, export="megatron_dist"),
     dict(name="export_qwen3_pp2", save=dict(tp=1, pp=2), model={**LLAMA, "qk_norm": True},
          export="megatron_dist_qwen3"),
+    # A Qwen3 MoE: 4 experts (SequentialMLP, the local spec's), 2 routed per token, saved at EP=2.
+    dict(name="export_qwen3_moe_ep2", save=dict(tp=1, pp=1, ep=2), model={**LLAMA, "qk_norm": True, "experts": 4},
+         export="megatron_dist_qwen3_moe"),
+    # Its first layer dense (moe_layer_freq): Megatron keys each layer apart (non-homogeneous layers).
+    dict(name="export_qwen3_moe_dense_first_tp2", save=dict(tp=2, pp=1),
+         model={**LLAMA, "qk_norm": True, "experts": 4, "moe_freq": [0, 1, 1, 1]}, export="megatron_dist_qwen3_moe"),
 ]
-ARCHITECTURES = {"megatron_dist": "LlamaForCausalLM", "megatron_dist_qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"megatron_dist": "LlamaForCausalLM", "megatron_dist_qwen3": "Qwen3ForCausalLM",
+                 "megatron_dist_qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +118,10 @@ def test_what_the_strategy_stored_exports_to_a_llama_transformers_runs_with_mega
     (before,) = [r["before"] for r in ranks if r["before"] is not None]
     (exported,) = [r["exported"] for r in ranks if r["exported"] is not None]
     assert np.max(np.abs(np.array(exported) - np.array(before))) < 1e-5
+    model = next(c["model"] for c in EXPORTS if c["name"] == case)
+    assert (ranks[0]["per_layer_keys"] > 0) == bool(model.get("moe_freq"))  # Megatron's two forms of keys
+    if model.get("experts"):
+        assert ranks[0]["dense_layers"] == [i for i, f in enumerate(model.get("moe_freq", [1] * 4)) if not f]
 
 
 def test_megatrons_own_serialization_tests_pass_with_the_globalshard_strategy(tmp_path):

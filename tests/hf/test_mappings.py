@@ -103,13 +103,14 @@ def test_a_config_directive_that_cannot_be_read_is_named_before_anything_is_writ
 # ------------------------------------------------------------------ Qwen3
 
 
-def qwen3(draw, rng):
-    """A random Qwen3 under Hugging Face's names: dense, or MoE with some dense layers."""
+def qwen3(draw, rng, all_moe=False):
+    """A random Qwen3 under Hugging Face's names: dense, or MoE with some dense layers
+    (``all_moe``: a MoE in every layer)."""
     layers, kv_heads = draw(st.integers(1, 3)), draw(st.integers(1, 2))
     heads, hd = kv_heads * draw(st.integers(1, 2)), 2 * draw(st.integers(1, 2))
     hidden, ffn, vocab = draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(st.integers(1, 5))
-    experts = draw(st.sampled_from([0, 1, 3]))
-    moe_layers = [i for i in range(layers) if experts and draw(st.booleans())]
+    experts = draw(st.sampled_from([1, 3] if all_moe else [0, 1, 3]))
+    moe_layers = [i for i in range(layers) if all_moe or (experts and draw(st.booleans()))]
 
     def w(*shape):
         return rng.standard_normal(shape).astype(np.float32)
@@ -258,12 +259,16 @@ def test_a_stacked_key_read_back_needs_every_index_and_names_the_missing_ones(tm
     save_file(names, str(tmp_path / "model.safetensors"))
     mapping = NameMapping({"tensors": [{"key": "layers.{layer}.w1", "stacked": ["expert"],
                                         "name": "model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight"}]})
-    with pytest.raises(ExportError, match=r"'layers\.0\.w1': .* lacks its \['expert'\] \[\(2,\)\] \(it has 3 of 4\)"):
-        SafetensorsSource(str(tmp_path), mapping)
+    out = np.empty((4, 2, 3), np.float32)
+    with pytest.raises(gs.MismatchError, match=r"'layers\.0\.w1': not in .* lacks its \['expert'\] \[\(2,\)\] "
+                                               r"\(it has 3 of 4\)"):
+        SafetensorsSource(str(tmp_path), mapping).read("layers.0.w1", gs.Box.full((4, 2, 3)), out)
     names["model.layers.0.mlp.experts.2.gate_proj.weight"] = np.zeros((2, 4), np.float32)
     save_file(names, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ExportError, match=r"'layers\.0\.w1': its \['expert'\] differ in dtype or shape"):
-        SafetensorsSource(str(tmp_path), mapping)
+    source = SafetensorsSource(str(tmp_path), mapping)  # refused only when asked for
+    assert "layers.0.w1" not in source.keys
+    with pytest.raises(gs.MismatchError, match=r"'layers\.0\.w1': not in .*\(its \['expert'\] differ in dtype"):
+        source.read("layers.0.w1", gs.Box.full((4, 2, 3)), out)
 
 
 def test_load_hf_leaves_a_model_key_the_files_lack_as_it_is_when_the_mapping_skips_it(tmp_path):
@@ -289,3 +294,82 @@ def test_load_hf_leaves_a_model_key_the_files_lack_as_it_is_when_the_mapping_ski
     assert got["skipped"] == ["expert_bias"] and got["unread"] == []
     assert model.expert_bias.tolist() == [7.0] * 3  # left as it was
     assert [model.w1[e].unique().tolist() for e in range(3)] == [[0.0], [1.0], [2.0]]
+    # An expert the files lack: named, with what the files hold, before anything is written.
+    del experts["experts.1.gate_proj.weight"]
+    save_file(experts, str(tmp_path / "model.safetensors"))
+    with pytest.raises(gs.MismatchError, match=r"'w1' \(w1\): not in .*: .* lacks its \['expert'\] \[\(1,\)\]"):
+        gt.load_hf(str(tmp_path), Moe(), gt.ParallelLayout(), rules,
+                   mapping=NameMapping({"tensors": [rule], "skip": ["expert_bias"]}))
+
+
+def as_megatron_keys(hf, m, stack):
+    """A Qwen3 (MoE or not) under Megatron-Core's sharded state dict keys (local layer spec): Q, K
+    and V interleaved per query group, linear_fc1 [gate; up], each MoE layer's experts stacked
+    under one key; with ``stack``, each layer's tensors stacked under one key, else under one key
+    per layer (as Megatron keys non-homogeneous layers)."""
+    def qkv(p):
+        q, k, v = (hf[f"{p}self_attn.{x}_proj.weight"] for x in "qkv")
+        g = m["kv_heads"]
+        return np.concatenate([x.reshape(g, -1, x.shape[1]) for x in (q, k, v)], axis=1).reshape(-1, q.shape[1])
+
+    def fc1(p):
+        return np.concatenate([hf[p + "gate_proj.weight"], hf[p + "up_proj.weight"]])
+
+    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+           "decoder.final_layernorm.weight": hf["model.norm.weight"]}
+    if "lm_head.weight" in hf:
+        out["output_layer.weight"] = hf["lm_head.weight"]
+    layers: dict[str, list[np.ndarray]] = {}
+    for i in range(m["layers"]):
+        p = f"model.layers.{i}."
+        layer = {"input_layernorm.weight": hf[p + "input_layernorm.weight"],
+                 "pre_mlp_layernorm.weight": hf[p + "post_attention_layernorm.weight"],
+                 "self_attention.linear_qkv.weight": qkv(p),
+                 "self_attention.linear_proj.weight": hf[p + "self_attn.o_proj.weight"],
+                 "self_attention.q_layernorm.weight": hf[p + "self_attn.q_norm.weight"],
+                 "self_attention.k_layernorm.weight": hf[p + "self_attn.k_norm.weight"]}
+        if i in m["moe_layers"]:
+            experts = [f"{p}mlp.experts.{e}." for e in range(m["experts"])]
+            layer |= {"mlp.router.weight": hf[p + "mlp.gate.weight"],
+                      "mlp.experts.experts.linear_fc1.weight": np.stack([fc1(e) for e in experts]),
+                      "mlp.experts.experts.linear_fc2.weight": np.stack([hf[e + "down_proj.weight"] for e in experts])}
+        else:
+            layer |= {"mlp.linear_fc1.weight": fc1(p + "mlp."), "mlp.linear_fc2.weight": hf[p + "mlp.down_proj.weight"]}
+        for name, value in layer.items():
+            if stack:
+                layers.setdefault(name, []).append(value)
+            else:
+                out[f"decoder.layers.{i}.{name}"] = value
+    return out | {f"decoder.layers.{name}": np.stack(values) for name, values in layers.items()}
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_a_megatron_dist_qwen3_exports_to_each_qwen3_tensor_exactly_and_reads_back(tmp_path_factory, data):
+    # Dense, a MoE in every layer, or (non-homogeneous: Megatron keys each layer apart) a MoE with dense layers.
+    path = tmp_path_factory.mktemp("megatron_qwen3")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    hf, m = qwen3(data.draw, rng, all_moe=data.draw(st.booleans()))
+    homogeneous = len(m["moe_layers"]) in (0, m["layers"])
+    keys = as_megatron_keys(hf, m, stack=homogeneous and data.draw(st.booleans()))
+    save_global(keys, path / "ckpt")
+    name = "megatron_dist_qwen3_moe" if m["moe_layers"] else "megatron_dist_qwen3"
+    params = {"heads": m["heads"], "kv_heads": m["kv_heads"], "top_k": 1}
+    index = export(str(path / "ckpt"), str(path / "hf"), mapping=NameMapping.load(name, params))
+    _, got = read_all(path / "hf")
+    assert got.keys() == hf.keys()
+    for n, value in hf.items():
+        assert np.array_equal(got[n].numpy(), value), n
+    config = index["config"]
+    assert config["head_dim"] == m["hd"] and config["num_hidden_layers"] == m["layers"]
+    if m["moe_layers"]:
+        assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["num_experts"] == m["experts"]
+        assert config["mlp_only_layers"] == [i for i in range(m["layers"]) if i not in m["moe_layers"]]
+        assert config["moe_intermediate_size"] == m["ffn"]
+    else:
+        assert config["architectures"] == ["Qwen3ForCausalLM"] and config["intermediate_size"] == m["ffn"] + 1
+    source = SafetensorsSource(str(path / "hf"), NameMapping.load(name, params))
+    for k, value in keys.items():  # layers and experts stacked again
+        out = np.empty(value.shape, np.float32)
+        source.read(k, gs.Box.full(value.shape), out)
+        assert np.array_equal(out, value), k
