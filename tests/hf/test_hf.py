@@ -438,6 +438,15 @@ def test_config_shape_of_a_tensor_a_grouped_split_assembles_is_its_whole_shape(t
     assert out["config"] == {"q_rows": 16, "head_dim": 4}
 
 
+def attention_layer(w, p, hidden, heads, kv_heads, hd):
+    """A Llama layer's norms and attention under Hugging Face's names (prefix ``p``), from ``w(*shape)``."""
+    return {p + "input_layernorm.weight": w(hidden), p + "post_attention_layernorm.weight": w(hidden),
+            p + "self_attn.q_proj.weight": w(heads * hd, hidden),
+            p + "self_attn.k_proj.weight": w(kv_heads * hd, hidden),
+            p + "self_attn.v_proj.weight": w(kv_heads * hd, hidden),
+            p + "self_attn.o_proj.weight": w(hidden, heads * hd)}
+
+
 def as_megatron_dist_keys(hf, layers, heads, kv_heads):
     """A Llama under Megatron-Core's sharded state dict keys: each layer's tensors
     stacked under one key, Q, K and V interleaved per query group, [gate; up]."""
@@ -485,12 +494,8 @@ def test_a_megatron_dist_checkpoints_stacked_layers_export_as_hugging_face_layer
     bias = data.draw(st.booleans())
     for i in range(layers):
         p = f"model.layers.{i}."
-        hf |= {p + "input_layernorm.weight": w(hidden), p + "post_attention_layernorm.weight": w(hidden),
-               p + "self_attn.q_proj.weight": w(heads * hd, hidden),
-               p + "self_attn.k_proj.weight": w(kv_heads * hd, hidden),
-               p + "self_attn.v_proj.weight": w(kv_heads * hd, hidden),
-               p + "self_attn.o_proj.weight": w(hidden, heads * hd),
-               p + "mlp.gate_proj.weight": w(ffn, hidden), p + "mlp.up_proj.weight": w(ffn, hidden),
+        hf |= attention_layer(w, p, hidden, heads, kv_heads, hd)
+        hf |= {p + "mlp.gate_proj.weight": w(ffn, hidden), p + "mlp.up_proj.weight": w(ffn, hidden),
                p + "mlp.down_proj.weight": w(hidden, ffn)}
         if bias:
             hf |= {p + "self_attn.q_proj.bias": w(heads * hd), p + "self_attn.k_proj.bias": w(kv_heads * hd),

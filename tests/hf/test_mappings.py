@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
-from test_hf import read_all, save_global
+from test_hf import attention_layer, read_all, save_global
 
 import globalshard as gs
 from globalshard.hf import ExportError, NameMapping, SafetensorsSource, export
@@ -120,12 +120,8 @@ def qwen3(draw, rng, all_moe=False):
         hf["lm_head.weight"] = w(vocab, hidden)
     for i in range(layers):
         p = f"model.layers.{i}."
-        hf |= {p + "input_layernorm.weight": w(hidden), p + "post_attention_layernorm.weight": w(hidden),
-               p + "self_attn.q_proj.weight": w(heads * hd, hidden),
-               p + "self_attn.k_proj.weight": w(kv_heads * hd, hidden),
-               p + "self_attn.v_proj.weight": w(kv_heads * hd, hidden),
-               p + "self_attn.o_proj.weight": w(hidden, heads * hd),
-               p + "self_attn.q_norm.weight": w(hd), p + "self_attn.k_norm.weight": w(hd)}
+        hf |= attention_layer(w, p, hidden, heads, kv_heads, hd)
+        hf |= {p + "self_attn.q_norm.weight": w(hd), p + "self_attn.k_norm.weight": w(hd)}
         if i in moe_layers:
             hf[p + "mlp.gate.weight"] = w(experts, hidden)
             for e in range(experts):
@@ -169,16 +165,10 @@ def as_torchtitan_keys(hf, m, fused):
     return out
 
 
-@settings(max_examples=30, deadline=None)
-@given(data=st.data())
-def test_torchtitan_qwen3_keys_export_to_each_qwen3_tensor_exactly_and_read_back_in_any_box(tmp_path_factory, data):
-    path = tmp_path_factory.mktemp("qwen3")
-    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
-    hf, m = qwen3(data.draw, rng)
-    fused = data.draw(st.booleans())
-    keys = as_torchtitan_keys(hf, m, fused)
-    save_global(keys, path / "ckpt", extra={"optimizer.state.norm.weight.exp_avg": hf["model.norm.weight"]})
-    name = "torchtitan_qwen3_moe" if m["moe_layers"] else "torchtitan_qwen3"
+def exported_exactly(path, keys, hf, m, name, extra=None):
+    """``keys`` saved and exported with the shipped mapping ``name``: every tensor of ``hf``, exactly,
+    and a config that describes ``m``; returns the export as a source to read back through the mapping."""
+    save_global(keys, path / "ckpt", extra=extra)
     params = {"heads": m["heads"], "kv_heads": m["kv_heads"], "top_k": 1}
     index = export(str(path / "ckpt"), str(path / "hf"), mapping=NameMapping.load(name, params))
     _, got = read_all(path / "hf")
@@ -188,15 +178,27 @@ def test_torchtitan_qwen3_keys_export_to_each_qwen3_tensor_exactly_and_read_back
     config = index["config"]
     assert config["head_dim"] == m["hd"] and config["num_hidden_layers"] == m["layers"]
     assert config["tie_word_embeddings"] == ("lm_head.weight" not in hf)
+    dense = [i for i in range(m["layers"]) if i not in m["moe_layers"]]
     if m["moe_layers"]:
         assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["num_experts"] == m["experts"]
-        assert config["mlp_only_layers"] == [i for i in range(m["layers"]) if i not in m["moe_layers"]]
-        assert config["moe_intermediate_size"] == m["ffn"]
-        assert config["intermediate_size"] == (m["ffn"] + 1 if len(m["moe_layers"]) < m["layers"] else m["ffn"])
+        assert config["mlp_only_layers"] == dense and config["moe_intermediate_size"] == m["ffn"]
+        assert config["intermediate_size"] == (m["ffn"] + 1 if dense else m["ffn"])
     else:
         assert config["architectures"] == ["Qwen3ForCausalLM"] and config["intermediate_size"] == m["ffn"] + 1
+    return SafetensorsSource(str(path / "hf"), NameMapping.load(name, params))
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_torchtitan_qwen3_keys_export_to_each_qwen3_tensor_exactly_and_read_back_in_any_box(tmp_path_factory, data):
+    path = tmp_path_factory.mktemp("qwen3")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    hf, m = qwen3(data.draw, rng)
+    fused = data.draw(st.booleans())
+    keys = as_torchtitan_keys(hf, m, fused)
+    source = exported_exactly(path, keys, hf, m, "torchtitan_qwen3_moe" if m["moe_layers"] else "torchtitan_qwen3",
+                              extra={"optimizer.state.norm.weight.exp_avg": hf["model.norm.weight"]})
     # Back: every key, its experts stacked again, whole and in any box, equals what was saved.
-    source = SafetensorsSource(str(path / "hf"), NameMapping.load(name, params))
     assert set(keys) <= set(source.keys)
     for k, value in keys.items():
         assert source.keys[k][1] == value.shape, k
@@ -352,23 +354,8 @@ def test_a_megatron_dist_qwen3_exports_to_each_qwen3_tensor_exactly_and_reads_ba
     hf, m = qwen3(data.draw, rng, all_moe=data.draw(st.booleans()))
     homogeneous = len(m["moe_layers"]) in (0, m["layers"])
     keys = as_megatron_keys(hf, m, stack=homogeneous and data.draw(st.booleans()))
-    save_global(keys, path / "ckpt")
     name = "megatron_dist_qwen3_moe" if m["moe_layers"] else "megatron_dist_qwen3"
-    params = {"heads": m["heads"], "kv_heads": m["kv_heads"], "top_k": 1}
-    index = export(str(path / "ckpt"), str(path / "hf"), mapping=NameMapping.load(name, params))
-    _, got = read_all(path / "hf")
-    assert got.keys() == hf.keys()
-    for n, value in hf.items():
-        assert np.array_equal(got[n].numpy(), value), n
-    config = index["config"]
-    assert config["head_dim"] == m["hd"] and config["num_hidden_layers"] == m["layers"]
-    if m["moe_layers"]:
-        assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["num_experts"] == m["experts"]
-        assert config["mlp_only_layers"] == [i for i in range(m["layers"]) if i not in m["moe_layers"]]
-        assert config["moe_intermediate_size"] == m["ffn"]
-    else:
-        assert config["architectures"] == ["Qwen3ForCausalLM"] and config["intermediate_size"] == m["ffn"] + 1
-    source = SafetensorsSource(str(path / "hf"), NameMapping.load(name, params))
+    source = exported_exactly(path, keys, hf, m, name)
     for k, value in keys.items():  # layers and experts stacked again
         out = np.empty(value.shape, np.float32)
         source.read(k, gs.Box.full(value.shape), out)
