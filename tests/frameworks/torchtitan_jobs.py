@@ -224,6 +224,20 @@ def from_hf(rank: int, *, work: str, hf: str, dp_shard: int, tp: int, ep: int = 
             "differ": sorted(k for k in theirs if not torch.equal(_local(ours[k]), _local(theirs[k])))}
 
 
+def from_transformers(rank: int, *, work: str, hf: str, dp_shard: int, tp: int, ep: int, name: str, mapping: str,
+                      params: dict[str, float]) -> dict[str, Any]:
+    """A model transformers wrote (``save_pretrained``) read by ``load_hf`` straight into
+    torchtitan's parallelized ``name``, as a fine-tune starts: torchtitan's logits of a fixed
+    batch (routed without a MoE's load-balancing bias, which the files do not hold)."""
+    (model,), _ = build(dp_shard, tp, 11, work, ep=ep, model=name)
+    got = gt.load_hf(hf, model, gt.ParallelLayout(num_layers=len(model.layers)), None, mapping=mapping,
+                     params=params)
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in ModelWrapper(model).state_dict().items()}
+    full = {k: torch.zeros_like(v) if k.endswith("expert_bias_E") else v for k, v in full.items()}
+    return {"logits": logits([model], name, full).flatten().tolist() if rank == 0 else None,
+            "skipped": got["skipped"], "unread": got["unread"]}
+
+
 def exported(rank: int, *, work: str, name: str, hf: str, mapping: str, params: dict[str, float],
              zero_expert_bias: bool = False) -> dict[str, Any]:
     """What ``train`` saved, loaded into one process, exported to Hugging Face with
