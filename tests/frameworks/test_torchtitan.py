@@ -101,3 +101,51 @@ def test_an_async_save_holds_what_dcps_async_save_holds_while_training_goes_on(t
     for key, value in theirs_opt.items():
         assert torch.equal(ours_opt[key], value) if torch.is_tensor(value) else ours_opt[key] == value, key
     assert ours[2].state_dict() == theirs[2].state_dict() != saved[2].state_dict()
+
+
+def test_per_pattern_param_groups_of_two_optimizer_classes_round_trip_as_dcp_loads_them(tmp_path):
+    # torchtitan 0.3's ParamGroupConfig (its qwen3_debugmodel_moe_param_groups): an AdamW without weight decay
+    # for the embeddings and output, an Adam for the MoE routers, an AdamW for the rest; one container.
+    from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+    from torchtitan.config.configs import ParallelismConfig
+    from torchtitan_models import spec
+
+    betas = {"betas": (0.9, 0.95), "eps": 1e-8, "foreach": False}
+    config = OptimizersContainer.Config(param_groups=[
+        ParamGroupConfig(pattern=r"(?:tok_embeddings|output)\.", optimizer_name="AdamW",
+                         optimizer_kwargs={"lr": 8e-4, "weight_decay": 0.0, **betas}),
+        ParamGroupConfig(pattern=r"\.router\.gate\.", optimizer_name="Adam", optimizer_kwargs={"lr": 1e-4, **betas}),
+        ParamGroupConfig(pattern=r".*", optimizer_name="AdamW",
+                         optimizer_kwargs={"lr": 8e-4, "weight_decay": 0.1, **betas})])
+
+    def moe(seed):
+        torch.manual_seed(seed)
+        model = spec("qwen3", ParallelismConfig()).model.build()
+        optimizers = config.build(model_parts=[model])
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        optimizers.step()
+        return model, optimizers
+
+    saved = moe(0)
+    assert [type(o).__name__ for o in saved[1].optimizers] == ["AdamW", "Adam"]
+    state = {**ModelWrapper(saved[0]).state_dict(), "optimizer": saved[1]}
+    gt.save(state, tmp_path / "ours")
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"))
+    loaded = {}
+    for who, seed in (("ours", 5), ("dcp", 7)):
+        model, optimizers = moe(seed)
+        fresh = {**ModelWrapper(model).state_dict(), "optimizer": optimizers}
+        if who == "ours":
+            assert gt.load(fresh, tmp_path / "ours") == gt.LoadedKeys([], [])
+        else:
+            dcp.load(fresh, checkpoint_id=str(tmp_path / "dcp"))
+        loaded[who] = optimizers.state_dict()
+    ours, theirs, before = loaded["ours"], loaded["dcp"], saved[1].state_dict()
+    assert set(ours) == set(theirs) == set(before) and len(theirs) > 300
+    for key, value in theirs.items():
+        if torch.is_tensor(value):
+            assert torch.equal(ours[key], value) and torch.equal(value, before[key]), key
+        else:
+            assert ours[key] == value == before[key], key
+    assert theirs["param_groups.layers.0.moe.router.gate.weight.lr"] == 1e-4  # the routers' own Adam

@@ -1,8 +1,7 @@
 """torchtitan 0.3's models parallelized by their own ``parallelize_fn`` on CPU
-ranks over gloo (run by test_torchtitan_parallel.py): the llama3 debugmodel,
-a small Qwen3 MoE (its ``debugmodel_moe`` with fewer, smaller experts and
-layers) for expert parallelism, and Qwen3's dense debugmodel (tied
-embeddings, fused QKV with grouped-query attention) in 2 layers.
+ranks over gloo (run by test_torchtitan_parallel.py): the models of
+torchtitan_models.py (the llama3 debugmodel, a small Qwen3 MoE for expert
+parallelism, Qwen3's dense debugmodel with tied embeddings).
 
 Scoped patches, in these processes only: torchtitan picks its device type
 when imported ("cuda" without a GPU); here it is the CPU.
@@ -23,41 +22,11 @@ from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.components.optimizer.optimizer import default_adamw
 from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.models import llama3, qwen3
-from torchtitan.models.llama3.sharding import set_llama3_sharding_config
-from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+from torchtitan_models import spec
 
 import globalshard_torch as gt
 
 tt_utils.device_type = tt_parallel_dims.device_type = "cpu"
-
-
-def spec(name: str, parallelism: ParallelismConfig) -> Any:
-    """The model's spec, with the sharding its ``Config.update_from_config`` sets
-    for ``parallelism`` (that method also imports torchtitan's whole trainer,
-    whose data loading needs packages left out here)."""
-    if name == "llama3":
-        out = llama3.model_registry("debugmodel", attn_backend="flex")
-        set_llama3_sharding_config(out.model, enable_sp=parallelism.enable_sequence_parallel)
-        return out
-    if name == "qwen3_tied":  # debugmodel: tied embeddings, fused QKV with 8 KV heads of 16; 2 layers (not 8)
-        out = qwen3.model_registry("debugmodel", attn_backend="flex")
-        attention = out.model.layers[0].attention
-        out.model.layers = qwen3._build_qwen3_layers(
-            n_layers=2, dim=out.model.dim, n_heads=attention.n_heads, n_kv_heads=attention.n_kv_heads,
-            head_dim=attention.head_dim, hidden_dim=512, attn_backend="flex", rope=attention.rope)
-        set_qwen3_sharding_config(out.model, enable_sp=parallelism.enable_sequence_parallel, enable_ep=False)
-        return out
-    out = qwen3.model_registry("debugmodel_moe", attn_backend="flex")
-    # debugmodel_moe's own attention, with 8 experts of 64 (not 64 of 768) in 2 layers (not 8).
-    attention = out.model.layers[0].attention
-    out.model.layers = qwen3._build_qwen3_moe_layers(
-        n_layers=2, dim=out.model.dim, n_heads=attention.n_heads, n_kv_heads=attention.n_kv_heads,
-        head_dim=attention.head_dim, moe_hidden_dim=64, num_experts=8, top_k=2, attn_backend="flex",
-        moe_comm_backend="standard", rope=attention.rope)
-    set_qwen3_sharding_config(out.model, enable_sp=parallelism.enable_sequence_parallel,
-                              enable_ep=parallelism.expert_parallel_degree > 1)
-    return out
 
 
 def build(dp_shard: int, tp: int, seed: int, work: str, *, ep: int = 1, pp: int = 1, schedule: str = "1F1B",
