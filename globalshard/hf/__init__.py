@@ -21,6 +21,7 @@ demo's model, ``megatron_gpt`` for Megatron-Core's GPTModel saved by
 globalshard's rules, ``megatron_dist`` for the same saved by Megatron's
 ``dist_checkpointing`` with globalshard's strategy, and
 ``torchtitan_llama3``, each to Hugging Face's ``LlamaForCausalLM``;
+``megatron_gpt_qwen2`` and ``megatron_dist_qwen2`` to ``Qwen2ForCausalLM``;
 ``megatron_gpt_qwen3``, ``megatron_dist_qwen3`` and ``torchtitan_qwen3`` to
 ``Qwen3ForCausalLM``; ``megatron_dist_qwen3_moe`` and ``torchtitan_qwen3_moe``
 to ``Qwen3MoeForCausalLM``)::
@@ -80,8 +81,11 @@ matches is left as it is and reported; any other is an error.
   the value ``a`` or ``b``, themselves JSON or directives), ``{"$dtype":
   hf_name}`` (its exported dtype, for ``torch_dtype``). A name may hold
   ``{field}``s: ``$present`` asks whether any tensor has such a name,
-  ``$shape`` and ``$dtype`` read them all, which must agree. Without it no
-  ``config.json`` is written (nor removed).
+  ``$shape`` and ``$dtype`` read them all, which must agree.
+  ``{"$error": message}`` in a branch refuses the export with the message
+  (a model the architecture cannot hold: q, k and v biases without an
+  o_proj bias as a Llama). Without it no ``config.json`` is written (nor
+  removed).
 * ``extends``: the name of a shipped mapping, or a path from this file's
   directory. Its rules follow this file's (the first rule a key matches
   applies, on export and on reading back); its ``params``, ``skip`` patterns

@@ -19,7 +19,8 @@ def hf_config(mapping: NameMapping, pieces: Sequence[HfTensor], out_dtype: Mappi
     A name in a directive may hold ``{field}``s (``model.layers.{layer}.mlp.gate.weight``):
     ``$present`` then asks whether any tensor has such a name, ``$shape``
     and ``$dtype`` read every such tensor, which must agree, and ``$indices``
-    lists the values its one field takes (the layers that have it).
+    lists the values its one field takes (the layers that have it). ``$error``
+    (in a branch) refuses the export with its message.
     """
     if mapping.config is None:
         return None
@@ -50,6 +51,8 @@ def hf_config(mapping: NameMapping, pieces: Sequence[HfTensor], out_dtype: Mappi
         kind, arg = directive[0], v[directive[0]]
         if kind == "$param":
             return mapping._param(arg, f"{where}: {at} needs params.{arg}")
+        if kind == "$error":  # in a branch of $present/$absent: a model the architecture cannot hold
+            raise ExportError(f"{where}: {at}: {arg}")
         if kind in ("$present", "$absent"):
             holds = bool(named(arg, at)) == (kind == "$present")
             if "then" not in v and "else" not in v:

@@ -146,6 +146,7 @@ def config(m: dict[str, Any], vpp: int = 1, first: int | None = None,
     # A Llama: RMSNorm and SwiGLU (Megatron's defaults are LayerNorm and GeLU).
     llama = dict(normalization="RMSNorm", activation_func=torch.nn.functional.silu) if m.get("llama") else {}
     return TransformerConfig(**moe, **llama, **mtp, qk_layernorm=bool(m.get("qk_norm")),  # a Qwen3
+                             add_qkv_bias=bool(m.get("qkv_bias")),  # a Qwen2
                              num_layers=NUM_LAYERS, hidden_size=m["hidden"],
                              num_attention_heads=m["heads"],
                              num_query_groups=m["groups"], ffn_hidden_size=m["ffn"],

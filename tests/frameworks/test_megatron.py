@@ -99,8 +99,11 @@ EXPORTS = [
          export="megatron_gpt"),
     dict(name="export_qwen3_tp2", save=dict(tp=2, pp=1), load=dict(tp=1, pp=2), model={**LLAMA, "qk_norm": True},
          export="megatron_gpt_qwen3"),
+    dict(name="export_qwen2_pp2", save=dict(tp=1, pp=2), load=dict(tp=2, pp=1), model={**LLAMA, "qkv_bias": True},
+         export="megatron_gpt_qwen2"),
 ]
-ARCHITECTURES = {"megatron_gpt": "LlamaForCausalLM", "megatron_gpt_qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"megatron_gpt": "LlamaForCausalLM", "megatron_gpt_qwen3": "Qwen3ForCausalLM",
+                 "megatron_gpt_qwen2": "Qwen2ForCausalLM"}
 
 
 @pytest.fixture(scope="module")

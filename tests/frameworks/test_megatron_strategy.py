@@ -61,6 +61,8 @@ EXPORTS = [
     dict(name="export_pp2_tied", save=dict(tp=1, pp=2), model={**LLAMA, "tied": True}, export="megatron_dist"),
     dict(name="export_qwen3_pp2", save=dict(tp=1, pp=2), model={**LLAMA, "qk_norm": True},
          export="megatron_dist_qwen3"),
+    dict(name="export_qwen2_tp2", save=dict(tp=2, pp=1), model={**LLAMA, "qkv_bias": True},
+         export="megatron_dist_qwen2"),
     # A Qwen3 MoE: 4 experts (SequentialMLP, the local spec's), 2 routed per token, saved at EP=2.
     dict(name="export_qwen3_moe_ep2", save=dict(tp=1, pp=1, ep=2), model={**LLAMA, "qk_norm": True, "experts": 4},
          export="megatron_dist_qwen3_moe"),
@@ -69,6 +71,7 @@ EXPORTS = [
          model={**LLAMA, "qk_norm": True, "experts": 4, "moe_freq": [0, 1, 1, 1]}, export="megatron_dist_qwen3_moe"),
 ]
 ARCHITECTURES = {"megatron_dist": "LlamaForCausalLM", "megatron_dist_qwen3": "Qwen3ForCausalLM",
+                 "megatron_dist_qwen2": "Qwen2ForCausalLM",
                  "megatron_dist_qwen3_moe": "Qwen3MoeForCausalLM"}
 
 

@@ -507,7 +507,8 @@ def test_a_megatron_dist_checkpoints_stacked_layers_export_as_hugging_face_layer
     old, hfmod.WINDOW_BYTES = hfmod.WINDOW_BYTES, data.draw(st.sampled_from([hfmod.WINDOW_BYTES, 4 * hidden]))
     try:  # windows of one row too: a window's box is below the stacked axis
         index = export(str(path / "ckpt"), str(path / "hf"),
-                       mapping=NameMapping.load("megatron_dist", {"heads": heads, "kv_heads": kv_heads}))
+                       mapping=NameMapping.load("megatron_dist_qwen2" if bias else "megatron_dist",
+                                                {"heads": heads, "kv_heads": kv_heads}))
     finally:
         hfmod.WINDOW_BYTES = old
     _, got = read_all(path / "hf")
@@ -516,6 +517,12 @@ def test_a_megatron_dist_checkpoints_stacked_layers_export_as_hugging_face_layer
         assert np.array_equal(got[name].numpy(), value), name
     assert index["config"]["num_hidden_layers"] == layers and index["config"]["head_dim"] == hd
     assert index["config"]["tie_word_embeddings"] == ("lm_head.weight" not in hf)
+    # q, k and v biases alone (Megatron's add_qkv_bias) are a Qwen2's; as a Llama they are refused, by name.
+    assert index["config"]["architectures"] == (["Qwen2ForCausalLM"] if bias else ["LlamaForCausalLM"])
+    if bias:
+        with pytest.raises(ExportError, match=r"attention_bias.*q, k and v biases without an o_proj bias"):
+            export(str(path / "ckpt"), str(path / "llama"),
+                   mapping=NameMapping.load("megatron_dist", {"heads": heads, "kv_heads": kv_heads}))
 
 
 @pytest.mark.parametrize("rule,match", [

@@ -360,3 +360,42 @@ def test_a_megatron_dist_qwen3_exports_to_each_qwen3_tensor_exactly_and_reads_ba
         out = np.empty(value.shape, np.float32)
         source.read(k, gs.Box.full(value.shape), out)
         assert np.array_equal(out, value), k
+
+
+LAYER = {"model.embed_tokens.weight": (8, 4), "model.layers.0.input_layernorm.weight": (4,),
+         "model.layers.0.self_attn.q_proj.weight": (8, 4), "model.layers.0.self_attn.q_norm.weight": (4,),
+         "model.layers.0.mlp.gate_proj.weight": (6, 4)}
+Q_BIAS, O_BIAS, MLP_BIAS = ({f"model.layers.0.{n}.bias": (8,)} for n in ("self_attn.q_proj", "self_attn.o_proj",
+                                                                          "mlp.gate_proj"))
+
+
+def config_of(mapping, names):
+    """The config.json ``mapping`` writes for Hugging Face tensors of these names and shapes."""
+    from globalshard.hf.config import hf_config
+    from globalshard.hf.naming import HfTensor
+
+    pieces = [HfTensor(n, n, gs.Box.full(shape)) for n, shape in names.items()]
+    return hf_config(NameMapping.load(mapping, {"heads": 2, "kv_heads": 1}), pieces, dict.fromkeys(names, "float32"))
+
+
+@pytest.mark.parametrize("mapping,biases,architecture", [
+    ("megatron_dist", {}, "LlamaForCausalLM"), ("megatron_dist", Q_BIAS | O_BIAS, "LlamaForCausalLM"),
+    ("megatron_dist", Q_BIAS, r"q, k and v biases without an o_proj bias .*--map megatron_dist_qwen2"),
+    ("megatron_gpt", O_BIAS, r"an o_proj bias without q, k and v biases"),
+    ("llama", Q_BIAS, r"q, k and v biases without an o_proj bias"),
+    ("megatron_dist_qwen2", Q_BIAS, "Qwen2ForCausalLM"), ("megatron_gpt_qwen2", Q_BIAS, "Qwen2ForCausalLM"),
+    ("megatron_dist_qwen2", {}, r"no q, k and v biases .*export it as a Llama \(--map megatron_dist\)"),
+    ("megatron_gpt_qwen2", Q_BIAS | O_BIAS, r"an o_proj bias .*Qwen2 has none"),
+    ("megatron_dist_qwen2", Q_BIAS | MLP_BIAS, r"MLP biases .*Qwen2's MLP has none"),
+    ("megatron_dist_qwen3", {}, "Qwen3ForCausalLM"), ("megatron_gpt_qwen3", MLP_BIAS, r"Qwen3's MLP has none"),
+    ("megatron_dist_qwen3", Q_BIAS, r"q, k and v biases without an o_proj bias"),
+])
+def test_a_model_the_architecture_cannot_hold_is_refused_by_the_shipped_mapping_naming_why(mapping, biases,
+                                                                                            architecture):
+    if architecture.endswith("ForCausalLM"):
+        config = config_of(mapping, LAYER | biases)
+        assert config["architectures"] == [architecture]
+        assert ("attention_bias" in config) == (not architecture.startswith("Qwen2"))  # Qwen2 has no such key
+    else:
+        with pytest.raises(ExportError, match=architecture):
+            config_of(mapping, LAYER | biases)
