@@ -4,7 +4,7 @@
     globalshard verify PATH [--workers N]    read every stored byte, checksums verified
     globalshard diff A B [--atol X]          keys, dtypes, shapes and values that differ
     globalshard export PATH OUT --format safetensors [--dtype bf16] [--max-shard-size 5GB]
-                       [--map llama|megatron_gpt|torchtitan_llama3|FILE] [--param heads=32]
+                       [--map NAME|FILE] [--param heads=32]
 
 Every verb takes ``--json`` (one JSON document on stdout) and ``--kvstore
 SPEC`` (a TensorStore kvstore URL or JSON spec; PATH is then relative inside
@@ -270,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--format", choices=["safetensors"], default="safetensors")
     p.add_argument("--dtype", help="convert floating-point tensors (bf16, fp16, fp32 or a dtype name)")
     p.add_argument("--max-shard-size", default="5GB", help="bytes per file (default 5GB)")
-    p.add_argument("--map", help="a mapping file, or a shipped one by name (llama, megatron_gpt, torchtitan_llama3)")
+    from globalshard.hf.naming import shipped_mappings
+
+    p.add_argument("--map", help=f"a mapping file, or a shipped one by name ({', '.join(shipped_mappings())})")
     p.add_argument("--param", action="append", help="NAME=NUMBER for the mapping (repeatable)")
     args = parser.parse_args(argv)
     command = {"inspect": _inspect, "verify": _verify, "diff": _diff, "export": _export}[args.command]

@@ -97,8 +97,8 @@ integers.
 """
 
 from globalshard.hf.exporting import WINDOW_BYTES, export, parse_size
-from globalshard.hf.naming import MAPPINGS_DIR, DamagedFileError, ExportError, HfTensor, NameMapping
+from globalshard.hf.naming import MAPPINGS_DIR, DamagedFileError, ExportError, HfTensor, NameMapping, shipped_mappings
 from globalshard.hf.safetensors_file import SAFETENSORS_DTYPES, SafetensorsSource, read_header
 
 __all__ = ["NameMapping", "export", "SafetensorsSource", "parse_size", "SAFETENSORS_DTYPES", "ExportError",
-           "DamagedFileError", "HfTensor", "read_header", "MAPPINGS_DIR", "WINDOW_BYTES"]
+           "DamagedFileError", "HfTensor", "read_header", "MAPPINGS_DIR", "WINDOW_BYTES", "shipped_mappings"]

@@ -333,12 +333,20 @@ def _from_halves(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, 2, n // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
+def shipped_mappings() -> list[str]:
+    """The names of the mappings ``globalshard/mappings/`` ships, for ``--map NAME``."""
+    return sorted(f[:-len(".json")] for f in os.listdir(MAPPINGS_DIR) if f.endswith(".json"))
+
+
 def _read_mapping(path: str, seen: tuple[str, ...]) -> tuple[dict[str, Any], str]:
     """A mapping file's JSON (or a shipped one's, by name) and its path, the
     mapping it ``extends`` merged in: its rules after this one's (the first
     rule a key matches applies), its params, skip patterns and config keys
     under this one's (a config key set to null is left out)."""
     if not os.path.exists(path) and re.fullmatch(r"[a-z0-9_-]+", path):
+        if path not in shipped_mappings():
+            raise ExportError(f"no mapping {path!r}: no such file, nor a shipped mapping "
+                              f"({', '.join(shipped_mappings())})")
         path = os.path.join(MAPPINGS_DIR, f"{path}.json")
     if os.path.realpath(path) in seen:
         raise ExportError(f"{path}: 'extends' goes round in a circle: {' -> '.join(seen)}")

@@ -50,6 +50,18 @@ def test_a_mapping_that_extends_another_has_its_rules_first_and_its_config_over_
     assert out.tolist() == [2, 2, 2]
 
 
+def test_every_shipped_mapping_loads_and_a_name_that_is_none_lists_them():
+    from globalshard.hf import shipped_mappings
+
+    names = shipped_mappings()
+    assert {"llama", "megatron_dist_qwen2", "torchtitan_qwen3_moe"} <= set(names) and len(names) == 11
+    for name in names:
+        mapping = NameMapping.load(name, {"heads": 4, "kv_heads": 2, "top_k": 2})
+        assert mapping.rules and mapping.config is not None, name
+    with pytest.raises(ExportError, match=r"no mapping 'llama3': .*\(llama, megatron_dist, .*torchtitan_qwen3_moe\)"):
+        NameMapping.load("llama3")
+
+
 def test_a_shipped_mapping_is_extended_by_name(tmp_path):
     path = write(tmp_path / "mine.json", {"extends": "megatron_dist", "skip": ["rng\\..*"]})
     mapping = NameMapping.load(path, {"heads": 4, "kv_heads": 2})
@@ -62,6 +74,7 @@ def test_a_shipped_mapping_is_extended_by_name(tmp_path):
     ({"a.json": {"extends": "b.json"}, "b.json": {"extends": "a.json"}}, r"goes round in a circle"),
     ({"a.json": {"extends": 5}}, r"a\.json: extends: the name of a shipped mapping or a path, got 5"),
     ({"a.json": {"extends": "missing.json"}}, r"cannot read the mapping .*missing\.json"),
+    ({"a.json": {"extends": "qwen9"}}, r"no mapping 'qwen9': no such file, nor a shipped mapping \(llama, "),
     ({"a.json": {"extends": "b.json"}, "b.json": {"tensors": {"key": "x"}}}, r"b\.json: tensors must be a JSON list"),
     ({"a.json": {"extends": "b.json", "config": [1]}, "b.json": {}}, r"a\.json: config must be a JSON object"),
 ])
