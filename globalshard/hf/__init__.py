@@ -24,7 +24,8 @@ globalshard's rules, ``megatron_dist`` for the same saved by Megatron's
 ``megatron_gpt_qwen2`` and ``megatron_dist_qwen2`` to ``Qwen2ForCausalLM``;
 ``megatron_gpt_qwen3``, ``megatron_dist_qwen3`` and ``torchtitan_qwen3`` to
 ``Qwen3ForCausalLM``; ``megatron_dist_qwen3_moe`` and ``torchtitan_qwen3_moe``
-to ``Qwen3MoeForCausalLM``)::
+to ``Qwen3MoeForCausalLM``; ``torchtitan_deepseek_v3`` to
+``DeepseekV3ForCausalLM``)::
 
     {"params": {"heads": 32, "kv_heads": 8, "rope_theta": 500000.0},
      "tensors": [
@@ -74,11 +75,12 @@ matches is left as it is and reported; any other is an error.
   what is missing.
 * ``config``: written as ``config.json`` beside the files. Values are JSON,
   or one of ``{"$param": name}``, ``{"$shape": hf_name, "axis": i}``
-  (``"divide": param`` divides it), ``{"$count": hf_name_with_{layer}}``
+  (``"divide": param`` divides it, or ``"divide": {"$shape": ...}``), ``{"$count": hf_name_with_{layer}}``
   (how many layers have it), ``{"$indices": hf_name_with_{layer}}`` (the
   sorted layer numbers that have it), ``{"$present": hf_name}``,
   ``{"$absent": hf_name}`` (true or false; with ``"then": a, "else": b``,
-  the value ``a`` or ``b``, themselves JSON or directives), ``{"$dtype":
+  the value ``a`` or ``b``, themselves JSON or directives; ``$param`` too
+  chooses so, by whether the number is not 0), ``{"$dtype":
   hf_name}`` (its exported dtype, for ``torch_dtype``). A name may hold
   ``{field}``s: ``$present`` asks whether any tensor has such a name,
   ``$shape`` and ``$dtype`` read them all, which must agree.

@@ -19,8 +19,9 @@ def hf_config(mapping: NameMapping, pieces: Sequence[HfTensor], out_dtype: Mappi
     A name in a directive may hold ``{field}``s (``model.layers.{layer}.mlp.gate.weight``):
     ``$present`` then asks whether any tensor has such a name, ``$shape``
     and ``$dtype`` read every such tensor, which must agree, and ``$indices``
-    lists the values its one field takes (the layers that have it). ``$error``
-    (in a branch) refuses the export with its message.
+    lists the values its one field takes (the layers that have it). ``$present``,
+    ``$absent`` and ``$param`` (a number other than 0) choose between ``then``
+    and ``else``; ``$error`` (in a branch) refuses the export with its message.
     """
     if mapping.config is None:
         return None
@@ -50,7 +51,12 @@ def hf_config(mapping: NameMapping, pieces: Sequence[HfTensor], out_dtype: Mappi
             return {k: value(x, f"{at}.{k}") for k, x in v.items()}
         kind, arg = directive[0], v[directive[0]]
         if kind == "$param":
-            return mapping._param(arg, f"{where}: {at} needs params.{arg}")
+            got = mapping._param(arg, f"{where}: {at} needs params.{arg}")
+            if "then" not in v and "else" not in v:
+                return got
+            if "then" not in v or "else" not in v:
+                raise ExportError(f"{where}: {at}: $param with 'then' needs 'else' too, and the reverse")
+            return value(v["then"], f"{at}.then") if got else value(v["else"], f"{at}.else")
         if kind == "$error":  # in a branch of $present/$absent: a model the architecture cannot hold
             raise ExportError(f"{where}: {at}: {arg}")
         if kind in ("$present", "$absent"):
@@ -73,8 +79,9 @@ def hf_config(mapping: NameMapping, pieces: Sequence[HfTensor], out_dtype: Mappi
         if kind == "$shape":
             axis = int(v.get("axis", 0))
             n = agreed({name: shapes[name][axis] for name in named(arg, at) if axis < len(shapes[name])}, arg, at)
-            if "divide" in v:
-                d = mapping._count(v, "divide", at)
+            if "divide" in v:  # a count, a params name, or a directive (another tensor's size)
+                d = value(v["divide"], f"{at}.divide") if isinstance(v["divide"], dict) else \
+                    mapping._count(v, "divide", at)
                 if n % d:
                     raise ExportError(f"{where}: {at}: {n} does not divide by {d}")
                 n //= d

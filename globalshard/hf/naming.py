@@ -22,8 +22,9 @@ from globalshard.errors import GlobalShardError, StorageError
 from globalshard.geometry import Box
 from globalshard.layout import is_padding_key
 
-# TODO(limitation): shipped mappings cover Llama, Qwen2 and Qwen3 (dense and MoE, a MoE's expert bias only by
-# skipping it: Hugging Face's Qwen3 MoE has none); other architectures need a mapping file of their own.
+# TODO(limitation): shipped mappings cover Llama, Qwen2, Qwen3 (dense and MoE, a MoE's expert bias only by
+# skipping it: Hugging Face's Qwen3 MoE has none) and torchtitan's DeepSeek-V3 (routed with a sigmoid, without its
+# multi-token prediction layers); other architectures need a mapping file of their own.
 MAPPINGS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "mappings")
 
 

@@ -24,7 +24,10 @@ and the MoE with ``torchtitan_qwen3_moe`` hold every tensor torchtitan's own
 ``Qwen3StateDictAdapter.to_hf`` makes, and transformers' ``Qwen3ForCausalLM``
 and ``Qwen3MoeForCausalLM`` give torchtitan's logits; the exports read back
 into the FSDP2 x TP (x EP) models by ``load_hf``, and so do models written by
-transformers' ``save_pretrained``, with transformers' logits."""
+transformers' ``save_pretrained``, with transformers' logits. A small
+DeepSeek-V3 saved at FSDP2 x TP x EP exports with ``torchtitan_deepseek_v3``
+as torchtitan's adapter does, gives its logits in ``DeepseekV3ForCausalLM``,
+and reads back."""
 
 import json
 
@@ -249,3 +252,45 @@ def test_a_qwen3_transformers_wrote_loads_into_torchtitans_parallel_model_with_i
     ours = np.array(ranks[0]["logits"]).reshape(theirs.shape)
     relative = np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs))  # of the largest logit
     assert relative < tolerance, relative
+
+
+@pytest.fixture(scope="module")
+def deepseek_saved(tmp_path_factory):
+    """A small DeepSeek-V3 (multi-latent attention, a dense first layer, 8 routed experts of which 3 per token
+    in 4 groups, 2 shared experts, routed as DeepSeek-V3: sigmoid scores with a bias) trained at FSDP2
+    dp_shard=2 x TP=2 x EP=4 and saved by each."""
+    work = tmp_path_factory.mktemp("torchtitan_deepseek_v3")
+    run(4, "torchtitan_jobs:train", str(work / "train"), work=str(work), name="deepseek_v3", dp_shard=2, tp=2, ep=4)
+    return work
+
+
+DEEPSEEK = {"heads": 4, "top_k": 3, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "routed_scaling_factor": 2.5,
+            "n_group": 4, "topk_group": 2}
+
+
+def test_a_deepseek_v3_exports_to_transformers_deepseek_v3_with_torchtitans_logits_and_back(deepseek_saved, tmp_path):
+    from globalshard.hf import ExportError, NameMapping, export
+
+    # The checkpoint does not say how the router scores: the export asks, and refuses softmax.
+    with pytest.raises(ExportError, match=r"'sigmoid_routing' is not in params"):
+        export(str(deepseek_saved / "ours"), str(tmp_path / "asked"), mapping=NameMapping.load(
+            "torchtitan_deepseek_v3", DEEPSEEK))
+    with pytest.raises(ExportError, match=r"routes with a sigmoid: a model trained with softmax scores"):
+        export(str(deepseek_saved / "ours"), str(tmp_path / "softmax"), mapping=NameMapping.load(
+            "torchtitan_deepseek_v3", {**DEEPSEEK, "sigmoid_routing": 0}))
+    params = {**DEEPSEEK, "sigmoid_routing": 1}
+    (r,) = run(1, "torchtitan_jobs:exported", str(tmp_path / "ranks"), work=str(deepseek_saved), name="deepseek_v3",
+               hf=str(tmp_path / "hf"), mapping="torchtitan_deepseek_v3", params=params)
+    assert r["architecture"] == "DeepseekV3ForCausalLM"
+    # Every tensor torchtitan's own DeepSeekV3StateDictAdapter.to_hf makes (the expert bias as
+    # e_score_correction_bias, each expert apart), equal, and nothing else.
+    assert r["differ"] == [] and r["only_ours"] == [] and r["only_theirs"] == []
+    assert r["skipped"] and all(k.startswith("optimizer.") for k in r["skipped"])
+    # torchtitan runs its experts in bfloat16: 0.6% of the largest logit apart in a trial; a routed scaling
+    # factor of 1, unnormalised top k, or no expert groups each put them 60% apart.
+    assert r["logits_diff"] / r["logits_max"] < 0.02, r
+    # Back into torchtitan's model at dp_shard=2 x TP=2 x EP=4, equal to DCP's load of the original.
+    for back in run(4, "torchtitan_jobs:from_hf", str(tmp_path / "back"), work=str(deepseek_saved),
+                    hf=str(tmp_path / "hf"), dp_shard=2, tp=2, ep=4, name="deepseek_v3",
+                    mapping="torchtitan_deepseek_v3", params=params):
+        assert back["differ"] == [] and back["unread"] == [] and back["skipped"] == [] and back["tensors"] > 30

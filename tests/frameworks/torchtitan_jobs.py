@@ -1,7 +1,8 @@
 """torchtitan 0.3's models parallelized by their own ``parallelize_fn`` on CPU
 ranks over gloo (run by test_torchtitan_parallel.py): the models of
 torchtitan_models.py (the llama3 debugmodel, a small Qwen3 MoE for expert
-parallelism, Qwen3's dense debugmodel with tied embeddings).
+parallelism, Qwen3's dense debugmodel with tied embeddings, a small
+DeepSeek-V3).
 
 Scoped patches, in these processes only: torchtitan picks its device type
 when imported ("cuda" without a GPU); here it is the CPU.
@@ -241,6 +242,7 @@ def exported(rank: int, *, work: str, name: str, hf: str, mapping: str, params: 
         full = {k: torch.zeros_like(v) if k.endswith("expert_bias_E") else v for k, v in full.items()}
     diff = (logits([part], name, full) - hf_logits).abs().max().item()
     return {"skipped": out["skipped"], "architecture": type(model).__name__, "logits_diff": diff,
+            "logits_max": hf_logits.abs().max().item(),
             "only_ours": sorted(set(ours) - set(theirs)), "only_theirs": sorted(set(theirs) - set(ours)),
             "differ": sorted(k for k in set(ours) & set(theirs) if not torch.equal(ours[k], theirs[k]))}
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from torchtitan.config.configs import ParallelismConfig
-from torchtitan.models import llama3, qwen3
+from torchtitan.models import deepseek_v3, llama3, qwen3
+from torchtitan.models.common.rope import ComplexRoPE
+from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
 from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
@@ -18,6 +20,18 @@ def spec(name: str, parallelism: ParallelismConfig) -> Any:
     if name == "llama3":
         out = llama3.model_registry("debugmodel", attn_backend="flex")
         set_llama3_sharding_config(out.model, enable_sp=parallelism.enable_sequence_parallel)
+        return out
+    if name == "deepseek_v3":  # small, routed as DeepSeek-V3 is (and Hugging Face's form of it): sigmoid, groups
+        out = deepseek_v3.model_registry("debugmodel", attn_backend="flex")
+        out.model.layers = deepseek_v3._build_dsv3_layers(
+            n_layers=3, n_dense_layers=1, dim=out.model.dim, n_heads=4, q_lora_rank=0, kv_lora_rank=64,
+            qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, mscale=0.70, dense_hidden_dim=128,
+            moe_hidden_dim=64, num_experts=8, num_shared_experts=2, router_top_k=3, router_score_func="sigmoid",
+            router_num_expert_groups=4, router_num_limited_groups=2, router_route_scale=2.5, router_route_norm=True,
+            attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,
+            rope=ComplexRoPE.Config(dim=16, max_seq_len=4096, theta=10000.0))
+        set_deepseek_v3_sharding_config(out.model, enable_sp=parallelism.enable_sequence_parallel,
+                                        enable_ep=parallelism.expert_parallel_degree > 1)
         return out
     if name == "qwen3_tied":  # debugmodel: tied embeddings, fused QKV with 8 KV heads of 16; 2 layers (not 8)
         out = qwen3.model_registry("debugmodel", attn_backend="flex")

@@ -54,7 +54,7 @@ def test_every_shipped_mapping_loads_and_a_name_that_is_none_lists_them():
     from globalshard.hf import shipped_mappings
 
     names = shipped_mappings()
-    assert {"llama", "megatron_dist_qwen2", "torchtitan_qwen3_moe"} <= set(names) and len(names) == 11
+    assert {"llama", "megatron_dist_qwen2", "torchtitan_deepseek_v3"} <= set(names) and len(names) == 12
     for name in names:
         mapping = NameMapping.load(name, {"heads": 4, "kv_heads": 2, "top_k": 2})
         assert mapping.rules and mapping.config is not None, name
@@ -412,3 +412,76 @@ def test_a_model_the_architecture_cannot_hold_is_refused_by_the_shipped_mapping_
     else:
         with pytest.raises(ExportError, match=architecture):
             config_of(mapping, LAYER | biases)
+
+
+def test_a_param_chooses_a_branch_and_a_size_divides_by_another_tensors(tmp_path):
+    save_global({"shared": np.zeros((12, 2), np.float32), "expert": np.zeros((4, 2), np.float32)}, tmp_path / "ckpt")
+    config = {"on": {"$param": "p", "then": "yes", "else": {"$error": "p is 0"}},
+              "n": {"$shape": "shared", "axis": 0, "divide": {"$shape": "expert", "axis": 0}}}
+    doc = {"tensors": [{"key": "{name}", "name": "{name}"}], "config": config}
+    out = export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), mapping=NameMapping(doc, params={"p": 2}))
+    assert out["config"] == {"on": "yes", "n": 3}
+    with pytest.raises(ExportError, match=r"config\.on\.else: p is 0"):
+        export(str(tmp_path / "ckpt"), str(tmp_path / "hf0"), mapping=NameMapping(doc, params={"p": 0}))
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_torchtitan_deepseek_v3_keys_export_to_each_hugging_face_tensor_and_read_back(tmp_path_factory, data):
+    path = tmp_path_factory.mktemp("deepseek")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+
+    def w(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    layers, dense = data.draw(st.integers(1, 3)), data.draw(st.integers(0, 1))
+    heads, nope, rope, v, kv_rank = 2, 3, 2, 4, 5
+    q_rank, experts, shared, ffn, hidden = data.draw(st.sampled_from([0, 3])), 3, data.draw(st.integers(1, 2)), 2, 4
+    keys = {"tok_embeddings.weight": w(7, hidden), "norm.weight": w(hidden), "lm_head.weight": w(7, hidden)}
+    for i in range(layers):
+        t = f"layers.{i}."
+        keys |= {t + "attention_norm.weight": w(hidden), t + "ffn_norm.weight": w(hidden),
+                 t + "attention.wkv_a.weight": w(kv_rank + rope, hidden), t + "attention.kv_norm.weight": w(kv_rank),
+                 t + "attention.wkv_b.weight": w(heads * (nope + v), kv_rank),
+                 t + "attention.wo.weight": w(hidden, heads * v)}
+        keys |= ({t + "attention.wq_a.weight": w(q_rank, hidden), t + "attention.q_norm.weight": w(q_rank),
+                  t + "attention.wq_b.weight": w(heads * (nope + rope), q_rank)} if q_rank
+                 else {t + "attention.wq.weight": w(heads * (nope + rope), hidden)})
+        if i < dense:
+            keys |= {t + "feed_forward.w1.weight": w(5, hidden), t + "feed_forward.w3.weight": w(5, hidden),
+                     t + "feed_forward.w2.weight": w(hidden, 5)}
+        else:
+            m = t + "moe."
+            keys |= {m + "router.gate.weight": w(experts, hidden), m + "expert_bias_E": w(experts),
+                     m + "routed_experts.inner_experts.w1_EFD": w(experts, ffn, hidden),
+                     m + "routed_experts.inner_experts.w3_EFD": w(experts, ffn, hidden),
+                     m + "routed_experts.inner_experts.w2_EDF": w(experts, hidden, ffn),
+                     m + "shared_experts.w1.weight": w(shared * ffn, hidden),
+                     m + "shared_experts.w3.weight": w(shared * ffn, hidden),
+                     m + "shared_experts.w2.weight": w(hidden, shared * ffn)}
+    save_global(keys, path / "ckpt")
+    params = {"heads": heads, "top_k": 2, "qk_nope_head_dim": nope, "qk_rope_head_dim": rope, "sigmoid_routing": 1}
+    mapping = NameMapping.load("torchtitan_deepseek_v3", params)
+    if dense == layers:  # no MoE layer: nothing gives the experts' sizes the config needs
+        with pytest.raises(ExportError, match=r"moe_intermediate_size reads"):
+            export(str(path / "ckpt"), str(path / "hf"), mapping=mapping)
+        return
+    index = export(str(path / "ckpt"), str(path / "hf"), mapping=mapping)
+    _, got = read_all(path / "hf")
+    expected = sum(1 for k in keys if "inner_experts" not in k) + 3 * experts * (layers - dense)
+    assert len(got) == expected
+    last = f"layers.{layers - 1}.moe."
+    for e in range(experts):  # each expert of the stacked tensors under its own name
+        name = f"model.layers.{layers - 1}.mlp.experts.{e}.down_proj.weight"
+        assert np.array_equal(got[name].numpy(), keys[last + "routed_experts.inner_experts.w2_EDF"][e])
+    assert np.array_equal(got[f"model.layers.{layers - 1}.mlp.gate.e_score_correction_bias"].numpy(),
+                          keys[f"layers.{layers - 1}.moe.expert_bias_E"])
+    config = index["config"]
+    assert config["first_k_dense_replace"] == dense and config["n_shared_experts"] == shared
+    assert config["q_lora_rank"] == (q_rank or None) and config["kv_lora_rank"] == kv_rank
+    assert config["v_head_dim"] == v and config["n_routed_experts"] == experts and config["scoring_func"] == "sigmoid"
+    source = SafetensorsSource(str(path / "hf"), mapping)
+    for k, value in keys.items():
+        out = np.empty(value.shape, np.float32)
+        source.read(k, gs.Box.full(value.shape), out)
+        assert np.array_equal(out, value), k
