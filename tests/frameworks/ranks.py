@@ -77,3 +77,11 @@ def outcomes_by_case(world: int, target: str, path: str, cases: list[dict[str, A
     framework imports once); each case's name -> its outcome on every rank."""
     per_rank = run(world, target, os.path.join(path, "ranks"), path=path, cases=cases)
     return {case["name"]: [rank[i] for rank in per_rank] for i, case in enumerate(cases)}
+
+
+def held(ranks: list[dict[str, Any]], field: str) -> Any:
+    """``field`` of the one rank that returned it (the others return None): the logits the
+    last stage holds, the export rank 0 made. Fails unless exactly one rank has it."""
+    values = [r[field] for r in ranks if r[field] is not None]
+    assert len(values) == 1, f"{field}: {len(values)} ranks returned it, not 1"
+    return values[0]

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from ranks import outcomes_by_case
+from ranks import held, outcomes_by_case
 
 import globalshard_torch as gt
 
@@ -118,8 +118,8 @@ def test_every_tensor_equals_megatrons_own_load_and_the_logits_carry_over(outcom
     for r in ranks:
         assert r["differ"] == [], f"tensors that differ from dist_checkpointing's load: {r['differ']}"
         assert r["tensors"] > 0 and r["unexpected"] == []
-    (before,) = [r["before"] for r in ranks if r["before"] is not None]
-    (after,) = [r["after"] for r in ranks if r["after"] is not None]
+    before = held(ranks, "before")
+    after = held(ranks, "after")
     assert np.max(np.abs(np.array(after) - np.array(before))) < 1e-5
 
 
@@ -127,10 +127,10 @@ def test_every_tensor_equals_megatrons_own_load_and_the_logits_carry_over(outcom
 def test_a_megatron_llama_exports_to_a_llama_transformers_runs_with_the_same_logits_and_back(outcomes, case):
     ranks = outcomes[case]
     export = next(c["export"] for c in EXPORTS if c["name"] == case)
-    assert [r["architecture"] for r in ranks if r["architecture"] is not None] == [ARCHITECTURES[export]]
-    (before,) = [r["before"] for r in ranks if r["before"] is not None]
-    (exported,) = [r["exported"] for r in ranks if r["exported"] is not None]
-    (after,) = [r["after"] for r in ranks if r["after"] is not None]
+    assert held(ranks, "architecture") == ARCHITECTURES[export]
+    before = held(ranks, "before")
+    exported = held(ranks, "exported")
+    after = held(ranks, "after")
     before = np.array(before).reshape(-1, DENSE["vocab"])
     assert np.max(np.abs(np.array(exported).reshape(before.shape) - before)) < 1e-5
     assert np.max(np.abs(np.array(after).reshape(before.shape) - before)) < 1e-5

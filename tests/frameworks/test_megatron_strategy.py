@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from ranks import outcomes_by_case, run
+from ranks import held, outcomes_by_case, run
 
 DENSE = dict(hidden=16, heads=4, groups=2, ffn=32, glu=True, bias=False, vocab=64, tied=False)
 CASES = [
@@ -88,15 +88,15 @@ def _checked(ranks):
         assert r["backend"] == "globalshard"
         assert r["same_metadata"] and r["keys"] > 0, "load_tensors_metadata differs from torch_dist's"
         assert r["plain"] == [], f"load_plain_tensors differs from torch_dist's: {r['plain']}"
-    assert [r["verified"] for r in ranks if r["verified"] is not None] == [True]
+    assert held(ranks, "verified") is True
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in CASES])
 def test_megatrons_sharded_state_dict_reshards_through_the_globalshard_strategy(outcomes, case):
     ranks = outcomes[case]
     _checked(ranks)
-    (before,) = [r["before"] for r in ranks if r["before"] is not None]
-    (after,) = [r["after"] for r in ranks if r["after"] is not None]
+    before = held(ranks, "before")
+    after = held(ranks, "after")
     assert np.max(np.abs(np.array(after) - np.array(before))) < 1e-5
     if "async" in case:
         assert all(r["changed"] for r in ranks), "training did not change the weights during the save"
@@ -117,9 +117,9 @@ def test_a_background_save_that_fails_on_one_rank_fails_on_every_rank_and_leaves
 def test_what_the_strategy_stored_exports_to_a_llama_transformers_runs_with_megatrons_logits(outcomes, case):
     ranks = outcomes[case]
     export = next(c["export"] for c in EXPORTS if c["name"] == case)
-    assert [r["architecture"] for r in ranks if r["architecture"] is not None] == [ARCHITECTURES[export]]
-    (before,) = [r["before"] for r in ranks if r["before"] is not None]
-    (exported,) = [r["exported"] for r in ranks if r["exported"] is not None]
+    assert held(ranks, "architecture") == ARCHITECTURES[export]
+    before = held(ranks, "before")
+    exported = held(ranks, "exported")
     assert np.max(np.abs(np.array(exported) - np.array(before))) < 1e-5
     model = next(c["model"] for c in EXPORTS if c["name"] == case)
     assert (ranks[0]["per_layer_keys"] > 0) == bool(model.get("moe_freq"))  # Megatron's two forms of keys
