@@ -77,10 +77,11 @@ matches is left as it is and reported; any other is an error.
   or one of ``{"$param": name}``, ``{"$shape": hf_name, "axis": i}``
   (``"divide": param`` divides it, or ``"divide": {"$shape": ...}``), ``{"$count": hf_name_with_{layer}}``
   (how many layers have it), ``{"$indices": hf_name_with_{layer}}`` (the
-  sorted layer numbers that have it), ``{"$present": hf_name}``,
-  ``{"$absent": hf_name}`` (true or false; with ``"then": a, "else": b``,
-  the value ``a`` or ``b``, themselves JSON or directives; ``$param`` too
-  chooses so, by whether the number is not 0), ``{"$dtype":
+  sorted layer numbers that have it), ``{"$range": n}`` (``[0, ..., n - 1]``),
+  ``{"$present": hf_name}``, ``{"$absent": hf_name}``, ``{"$equal": [a,
+  b]}`` (true or false; with ``"then": a, "else": b``, the value ``a`` or
+  ``b``, themselves JSON or directives; ``$param`` too chooses so, by
+  whether the number is not 0, and takes ``"divide"``), ``{"$dtype":
   hf_name}`` (its exported dtype, for ``torch_dtype``). A name may hold
   ``{field}``s: ``$present`` asks whether any tensor has such a name,
   ``$shape`` and ``$dtype`` read them all, which must agree.
@@ -95,7 +96,7 @@ matches is left as it is and reported; any other is an error.
   ``null`` is left out).
 
 ``params`` are numbers; sizes, heads and layer counts must be positive
-integers.
+integers. A param given that no rule or config reads is refused.
 """
 
 from globalshard.hf.exporting import WINDOW_BYTES, export, parse_size

@@ -20,8 +20,9 @@ def hf_config(mapping: NameMapping, pieces: Sequence[HfTensor], out_dtype: Mappi
     ``$present`` then asks whether any tensor has such a name, ``$shape``
     and ``$dtype`` read every such tensor, which must agree, and ``$indices``
     lists the values its one field takes (the layers that have it). ``$present``,
-    ``$absent`` and ``$param`` (a number other than 0) choose between ``then``
-    and ``else``; ``$error`` (in a branch) refuses the export with its message.
+    ``$absent``, ``$param`` (a number other than 0) and ``$equal`` (two values)
+    choose between ``then`` and ``else``; ``$error`` (in a branch) refuses the
+    export with its message; ``$range`` is ``[0, 1, ..., n - 1]``.
     """
     if mapping.config is None:
         return None
@@ -41,6 +42,14 @@ def hf_config(mapping: NameMapping, pieces: Sequence[HfTensor], out_dtype: Mappi
             raise ExportError(f"{where}: {at}: the tensors named {arg!r} disagree: {values}")
         return next(iter(values.values()))
 
+    def chosen(v: dict[str, Any], holds: Any, kind: str, at: str) -> Any:
+        """``holds`` itself, or with ``then`` and ``else`` the branch it chooses (truthy: ``then``)."""
+        if "then" not in v and "else" not in v:
+            return holds
+        if "then" not in v or "else" not in v:
+            raise ExportError(f"{where}: {at}: {kind} with 'then' needs 'else' too, and the reverse")
+        return value(v["then"], f"{at}.then") if holds else value(v["else"], f"{at}.else")
+
     def value(v: Any, at: str) -> Any:
         if isinstance(v, list):
             return [value(x, f"{at}[{i}]") for i, x in enumerate(v)]
@@ -52,20 +61,25 @@ def hf_config(mapping: NameMapping, pieces: Sequence[HfTensor], out_dtype: Mappi
         kind, arg = directive[0], v[directive[0]]
         if kind == "$param":
             got = mapping._param(arg, f"{where}: {at} needs params.{arg}")
-            if "then" not in v and "else" not in v:
-                return got
-            if "then" not in v or "else" not in v:
-                raise ExportError(f"{where}: {at}: $param with 'then' needs 'else' too, and the reverse")
-            return value(v["then"], f"{at}.then") if got else value(v["else"], f"{at}.else")
+            if "divide" in v:  # a count or a params name: top_k per group of experts
+                d = mapping._count(v, "divide", f"{where}: {at}")
+                if not isinstance(got, int) or got % d:
+                    raise ExportError(f"{where}: {at}: params.{arg} {got} does not divide by {d}")
+                got //= d
+            return chosen(v, got, kind, at)
         if kind == "$error":  # in a branch of $present/$absent: a model the architecture cannot hold
             raise ExportError(f"{where}: {at}: {arg}")
         if kind in ("$present", "$absent"):
-            holds = bool(named(arg, at)) == (kind == "$present")
-            if "then" not in v and "else" not in v:
-                return holds
-            if "then" not in v or "else" not in v:
-                raise ExportError(f"{where}: {at}: {kind} with 'then' needs 'else' too, and the reverse")
-            return value(v["then"], f"{at}.then") if holds else value(v["else"], f"{at}.else")
+            return chosen(v, bool(named(arg, at)) == (kind == "$present"), kind, at)
+        if kind == "$equal":
+            if not isinstance(arg, list) or len(arg) != 2:
+                raise ExportError(f"{where}: {at}: $equal compares a list of two values, got {arg!r}")
+            return chosen(v, value(arg[0], f"{at}[0]") == value(arg[1], f"{at}[1]"), kind, at)
+        if kind == "$range":
+            n = value(arg, f"{at}.$range")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ExportError(f"{where}: {at}: $range counts up to a whole number, got {n!r}")
+            return list(range(n))
         if kind == "$count":
             return len(named(arg, at))
         if kind == "$indices":

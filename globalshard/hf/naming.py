@@ -8,9 +8,7 @@ the adapter merged into it. Pure: no file is read but the mapping itself.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -18,24 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from globalshard.errors import GlobalShardError, StorageError
 from globalshard.geometry import Box
+from globalshard.hf.errors import DamagedFileError, ExportError
+from globalshard.hf.files import MAPPINGS_DIR, param_names, read_mapping, shipped_mappings
 from globalshard.layout import is_padding_key
 
-# TODO(limitation): shipped mappings cover Llama, Qwen2, Qwen3 (dense and MoE, a MoE's expert bias only by
-# skipping it: Hugging Face's Qwen3 MoE has none) and torchtitan's DeepSeek-V3 (routed with a sigmoid, without its
-# multi-token prediction layers); other architectures need a mapping file of their own.
-MAPPINGS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "mappings")
-
-
-class ExportError(GlobalShardError, ValueError):
-    """A mapping, a dtype or a safetensors file that cannot be used as asked."""
-
-
-class DamagedFileError(ExportError, StorageError):
-    """A safetensors file whose header or data is damaged or inconsistent
-    (a :class:`~globalshard.errors.StorageError`, as any damaged data)."""
-
+__all__ = ["NameMapping", "HfTensor", "ExportError", "DamagedFileError", "MAPPINGS_DIR", "shipped_mappings"]
 
 # --------------------------------------------------------------------------- mapping
 
@@ -106,6 +92,10 @@ class NameMapping:
         for k, v in self.params.items():
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ExportError(f"{where}: params.{k} must be a number, got {v!r}")
+        takes = param_names(doc)
+        if unknown := sorted(set(params or {}) - takes):  # a misspelt name would leave its default in place
+            raise ExportError(f"{where}: no rule or config of this mapping reads params {unknown}; "
+                              f"it reads {sorted(takes)}")
         self.where = where
         self.rules: list[_Rule] = []
         for i, t in enumerate(doc.get("tensors") or []):
@@ -191,7 +181,7 @@ class NameMapping:
     def load(cls, path: str, params: Mapping[str, float] | None = None) -> NameMapping:
         """A mapping file, or the name of a shipped one (``"llama"``), with the
         mappings it ``extends`` merged in."""
-        doc, path = _read_mapping(path, ())
+        doc, path = read_mapping(path, ())
         return cls(doc, params=params, where=path)
 
     @classmethod
@@ -334,49 +324,6 @@ def _to_halves(rows: np.ndarray, heads: int) -> np.ndarray:
 def _from_halves(rows: np.ndarray, heads: int) -> np.ndarray:
     n = rows.shape[0]
     return rows.reshape(heads, 2, n // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
-
-
-def shipped_mappings() -> list[str]:
-    """The names of the mappings ``globalshard/mappings/`` ships, for ``--map NAME``."""
-    return sorted(f[:-len(".json")] for f in os.listdir(MAPPINGS_DIR) if f.endswith(".json"))
-
-
-def _read_mapping(path: str, seen: tuple[str, ...]) -> tuple[dict[str, Any], str]:
-    """A mapping file's JSON (or a shipped one's, by name) and its path, the
-    mapping it ``extends`` merged in: its rules after this one's (the first
-    rule a key matches applies), its params, skip patterns and config keys
-    under this one's (a config key set to null is left out)."""
-    if not os.path.exists(path) and re.fullmatch(r"[a-z0-9_-]+", path):
-        if path not in shipped_mappings():
-            raise ExportError(f"no mapping {path!r}: no such file, nor a shipped mapping "
-                              f"({', '.join(shipped_mappings())})")
-        path = os.path.join(MAPPINGS_DIR, f"{path}.json")
-    if os.path.realpath(path) in seen:
-        raise ExportError(f"{path}: 'extends' goes round in a circle: {' -> '.join(seen)}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ExportError(f"cannot read the mapping {path}: {e}") from None
-    if not isinstance(doc, dict) or "extends" not in doc:
-        return doc, path
-    base = doc["extends"]
-    if not isinstance(base, str) or not base:
-        raise ExportError(f"{path}: extends: the name of a shipped mapping or a path, got {base!r}")
-    if not re.fullmatch(r"[a-z0-9_-]+", base):  # a path, from the extending file's directory
-        base = os.path.join(os.path.dirname(path), base)
-    parent, _ = _read_mapping(base, (*seen, os.path.realpath(path)))
-    for field, kind in (("tensors", list), ("skip", list), ("params", dict), ("config", dict)):
-        for d, at in ((doc, path), (parent, base)):
-            if d.get(field) is not None and not isinstance(d[field], kind):
-                raise ExportError(f"{at}: {field} must be a JSON {'list' if kind is list else 'object'}")
-    config = {**(parent.get("config") or {}), **(doc.get("config") or {})}
-    return {**{k: v for k, v in doc.items() if k != "extends"},
-            "tensors": [*(doc.get("tensors") or []), *(parent.get("tensors") or [])],
-            "skip": [*(parent.get("skip") or []), *(doc.get("skip") or [])],
-            "params": {**(parent.get("params") or {}), **(doc.get("params") or {})},
-            "config": {k: v for k, v in config.items() if v is not None}
-            if "config" in doc or "config" in parent else None}, path
 
 
 def _compile(key: str, where: str) -> re.Pattern[str]:

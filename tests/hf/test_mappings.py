@@ -15,6 +15,7 @@ from test_hf import attention_layer, read_all, save_global
 
 import globalshard as gs
 from globalshard.hf import ExportError, NameMapping, SafetensorsSource, export
+from globalshard.hf.files import param_names, read_mapping
 
 
 def write(path, doc):
@@ -56,7 +57,9 @@ def test_every_shipped_mapping_loads_and_a_name_that_is_none_lists_them():
     names = shipped_mappings()
     assert {"llama", "megatron_dist_qwen2", "torchtitan_deepseek_v3"} <= set(names) and len(names) == 12
     for name in names:
-        mapping = NameMapping.load(name, {"heads": 4, "kv_heads": 2, "top_k": 2})
+        reads = param_names(read_mapping(name, ())[0])
+        mapping = NameMapping.load(name, {k: v for k, v in {"heads": 4, "kv_heads": 2, "top_k": 2}.items()
+                                          if k in reads})
         assert mapping.rules and mapping.config is not None, name
     with pytest.raises(ExportError, match=r"no mapping 'llama3': .*\(llama, megatron_dist, .*torchtitan_qwen3_moe\)"):
         NameMapping.load("llama3")
@@ -182,7 +185,7 @@ def exported_exactly(path, keys, hf, m, name, extra=None):
     """``keys`` saved and exported with the shipped mapping ``name``: every tensor of ``hf``, exactly,
     and a config that describes ``m``; returns the export as a source to read back through the mapping."""
     save_global(keys, path / "ckpt", extra=extra)
-    params = {"heads": m["heads"], "kv_heads": m["kv_heads"], "top_k": 1}
+    params = {"heads": m["heads"], "kv_heads": m["kv_heads"], **({"top_k": 1} if "moe" in name else {})}
     index = export(str(path / "ckpt"), str(path / "hf"), mapping=NameMapping.load(name, params))
     _, got = read_all(path / "hf")
     assert got.keys() == hf.keys()
@@ -425,6 +428,42 @@ def test_a_param_chooses_a_branch_and_a_size_divides_by_another_tensors(tmp_path
         export(str(tmp_path / "ckpt"), str(tmp_path / "hf0"), mapping=NameMapping(doc, params={"p": 0}))
 
 
+def test_a_param_no_rule_or_config_reads_is_refused_naming_those_it_reads():
+    # A misspelt optional param would otherwise leave the default in place: a silently other model.
+    with pytest.raises(ExportError, match=r"no rule or config of this mapping reads params \['routed_scaling'\]; "
+                                          r"it reads \[.*'routed_scaling_factor'"):
+        NameMapping.load("torchtitan_deepseek_v3", {"heads": 2, "routed_scaling": 2.5})
+    with pytest.raises(ExportError, match=r"reads params \['kv_heads'\]"):  # a Llama's, not DeepSeek's
+        NameMapping.load("torchtitan_deepseek_v3", {"heads": 2, "kv_heads": 2})
+    # Those a base mapping reads count (extends), as do sizes, groups and rotary heads of rules.
+    assert NameMapping.load("megatron_dist_qwen3", {"heads": 4, "kv_heads": 2, "rope_theta": 1e6}).params["heads"] == 4
+
+
+def test_equal_compares_two_values_and_range_counts_up_to_one(tmp_path):
+    # Dense layers first (first_k_dense_replace) is: their indices are range(their count).
+    first = {"$equal": [{"$indices": "L.{layer}.dense"}, {"$range": {"$count": "L.{layer}.dense"}}],
+             "then": {"$count": "L.{layer}.dense"}, "else": {"$error": "dense layers not first"}}
+    config = {"per_group": {"$param": "top_k", "divide": "groups"},
+              "pair": {"$equal": [{"$param": "top_k", "divide": "groups"}, 2], "then": "two", "else": "other"},
+              "gated": {"$equal": [{"$indices": "L.{layer}.gate"}, [0, 2]]}, "r": {"$range": 3}}
+    save_global({n: np.zeros((2, 2), np.float32) for n in ("L.0.dense", "L.1.dense", "L.2.gate")}, tmp_path / "a")
+    doc = {"tensors": [{"key": "{name}", "name": "{name}"}], "config": {**config, "first": first}}
+    out = export(str(tmp_path / "a"), str(tmp_path / "ha"), mapping=NameMapping(doc, params={"top_k": 8, "groups": 4}))
+    assert out["config"] == {"per_group": 2, "pair": "two", "gated": False, "r": [0, 1, 2], "first": 2}
+    out = export(str(tmp_path / "a"), str(tmp_path / "hb"), mapping=NameMapping(doc, params={"top_k": 6, "groups": 1}))
+    assert out["config"]["pair"] == "other" and out["config"]["per_group"] == 6
+    with pytest.raises(ExportError, match=r"config\.per_group: params\.top_k 6 does not divide by 4"):
+        export(str(tmp_path / "a"), str(tmp_path / "hc"), mapping=NameMapping(doc, params={"top_k": 6, "groups": 4}))
+    save_global({n: np.zeros((2, 2), np.float32) for n in ("L.0.gate", "L.1.dense")}, tmp_path / "b")
+    with pytest.raises(ExportError, match=r"config\.first\.else: dense layers not first"):
+        export(str(tmp_path / "b"), str(tmp_path / "hd"), mapping=NameMapping(doc, params={"top_k": 8, "groups": 4}))
+    for bad, match in (({"$equal": [1]}, r"config\.x: \$equal compares a list of two values, got \[1\]"),
+                       ({"$range": -1}, r"config\.x: \$range counts up to a whole number, got -1")):
+        with pytest.raises(ExportError, match=match):
+            export(str(tmp_path / "a"), str(tmp_path / "he"), mapping=NameMapping(
+                {"tensors": [{"key": "{name}", "name": "{name}"}], "config": {"x": bad}}))
+
+
 @settings(max_examples=20, deadline=None)
 @given(data=st.data())
 def test_torchtitan_deepseek_v3_keys_export_to_each_hugging_face_tensor_and_read_back(tmp_path_factory, data):
@@ -485,3 +524,4 @@ def test_torchtitan_deepseek_v3_keys_export_to_each_hugging_face_tensor_and_read
         out = np.empty(value.shape, np.float32)
         source.read(k, gs.Box.full(value.shape), out)
         assert np.array_equal(out, value), k
+
