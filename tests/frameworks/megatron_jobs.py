@@ -10,7 +10,11 @@ built and steps). Its MoE router references
 ``te_general_gemm``, undefined without Transformer Engine: set to None, its
 value when Transformer Engine is absent. MoE layers use the ``allgather``
 token dispatcher (``alltoall`` creates a CUDA stream). Its ``model_parallel_cuda_manual_seed``
-takes ``inference_rng_tracker=True`` (a CPU-capable tracker).
+takes ``inference_rng_tracker=True`` (a CPU-capable tracker). Multi-latent attention:
+its module takes Transformer Engine for present when Megatron's TE extension imports
+without it (``HAVE_TE`` set False, as it is without TE), and Megatron's local
+``DotProductAttention`` lacks MLA's separate key and value widths, so its
+specs use ``CoreAttention`` below (softmax(q k^T * scale) v, causal) instead.
 """
 
 from __future__ import annotations
@@ -42,12 +46,32 @@ from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.tensor_parallel import random as mrandom  # noqa: E402
+from megatron.core.transformer import multi_latent_attention  # noqa: E402
 from megatron.core.transformer.module import Float16Module  # noqa: E402
 from megatron.core.transformer.moe import moe_utils  # noqa: E402
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig  # noqa: E402
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group  # noqa: E402
 
 moe_utils.te_general_gemm = None  # 0.16's router references it undefined without Transformer Engine
+multi_latent_attention.HAVE_TE = False  # 0.16 sets it when its TE extension imports, TE absent or not
+
+
+class CoreAttention(torch.nn.Module):
+    """Causal softmax(q k^T * softmax_scale) v with Megatron's core attention signature,
+    for multi-latent attention (whose values are narrower than its queries and keys)."""
+
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
+                 softmax_scale: float, **_: Any) -> None:
+        super().__init__()
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                **_: Any) -> torch.Tensor:
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [batch, heads, seq, dim]
+        scores = (q @ k.transpose(-1, -2)) * self.softmax_scale
+        causal = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).triu(1)
+        out = scores.masked_fill(causal, float("-inf")).softmax(-1) @ v
+        return out.permute(2, 0, 1, 3).reshape(q.shape[2], q.shape[0], -1)  # [seq, batch, heads * dim]
 
 
 def _on_cpu(make: Any) -> Any:
@@ -145,7 +169,17 @@ def config(m: dict[str, Any], vpp: int = 1, first: int | None = None,
                  else dict(pipeline_dtype=torch.float32))
     # A Llama: RMSNorm and SwiGLU (Megatron's defaults are LayerNorm and GeLU).
     llama = dict(normalization="RMSNorm", activation_func=torch.nn.functional.silu) if m.get("llama") else {}
-    return TransformerConfig(**moe, **llama, **mtp, qk_layernorm=bool(m.get("qk_norm")),  # a Qwen3
+    if m.get("mla"):  # a DeepSeek-V3: multi-latent attention, sigmoid routing with a bias, shared experts
+        mla, kind = dict(m["mla"]), MLATransformerConfig
+        moe |= dict(moe_ffn_hidden_size=mla.pop("expert_ffn"),
+                    moe_shared_expert_intermediate_size=mla.pop("shared_ffn"),
+                    moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                    moe_router_topk_scaling_factor=mla.pop("scale"), moe_router_num_groups=mla.pop("groups"),
+                    moe_router_group_topk=mla.pop("group_topk"))
+        attention = dict(qk_layernorm=True, **mla)  # the latents' norms
+    else:
+        kind, attention = TransformerConfig, dict(qk_layernorm=bool(m.get("qk_norm")))  # a Qwen3
+    return kind(**moe, **llama, **attention, **mtp,
                              add_qkv_bias=bool(m.get("qkv_bias")),  # a Qwen2
                              num_layers=NUM_LAYERS, hidden_size=m["hidden"],
                              num_attention_heads=m["heads"],
@@ -163,17 +197,19 @@ def config(m: dict[str, Any], vpp: int = 1, first: int | None = None,
 def build(m: dict[str, Any], layout: gt.ParallelLayout) -> list[GPTModel]:
     """This rank's model: its virtual pipeline chunks, in local order (one without VPP)."""
     vpp, cfg = layout.vpp_size, CONFIGS[layout]
-    spec = get_gpt_layer_local_spec(num_experts=m.get("experts"), qk_layernorm=bool(m.get("qk_norm")),
+    spec = get_gpt_layer_local_spec(num_experts=m.get("experts"), qk_layernorm=cfg.qk_layernorm,
+                                    multi_latent_attention=cfg.multi_latent_attention,
                                     normalization=cfg.normalization if m.get("llama") else None)
     stages = [c if vpp > 1 else None for c in range(vpp)]
     if m.get("moe_freq"):  # dense and MoE layers: Megatron's block spec (it then keys each layer apart)
-        return [GPTModel(cfg, transformer_layer_spec=get_gpt_decoder_block_spec(
-                             cfg, use_transformer_engine=False, normalization=cfg.normalization, vp_stage=stage),
+        return [GPTModel(cfg, transformer_layer_spec=_attending(get_gpt_decoder_block_spec(
+                             cfg, use_transformer_engine=False, normalization=cfg.normalization, vp_stage=stage)),
                          vocab_size=m["vocab"], max_sequence_length=SEQ, position_embedding_type="rope",
                          share_embeddings_and_output_weights=m["tied"], vp_stage=stage,
                          pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
                          post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage))
                 for stage in stages]
+    spec = _attending(spec)
     return [GPTModel(cfg, transformer_layer_spec=spec, vocab_size=m["vocab"], max_sequence_length=SEQ,
                      position_embedding_type="rope", share_embeddings_and_output_weights=m["tied"],
                      mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False, vp_stage=stage)
@@ -181,6 +217,15 @@ def build(m: dict[str, Any], layout: gt.ParallelLayout) -> list[GPTModel]:
                      vp_stage=stage, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
                      post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage))
             for stage in stages]
+
+
+def _attending(spec: Any) -> Any:
+    """``spec`` (a layer's, or a block's layers') with ``CoreAttention`` for multi-latent attention."""
+    for layer in getattr(spec, "layer_specs", [spec]):
+        attention = layer.submodules.self_attention
+        if attention.module is multi_latent_attention.MLASelfAttention:
+            attention.submodules.core_attention = CoreAttention
+    return spec
 
 
 def rules(m: dict[str, Any]) -> gt.ShardingRules:
@@ -215,14 +260,18 @@ def scramble(chunks: list[GPTModel], layout: gt.ParallelLayout, m: dict[str, Any
     """Values unlike any initialisation, equal on every replica (DP, and TP for
     replicated tensors, and both ends of tied embeddings), so the model is
     one consistent global model whatever its layout."""
+    def fill(t: torch.Tensor, key: str) -> None:
+        g = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little"))
+        t.copy_(torch.randn(t.shape, generator=g) * 0.3)
+
     with torch.no_grad():
         for chunk, model in enumerate(chunks):
             for name, p in model.named_parameters():
                 sharded = getattr(p, "tensor_model_parallel", False)
-                key = f"{salt}/{global_name(layout, name, chunk, m)}/{layout.tp_rank if sharded else 0}"
-                seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little")
-                g = torch.Generator().manual_seed(seed)
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+                fill(p, f"{salt}/{global_name(layout, name, chunk, m)}/{layout.tp_rank if sharded else 0}")
+            for name, b in model.named_buffers():  # a router's expert bias (replicated), which routes
+                if name.endswith("router.expert_bias"):
+                    fill(b, f"{salt}/{global_name(layout, name, chunk, m)}")
 
 
 def logits(chunks: list[GPTModel], layout: gt.ParallelLayout) -> list[float] | None:

@@ -197,8 +197,21 @@ def exported(rank: int, *, path: str, name: str, save: dict[str, int], model: di
     dist_checkpointing.save(_state(a, None, None, False), ckpt, sharded_strategy=gm.SaveStrategy())
     out = architecture = None
     if rank == 0:
-        params = {"heads": model["heads"], "kv_heads": model["groups"], "rms_norm_eps": 1e-5, "rope_theta": 10000,
+        params = {"heads": model["heads"], "rms_norm_eps": 1e-5, "rope_theta": 10000,
                   **({"top_k": 2} if model.get("experts") else {})}  # config's moe_router_topk
+        if model.get("mla"):  # what the checkpoint does not record, in the mapping's names
+            mla = model["mla"]
+            yarn = {k: mla[k] for k in ("rotary_scaling_factor", "mscale", "mscale_all_dim",
+                                        "original_max_position_embeddings") if k in mla}
+            if yarn:  # the context YaRN stretches to, as Hugging Face's config expects it
+                yarn["max_position_embeddings"] = int(yarn["rotary_scaling_factor"] *
+                                                      yarn["original_max_position_embeddings"])
+            params |= dict(qk_nope_head_dim=mla["qk_head_dim"], qk_rope_head_dim=mla["qk_pos_emb_head_dim"],
+                           sigmoid_routing=1, routed_scaling_factor=mla["scale"], n_group=mla["groups"],
+                           topk_group=mla["group_topk"], yarn=int(mla["rope_type"] == "yarn"),
+                           **yarn)
+        else:
+            params["kv_heads"] = model["groups"]
         args = [f"--param={k}={v}" for k, v in params.items()]
         assert cli(["export", gm.arrays_path(ckpt), hf, "--map", export, *args]) == 0
         reference = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
@@ -208,7 +221,9 @@ def exported(rank: int, *, path: str, name: str, save: dict[str, int], model: di
         architecture = type(reference).__name__
         per_layer = sum(bool(re.match(r"decoder\.layers\.\d+\.", k))
                         for k in gs.read_metadata(gm.arrays_path(ckpt)).tensors)
-        dense = getattr(reference.config, "mlp_only_layers", None)
+        dense = getattr(reference.config, "mlp_only_layers", None)  # Qwen3 MoE's; DeepSeek's come first
+        if hasattr(reference.config, "first_k_dense_replace"):
+            dense = list(range(reference.config.first_k_dense_replace))
     dist.barrier()
     return {"before": before, "exported": out, "architecture": architecture, "per_layer_keys": per_layer,
             "dense_layers": dense} if rank == 0 else {"before": before, "exported": None, "architecture": None}

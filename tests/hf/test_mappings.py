@@ -55,7 +55,7 @@ def test_every_shipped_mapping_loads_and_a_name_that_is_none_lists_them():
     from globalshard.hf import shipped_mappings
 
     names = shipped_mappings()
-    assert {"llama", "megatron_dist_qwen2", "torchtitan_deepseek_v3"} <= set(names) and len(names) == 12
+    assert {"llama", "megatron_dist_qwen2", "megatron_dist_deepseek_v3"} <= set(names) and len(names) == 13
     for name in names:
         reads = param_names(read_mapping(name, ())[0])
         mapping = NameMapping.load(name, {k: v for k, v in {"heads": 4, "kv_heads": 2, "top_k": 2}.items()
@@ -432,7 +432,7 @@ def test_a_param_no_rule_or_config_reads_is_refused_naming_those_it_reads():
     # A misspelt optional param would otherwise leave the default in place: a silently other model.
     with pytest.raises(ExportError, match=r"no rule or config of this mapping reads params \['routed_scaling'\]; "
                                           r"it reads \[.*'routed_scaling_factor'"):
-        NameMapping.load("torchtitan_deepseek_v3", {"heads": 2, "routed_scaling": 2.5})
+        NameMapping.load("megatron_dist_deepseek_v3", {**DS_PARAMS, "routed_scaling": 2.5})
     with pytest.raises(ExportError, match=r"reads params \['kv_heads'\]"):  # a Llama's, not DeepSeek's
         NameMapping.load("torchtitan_deepseek_v3", {"heads": 2, "kv_heads": 2})
     # Those a base mapping reads count (extends), as do sizes, groups and rotary heads of rules.
@@ -525,3 +525,141 @@ def test_torchtitan_deepseek_v3_keys_export_to_each_hugging_face_tensor_and_read
         source.read(k, gs.Box.full(value.shape), out)
         assert np.array_equal(out, value), k
 
+
+# ------------------------------------------------------------------ DeepSeek-V3 from Megatron-Core
+
+DS_PARAMS = {"heads": 2, "top_k": 2, "qk_nope_head_dim": 3, "qk_rope_head_dim": 2, "sigmoid_routing": 1, "yarn": 0}
+
+
+def megatron_deepseek(rng, layers, dense, stacked=False, q_rank=0, shared=1, te=False):
+    """A random Megatron-Core MLA + DeepSeek MoE as Hugging Face's DeepSeek-V3 tensors (``hf``) and as
+    Megatron's sharded keys (``keys``): stacked over layers, or one key per layer; a query LoRA of
+    rank ``q_rank`` (0: none); the latent norms under the local spec's names or (``te``) Transformer
+    Engine's."""
+    heads, nope, rope, v, kv_rank, hidden, ffn, experts = 2, 3, 2, 4, 5, 4, 2, 3
+
+    def w(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    hf = {"model.embed_tokens.weight": w(7, hidden), "model.norm.weight": w(hidden), "lm_head.weight": w(7, hidden)}
+    keys = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+            "decoder.final_layernorm.weight": hf["model.norm.weight"], "output_layer.weight": hf["lm_head.weight"]}
+    per_layer: dict[str, list[np.ndarray]] = {}
+    for i in range(layers):
+        h, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        t: dict[str, np.ndarray] = {}
+        hf[h + "input_layernorm.weight"] = t["input_layernorm.weight"] = w(hidden)
+        hf[a + "kv_a_proj_with_mqa.weight"] = t["self_attention.linear_kv_down_proj.weight"] = w(kv_rank + rope, hidden)
+        hf[a + "kv_a_layernorm.weight"] = t["self_attention.linear_kv_up_proj.layer_norm_weight" if te
+                                            else "self_attention.kv_layernorm.weight"] = w(kv_rank)
+        hf[a + "kv_b_proj.weight"] = t["self_attention.linear_kv_up_proj.weight"] = w(heads * (nope + v), kv_rank)
+        hf[a + "o_proj.weight"] = t["self_attention.linear_proj.weight"] = w(hidden, heads * v)
+        if q_rank:
+            hf[a + "q_a_proj.weight"] = t["self_attention.linear_q_down_proj.weight"] = w(q_rank, hidden)
+            hf[a + "q_a_layernorm.weight"] = t["self_attention.linear_q_up_proj.layer_norm_weight" if te
+                                               else "self_attention.q_layernorm.weight"] = w(q_rank)
+            hf[a + "q_b_proj.weight"] = t["self_attention.linear_q_up_proj.weight"] = w(heads * (nope + rope), q_rank)
+        else:
+            hf[a + "q_proj.weight"] = t["self_attention.linear_q_proj.weight"] = w(heads * (nope + rope), hidden)
+        hf[h + "post_attention_layernorm.weight"] = t["mlp.linear_fc1.layer_norm_weight" if te and i < dense
+                                                      else "pre_mlp_layernorm.weight"] = w(hidden)
+        m = h + "mlp."
+        if i < dense:
+            hf[m + "gate_proj.weight"], hf[m + "up_proj.weight"] = w(5, hidden), w(5, hidden)
+            t["mlp.linear_fc1.weight"] = np.concatenate([hf[m + "gate_proj.weight"], hf[m + "up_proj.weight"]])
+            hf[m + "down_proj.weight"] = t["mlp.linear_fc2.weight"] = w(hidden, 5)
+        else:
+            hf[m + "gate.weight"] = t["mlp.router.weight"] = w(experts, hidden)
+            hf[m + "gate.e_score_correction_bias"] = t["mlp.router.expert_bias"] = w(experts)
+            for e in range(experts):
+                x = f"{m}experts.{e}."
+                hf[x + "gate_proj.weight"], hf[x + "up_proj.weight"] = w(ffn, hidden), w(ffn, hidden)
+                hf[x + "down_proj.weight"] = w(hidden, ffn)
+            t["mlp.experts.experts.linear_fc1.weight"] = np.stack([np.concatenate(
+                [hf[f"{m}experts.{e}.gate_proj.weight"], hf[f"{m}experts.{e}.up_proj.weight"]])
+                for e in range(experts)])
+            t["mlp.experts.experts.linear_fc2.weight"] = np.stack(
+                [hf[f"{m}experts.{e}.down_proj.weight"] for e in range(experts)])
+            s = m + "shared_experts."
+            hf[s + "gate_proj.weight"], hf[s + "up_proj.weight"] = w(shared * ffn, hidden), w(shared * ffn, hidden)
+            t["mlp.shared_experts.linear_fc1.weight"] = np.concatenate([hf[s + "gate_proj.weight"],
+                                                                        hf[s + "up_proj.weight"]])
+            hf[s + "down_proj.weight"] = t["mlp.shared_experts.linear_fc2.weight"] = w(hidden, shared * ffn)
+        for k, x in t.items():
+            if stacked:
+                per_layer.setdefault(f"decoder.layers.{k}", []).append(x)
+            else:
+                keys[f"decoder.layers.{i}.{k}"] = x
+    keys |= {k: np.stack(xs) for k, xs in per_layer.items()}
+    return hf, keys, {"q_lora_rank": q_rank or None, "kv_lora_rank": kv_rank, "v_head_dim": v,
+                      "n_shared_experts": shared, "n_routed_experts": experts, "first_k_dense_replace": dense}
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_megatron_deepseek_v3_keys_export_to_each_hugging_face_tensor_and_read_back(tmp_path_factory, data):
+    path = tmp_path_factory.mktemp("megatron_deepseek")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    layers = data.draw(st.integers(1, 3))
+    dense = data.draw(st.integers(0, layers - 1))
+    stacked = dense == 0 and data.draw(st.booleans())  # Megatron stacks only layers that are all alike
+    hf, keys, expected = megatron_deepseek(rng, layers, dense, stacked, q_rank=data.draw(st.sampled_from([0, 3])),
+                                           shared=data.draw(st.integers(1, 2)), te=data.draw(st.booleans()))
+    save_global(keys, path / "ckpt")
+    mapping = NameMapping.load("megatron_dist_deepseek_v3", DS_PARAMS)
+    index = export(str(path / "ckpt"), str(path / "hf"), mapping=mapping)
+    _, got = read_all(path / "hf")
+    assert sorted(got) == sorted(hf)
+    for name, value in hf.items():
+        assert np.array_equal(got[name].numpy(), value), name
+    config = index["config"]
+    assert {k: config[k] for k in expected} == expected
+    assert config["num_hidden_layers"] == layers and config["norm_topk_prob"] is True
+    assert config["scoring_func"] == "sigmoid" and config["rope_scaling"] is None
+    source = SafetensorsSource(str(path / "hf"), mapping)
+    for k, value in keys.items():
+        out = np.empty(value.shape, np.float32)
+        source.read(k, gs.Box.full(value.shape), out)
+        assert np.array_equal(out, value), k
+
+
+@pytest.mark.parametrize("params,drop,match", [
+    ({"sigmoid_routing": 0}, "", r"config\.scoring_func\.else: .*softmax"),
+    ({"n_group": 4, "topk_group": 2, "top_k": 6}, "", r"config\.topk_group\.else\.else: .*best 2"),
+    ({"n_group": 4, "topk_group": 4, "top_k": 6}, "", r"params\.top_k 6 does not divide by 4"),
+    ({"yarn": 0, "mscale_all_dim": 1}, "", r"config\.rope_scaling\.else\.then: mscale_all_dim without YaRN"),
+    ({"yarn": 1, "mscale": 0.7}, "", r"config\.rope_scaling\.then\.mscale\.else\.else: mscale other than 1"),
+    ({}, "kv_layernorm", r"config\.kv_lora_rank\.else: .*latent norms"),
+    ({}, "q_layernorm", r"config\.q_lora_rank\.then\.else: a query LoRA without its norm"),
+    ({}, "shared_experts", r"config\.n_shared_experts\.else: MoE layers without shared experts"),
+])
+def test_a_megatron_deepseek_that_hugging_face_would_run_otherwise_is_refused(tmp_path, params, drop, match):
+    _, keys, _ = megatron_deepseek(np.random.default_rng(0), layers=2, dense=1, q_rank=3)
+    save_global({k: v for k, v in keys.items() if not drop or drop not in k}, tmp_path / "ckpt")
+    mapping = NameMapping.load("megatron_dist_deepseek_v3", {**DS_PARAMS, **params})
+    with pytest.raises(ExportError, match=match):
+        export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), mapping=mapping)
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_megatron_deepseek_with_a_dense_layer_after_a_moe_layer_is_refused(tmp_path):
+    _, keys, _ = megatron_deepseek(np.random.default_rng(0), layers=2, dense=1)
+    moved = {re.sub(r"decoder\.layers\.(\d)\.", lambda m: f"decoder.layers.{1 - int(m.group(1))}.", k): v
+             for k, v in keys.items()}  # layer 1 dense, layer 0 MoE (Megatron's moe_layer_freq [1, 0])
+    save_global(moved, tmp_path / "ckpt")
+    with pytest.raises(ExportError, match=r"config\.first_k_dense_replace\.else: dense layers after MoE layers"):
+        export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), mapping=NameMapping.load("megatron_dist_deepseek_v3",
+                                                                                      DS_PARAMS))
+
+
+def test_a_megatron_deepseek_trained_with_yarn_exports_its_rope_scaling_and_groups(tmp_path):
+    _, keys, _ = megatron_deepseek(np.random.default_rng(0), layers=1, dense=0)
+    save_global(keys, tmp_path / "ckpt")
+    params = {**DS_PARAMS, "yarn": 1, "mscale_all_dim": 1, "top_k": 8, "n_group": 8, "topk_group": 4,
+              "routed_scaling_factor": 2.5}
+    config = export(str(tmp_path / "ckpt"), str(tmp_path / "hf"),
+                    mapping=NameMapping.load("megatron_dist_deepseek_v3", params))["config"]
+    assert config["rope_scaling"] == {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1}
+    assert (config["n_group"], config["topk_group"], config["num_experts_per_tok"]) == (8, 4, 8)
+    assert config["routed_scaling_factor"] == 2.5 and config["norm_topk_prob"] is True
