@@ -26,7 +26,7 @@ from globalshard_torch.parallel import ParallelLayout
 from globalshard_torch.rules import ShardingRules
 from globalshard_torch.tensors import HostStaging, numpy_view
 
-__all__ = ["load_hf"]
+__all__ = ["load_hf", "fill_from_safetensors"]
 
 
 def load_hf(directory: str, model: nn.Module | Sequence[nn.Module], layout: ParallelLayout,
@@ -74,6 +74,20 @@ def load_hf(directory: str, model: nn.Module | Sequence[nn.Module], layout: Para
                 t.data[...] = 0  # Hugging Face files hold the true vocabulary only: padding rows are zero
             else:
                 targets[name] = t
+    report = fill_from_safetensors(source, targets, allow_lossy_cast=allow_lossy_cast, strict=strict, comm=comm)
+    staging.finish_load()
+    return report
+
+
+def fill_from_safetensors(source: SafetensorsSource, targets: dict[str, gs.ShardedTensor], *,
+                          allow_lossy_cast: bool = False, strict: bool = True,
+                          comm: Comm | None = None) -> dict[str, Any]:
+    """Fill the core's pieces (``data`` in place) from the files ``source`` reads, as
+    :func:`load_hf` does: every key checked (present, global shape, exact cast)
+    before anything is read; keys the files lack that the mapping skips are left
+    out (and reported); a piece that may hold padding is zero beyond its regions.
+    Returns :func:`load_hf`'s figures."""
+    directory = source.directory
     problems, skipped = [], set()
     for name, t in list(targets.items()):
         found = source.keys.get(t.key)
@@ -110,5 +124,4 @@ def load_hf(directory: str, model: nn.Module | Sequence[nn.Module], layout: Para
                 covered[r.local_box.slices] = True
         if covered is not None:
             t.data[~covered] = 0
-    staging.finish_load()
     return {"bytes_read": nbytes, "tensors": len(targets), "unread": unread, "skipped": sorted(skipped)}

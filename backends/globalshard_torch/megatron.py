@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 from megatron.core.dist_checkpointing.core import CheckpointingException
-from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace, nested_values
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace, merge, nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor as MegatronTensor
 from megatron.core.dist_checkpointing.mapping import is_main_replica
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
@@ -69,10 +69,11 @@ import globalshard as gs
 from globalshard.comm import Comm, SingleProcessComm
 from globalshard.errors import LayoutError
 from globalshard.geometry import Box, Region
+from globalshard.hf import NameMapping, SafetensorsSource
 from globalshard_torch.comm import default_comm
 from globalshard_torch.tensors import HostStaging, numpy_view, torch_dtype
 
-__all__ = ["ARRAYS", "BACKEND", "VERSION", "LoadStrategy", "SaveStrategy", "arrays_path"]
+__all__ = ["ARRAYS", "BACKEND", "VERSION", "LoadStrategy", "SaveStrategy", "arrays_path", "load_hf"]
 
 #: The backend name recorded in Megatron's metadata.json (``sharded_backend``).
 BACKEND = "globalshard"
@@ -294,6 +295,69 @@ class LoadStrategy(LoadShardedStrategy):
         raise NotImplementedError(f"the globalshard strategy cannot remove keys from a saved checkpoint (asked for "
                                   f"{key_prefix!r} in {os.fspath(checkpoint_dir)!r}); load it and save it again "
                                   "without them")
+
+
+def load_hf(directory: str, sharded_state_dict: Any, *, mapping: NameMapping | str,
+            params: dict[str, float] | None = None, allow_lossy_cast: bool = False, strict: bool = True,
+            comm: Comm | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A Megatron model's state from Hugging Face safetensors, through a mapping read
+    in reverse (``megatron_dist``, ``megatron_dist_qwen3``, ...: the mappings that
+    export what this strategy stores): what ``dist_checkpointing.load`` returns
+    for a checkpoint, for ``model.load_state_dict``, each rank reading only the
+    rows of the files its ShardedTensors cover.
+
+    Megatron's factories (fused ``[gate; up]``, experts) are applied and merged
+    as ``dist_checkpointing.load`` does; ``allow_shape_mismatch`` targets (a padded
+    vocabulary) read the files' rows and are zero beyond them. Sharded objects
+    (a layer's ``_extra_state``) and the mapping's skipped keys the files lack (a
+    router's expert bias for a Hugging Face model without one) come back as
+    they are in the model.
+
+    Args:
+        directory: ``model.safetensors``, or ``model.safetensors.index.json`` and its files.
+        sharded_state_dict: the model's ``sharded_state_dict()`` (one model chunk; with
+            virtual pipeline stages, call once per chunk).
+        mapping: a shipped mapping's name, a mapping file, or a :class:`~globalshard.hf.NameMapping`.
+        params: the mapping's params (``{"heads": 32, "kv_heads": 8}``).
+        allow_lossy_cast: allow e.g. a bfloat16 model from float32 files.
+        strict: a tensor of the files that no rank reads (an untied ``lm_head``, norms
+            the model lacks) is an error; ``False`` loads the rest and reports them.
+        comm: the ranks loading together (by default torch.distributed's).
+
+    Returns:
+        The state dict, and :func:`globalshard_torch.load_hf`'s figures for this rank.
+
+    Raises:
+        MismatchError: keys the files lack or of another global shape, each named.
+        CastError: a lossy conversion not allowed.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, apply_factory_merges
+    from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
+
+    from globalshard_torch.hf import fill_from_safetensors
+
+    if isinstance(mapping, str):
+        mapping = NameMapping.load(mapping, params)
+    source = SafetensorsSource(directory, mapping)
+    state, nonpersistent, factories = load_preprocess(sharded_state_dict)
+    tensors = [v for v in nested_values(state) if isinstance(v, MegatronTensor)]
+    staging = HostStaging()
+    targets: dict[str, gs.ShardedTensor] = {}
+    for i, t in enumerate(tensors):
+        if t.data is None:
+            t.init_data("cpu", init_fn=torch.zeros)
+        t.data = t.data.detach()
+        found = source.keys.get(t.key)
+        shape = found[1] if t.allow_shape_mismatch and found is not None else tuple(t.global_shape)
+        if shape != tuple(t.global_shape) and _inside(t, shape) is None:
+            t.data.zero_()  # all beyond the files' vocabulary
+            continue
+        targets[f"{i}:{t.key}"] = _piece(t, numpy_view(staging.host(t.data, for_save=False)), shape, main=True)
+    report = fill_from_safetensors(source, targets, allow_lossy_cast=allow_lossy_cast, strict=strict, comm=comm)
+    staging.finish_load()
+    loaded = dict_list_map_outplace(lambda v: v.data if isinstance(v, (MegatronTensor, ShardedObject)) else v, state)
+    merge(loaded, nonpersistent)
+    return apply_factory_merges(loaded, factories), report
 
 
 def _registered() -> None:

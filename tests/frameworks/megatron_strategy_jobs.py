@@ -45,6 +45,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
 from megatron.core.dist_checkpointing.validation import StrictHandling
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 import globalshard as gs
 import globalshard_torch.megatron as gm
@@ -179,15 +180,33 @@ def scenario(rank: int, *, path: str, name: str, save: dict[str, int], load: dic
             "keys": len(meta_ours), "changed": changed, "plain": plain}
 
 
+def _hf_params(model: dict[str, Any]) -> dict[str, float]:
+    """The export mapping's params for ``model``: what a Megatron checkpoint does not record."""
+    params = {"heads": model["heads"], "rms_norm_eps": 1e-5, "rope_theta": 10000,
+              **({"top_k": 2} if model.get("experts") else {})}  # config's moe_router_topk
+    if not model.get("mla"):
+        return params | {"kv_heads": model["groups"]}
+    mla = model["mla"]
+    yarn = {k: mla[k] for k in ("rotary_scaling_factor", "mscale", "mscale_all_dim",
+                                "original_max_position_embeddings") if k in mla}
+    if yarn:  # the context YaRN stretches to, as Hugging Face's config expects it
+        yarn["max_position_embeddings"] = int(yarn["rotary_scaling_factor"] * yarn["original_max_position_embeddings"])
+    return params | dict(qk_nope_head_dim=mla["qk_head_dim"], qk_rope_head_dim=mla["qk_pos_emb_head_dim"],
+                         sigmoid_routing=1, routed_scaling_factor=mla["scale"], n_group=mla["groups"],
+                         topk_group=mla["group_topk"], yarn=int(mla["rope_type"] == "yarn"), **yarn)
+
+
 def exported(rank: int, *, path: str, name: str, save: dict[str, int], model: dict[str, Any],
-             export: str) -> dict[str, Any]:
-    """A Megatron Llama saved at ``save`` by dist_checkpointing with the globalshard
+             export: str, reload: dict[str, int] | None = None) -> dict[str, Any]:
+    """A Megatron model saved at ``save`` by dist_checkpointing with the globalshard
     strategy, exported by ``globalshard export --map <export>`` and opened by
     transformers as the architecture its ``config.json`` names: its logits and
-    class name (rank 0) beside Megatron's logits before the save."""
+    class name (rank 0) beside Megatron's logits before the save. With ``reload``:
+    transformers' own ``save_pretrained`` of that model read by ``gm.load_hf``
+    into a fresh Megatron model at the ``reload`` layout, and its logits."""
     import transformers
 
-    ckpt, hf = os.path.join(path, name, "ckpt"), os.path.join(path, name, "hf")
+    ckpt, hf, hf_saved = (os.path.join(path, name, d) for d in ("ckpt", "hf", "hf_saved"))
     if rank == 0:
         os.makedirs(ckpt)
     dist.barrier()
@@ -195,23 +214,9 @@ def exported(rank: int, *, path: str, name: str, save: dict[str, int], model: di
     a, _ = _built(model, layout, "saved", None)
     before = logits(a, layout)
     dist_checkpointing.save(_state(a, None, None, False), ckpt, sharded_strategy=gm.SaveStrategy())
+    params = _hf_params(model)
     out = architecture = None
     if rank == 0:
-        params = {"heads": model["heads"], "rms_norm_eps": 1e-5, "rope_theta": 10000,
-                  **({"top_k": 2} if model.get("experts") else {})}  # config's moe_router_topk
-        if model.get("mla"):  # what the checkpoint does not record, in the mapping's names
-            mla = model["mla"]
-            yarn = {k: mla[k] for k in ("rotary_scaling_factor", "mscale", "mscale_all_dim",
-                                        "original_max_position_embeddings") if k in mla}
-            if yarn:  # the context YaRN stretches to, as Hugging Face's config expects it
-                yarn["max_position_embeddings"] = int(yarn["rotary_scaling_factor"] *
-                                                      yarn["original_max_position_embeddings"])
-            params |= dict(qk_nope_head_dim=mla["qk_head_dim"], qk_rope_head_dim=mla["qk_pos_emb_head_dim"],
-                           sigmoid_routing=1, routed_scaling_factor=mla["scale"], n_group=mla["groups"],
-                           topk_group=mla["group_topk"], yarn=int(mla["rope_type"] == "yarn"),
-                           **yarn)
-        else:
-            params["kv_heads"] = model["groups"]
         args = [f"--param={k}={v}" for k, v in params.items()]
         assert cli(["export", gm.arrays_path(ckpt), hf, "--map", export, *args]) == 0
         reference = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
@@ -224,13 +229,47 @@ def exported(rank: int, *, path: str, name: str, save: dict[str, int], model: di
         dense = getattr(reference.config, "mlp_only_layers", None)  # Qwen3 MoE's; DeepSeek's come first
         if hasattr(reference.config, "first_k_dense_replace"):
             dense = list(range(reference.config.first_k_dense_replace))
+        reference.save_pretrained(hf_saved)  # transformers' own files of the same model
     dist.barrier()
-    return {"before": before, "exported": out, "architecture": architecture, "per_layer_keys": per_layer,
-            "dense_layers": dense} if rank == 0 else {"before": before, "exported": None, "architecture": None}
+    reloaded = report = None
+    if reload:
+        layout = setup(model, **reload)
+        b = build(model, layout)
+        scramble(b, layout, model, "fresh")
+        meta = ensure_metadata_has_dp_cp_group(None)
+        for chunk in b:
+            state, report = gm.load_hf(hf_saved, chunk.sharded_state_dict(metadata=meta), mapping=export,
+                                       params=params)
+            chunk.load_state_dict(state)
+        reloaded = logits(b, layout)
+    mine = {"before": before, "reloaded": reloaded, "report": report}
+    return mine | ({"exported": out, "architecture": architecture, "per_layer_keys": per_layer, "dense_layers": dense}
+                   if rank == 0 else {"exported": None, "architecture": None})
+
+
+def hf_mismatches(rank: int, *, path: str, name: str, llama: str, qwen3: str, model: dict[str, Any],
+                  refuse: bool) -> dict[str, Any]:
+    """``gm.load_hf`` of files that do not fit the model (the export cases' transformers
+    files, ``llama`` and ``qwen3`` under ``path``): a Qwen3 (query and key norms) from a
+    Llama's files, and a Llama from a Qwen3's, strict and not; each outcome's error."""
+    out: dict[str, Any] = {}
+    for case, m, files, export, strict in (("qwen3_from_llama", {**model, "qk_norm": True}, llama,
+                                            "megatron_dist_qwen3", True),
+                                           ("llama_from_qwen3", model, qwen3, "megatron_dist", True),
+                                           ("llama_from_qwen3_lenient", model, qwen3, "megatron_dist", False)):
+        layout = setup(m, tp=2, pp=1)
+        (chunk,) = build(m, layout)
+        try:
+            _, report = gm.load_hf(os.path.join(path, files, "hf_saved"), chunk.sharded_state_dict(),
+                                   mapping=export, params=_hf_params(m), strict=strict)
+            out[case] = report["unread"]
+        except gs.GlobalShardError as e:
+            out[case] = f"{type(e).__name__}: {e}"
+    return out
 
 
 def scenarios(rank: int, *, path: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    kinds = {"fail": failed_background, "export": exported}
+    kinds = {"fail": failed_background, "export": exported, "refuse": hf_mismatches}
     return [next((f for k, f in kinds.items() if case.get(k)), scenario)(rank, path=path, **case) for case in cases]
 
 
