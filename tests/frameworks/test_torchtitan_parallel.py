@@ -265,7 +265,7 @@ def deepseek_saved(tmp_path_factory):
 
 
 DEEPSEEK = {"heads": 4, "top_k": 3, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "routed_scaling_factor": 2.5,
-            "n_group": 4, "topk_group": 2}
+            "n_group": 4, "topk_group": 2, "yarn": 1, "mscale": 0.7, "max_position_embeddings": 163840}
 
 
 def test_a_deepseek_v3_exports_to_transformers_deepseek_v3_with_torchtitans_logits_and_back(deepseek_saved, tmp_path):
@@ -278,6 +278,10 @@ def test_a_deepseek_v3_exports_to_transformers_deepseek_v3_with_torchtitans_logi
     with pytest.raises(ExportError, match=r"routes with a sigmoid: a model trained with softmax scores"):
         export(str(deepseek_saved / "ours"), str(tmp_path / "softmax"), mapping=NameMapping.load(
             "torchtitan_deepseek_v3", {**DEEPSEEK, "sigmoid_routing": 0}))
+    # Nor whether its rotary embedding is YaRN (all of torchtitan's deepseek_v3 recipes): it asks that too.
+    with pytest.raises(ExportError, match=r"'yarn' is not in params"):
+        export(str(deepseek_saved / "ours"), str(tmp_path / "yarn"), mapping=NameMapping.load(
+            "torchtitan_deepseek_v3", {**{k: v for k, v in DEEPSEEK.items() if k != "yarn"}, "sigmoid_routing": 1}))
     params = {**DEEPSEEK, "sigmoid_routing": 1}
     (r,) = run(1, "torchtitan_jobs:exported", str(tmp_path / "ranks"), work=str(deepseek_saved), name="deepseek_v3",
                hf=str(tmp_path / "hf"), mapping="torchtitan_deepseek_v3", params=params)
@@ -294,3 +298,20 @@ def test_a_deepseek_v3_exports_to_transformers_deepseek_v3_with_torchtitans_logi
                     hf=str(tmp_path / "hf"), dp_shard=2, tp=2, ep=4, name="deepseek_v3",
                     mapping="torchtitan_deepseek_v3", params=params):
         assert back["differ"] == [] and back["unread"] == [] and back["skipped"] == [] and back["tensors"] > 30
+
+
+def test_torchtitans_yarn_exports_as_the_rope_scaling_transformers_runs_with_its_logits(tmp_path):
+    """Every deepseek_v3 recipe of torchtitan scales its rotary embedding and its softmax by YaRN
+    (the model above too). With attention that is not near uniform (its projections 4 times
+    torchtitan's initial ones), the scaling shows: the export with --param yarn=1 runs in
+    transformers with torchtitan's logits, the same weights exported as plain rotary do not."""
+    assert run(1, "torchtitan_jobs:sharpened", str(tmp_path / "save"), work=str(tmp_path), name="deepseek_v3",
+               scale=4.0) == [12]  # wq, wkv_a, wkv_b, wo of 3 layers
+    params = {**DEEPSEEK, "sigmoid_routing": 1}
+    (yarn,) = run(1, "torchtitan_jobs:exported", str(tmp_path / "yarn"), work=str(tmp_path), name="deepseek_v3",
+                  hf=str(tmp_path / "hf_yarn"), mapping="torchtitan_deepseek_v3", params=params)
+    (plain,) = run(1, "torchtitan_jobs:exported", str(tmp_path / "plain"), work=str(tmp_path), name="deepseek_v3",
+                   hf=str(tmp_path / "hf_plain"), mapping="torchtitan_deepseek_v3", params={**params, "yarn": 0})
+    assert yarn["differ"] == [] and yarn["only_ours"] == [] and yarn["only_theirs"] == []
+    assert yarn["logits_diff"] / yarn["logits_max"] < 1e-3, yarn  # 2.2e-5 measured
+    assert plain["logits_diff"] / plain["logits_max"] > 0.05, plain  # 0.10 measured

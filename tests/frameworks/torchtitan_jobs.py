@@ -97,6 +97,17 @@ def train(rank: int, *, work: str, dp_shard: int, tp: int, ep: int = 1, pp: int 
     return {"tensors": len(ModelWrapper(parts).state_dict()), "parts": len(parts)}
 
 
+def sharpened(rank: int, *, work: str, name: str, scale: float) -> int:
+    """``name`` built in one process with its attention's projections ``scale`` times
+    torchtitan's initial ones (attention that is not near uniform, so that how it scales
+    scores and rotates positions shows in the logits), saved with globalshard."""
+    (part,), optimizers = build(1, 1, 3, work, model=name)
+    with torch.no_grad():
+        scaled = [p.mul_(scale) for n, p in part.named_parameters() if ".attention.w" in n]
+    gt.save(state([part], optimizers), os.path.join(work, "ours"))
+    return len(scaled)
+
+
 def _local(t: Any) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 

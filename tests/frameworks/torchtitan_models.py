@@ -21,7 +21,8 @@ def spec(name: str, parallelism: ParallelismConfig) -> Any:
         out = llama3.model_registry("debugmodel", attn_backend="flex")
         set_llama3_sharding_config(out.model, enable_sp=parallelism.enable_sequence_parallel)
         return out
-    if name == "deepseek_v3":  # small, routed as DeepSeek-V3 is (and Hugging Face's form of it): sigmoid, groups
+    if name == "deepseek_v3":  # small, routed as DeepSeek-V3 is (and Hugging Face's form of it): sigmoid, groups;
+        # its rotary embedding and attention scaled by YaRN as in every deepseek_v3 recipe (debugmodel's mscale)
         out = deepseek_v3.model_registry("debugmodel", attn_backend="flex")
         out.model.layers = deepseek_v3._build_dsv3_layers(
             n_layers=3, n_dense_layers=1, dim=out.model.dim, n_heads=4, q_lora_rank=0, kv_lora_rank=64,
@@ -29,7 +30,8 @@ def spec(name: str, parallelism: ParallelismConfig) -> Any:
             moe_hidden_dim=64, num_experts=8, num_shared_experts=2, router_top_k=3, router_score_func="sigmoid",
             router_num_expert_groups=4, router_num_limited_groups=2, router_route_scale=2.5, router_route_norm=True,
             attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,
-            rope=ComplexRoPE.Config(dim=16, max_seq_len=4096, theta=10000.0))
+            rope=ComplexRoPE.Config(dim=16, max_seq_len=4096 * 4, theta=10000.0, scaling="yarn", rope_factor=40.0,
+                                    beta_fast=32.0, beta_slow=1.0, original_seq_len=4096))
         set_deepseek_v3_sharding_config(out.model, enable_sp=parallelism.enable_sequence_parallel,
                                         enable_ep=parallelism.expert_parallel_degree > 1)
         return out

@@ -499,7 +499,9 @@ def test_torchtitan_deepseek_v3_keys_export_to_each_hugging_face_tensor_and_read
                      m + "shared_experts.w3.weight": w(shared * ffn, hidden),
                      m + "shared_experts.w2.weight": w(hidden, shared * ffn)}
     save_global(keys, path / "ckpt")
-    params = {"heads": heads, "top_k": 2, "qk_nope_head_dim": nope, "qk_rope_head_dim": rope, "sigmoid_routing": 1}
+    yarn = data.draw(st.sampled_from([0, 1]))
+    params = {"heads": heads, "top_k": 2, "qk_nope_head_dim": nope, "qk_rope_head_dim": rope, "sigmoid_routing": 1,
+              "yarn": yarn, "mscale": 0.7}
     mapping = NameMapping.load("torchtitan_deepseek_v3", params)
     if dense == layers:  # no MoE layer: nothing gives the experts' sizes the config needs
         with pytest.raises(ExportError, match=r"moe_intermediate_size reads"):
@@ -519,6 +521,11 @@ def test_torchtitan_deepseek_v3_keys_export_to_each_hugging_face_tensor_and_read
     assert config["first_k_dense_replace"] == dense and config["n_shared_experts"] == shared
     assert config["q_lora_rank"] == (q_rank or None) and config["kv_lora_rank"] == kv_rank
     assert config["v_head_dim"] == v and config["n_routed_experts"] == experts and config["scoring_func"] == "sigmoid"
+    # torchtitan's YaRN as Hugging Face's: its rotary untouched in magnitude (mscale = mscale_all_dim), its
+    # softmax scaled by the attention's mscale
+    assert config["rope_scaling"] == ({"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                                       "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.7, "mscale_all_dim": 0.7}
+                                      if yarn else None)
     source = SafetensorsSource(str(path / "hf"), mapping)
     for k, value in keys.items():
         out = np.empty(value.shape, np.float32)
