@@ -55,11 +55,36 @@ def reloaded_as_dcp_loads(work, layout, world, **kw):
 
 
 @pytest.fixture(scope="module")
+def full_dtensor_saved(tmp_path_factory):
+    """The llama3 debugmodel trained at dp_shard=2 x TP=2 under torchtitan's full_dtensor backend
+    (every parameter a DTensor over the whole mesh, FSDP2 sharding it on the DP axis)."""
+    work = tmp_path_factory.mktemp("torchtitan_full_dtensor")
+    run(4, "torchtitan_jobs:train", str(work / "train"), work=str(work), dp_shard=2, tp=2, backend="full_dtensor")
+    return work
+
+
+@pytest.mark.parametrize("layout,backend", [("dp_shard2", "full_dtensor"), ("tp2", "full_dtensor"),
+                                            ("one_process", "full_dtensor"), ("dp_shard2", "partial_dtensor")])
+def test_a_full_dtensor_backends_state_reloads_on_another_layout_and_backend_as_dcp_loads_it(
+        full_dtensor_saved, layout, backend):
+    w = WORLDS[layout]
+    ranks = reloaded_as_dcp_loads(full_dtensor_saved, f"{layout}_{backend}", w["world"], dp_shard=w["dp_shard"],
+                                  tp=w["tp"], backend=backend)
+    assert sum(r["tensors"] for r in ranks) // w["world"] == 57
+
+
+@pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     work = tmp_path_factory.mktemp("torchtitan")
     (value,) = set(json.dumps(v) for v in run(4, "torchtitan_jobs:train", str(work / "train"), work=str(work),
                                                dp_shard=2, tp=2))
     return work, json.loads(value)
+
+
+def test_a_partial_dtensor_state_reloads_under_the_full_dtensor_backend_as_dcp_loads_it(saved):
+    work, _ = saved
+    ranks = reloaded_as_dcp_loads(work, "dp_shard2_full_dtensor", 2, dp_shard=2, tp=1, backend="full_dtensor")
+    assert sum(r["tensors"] for r in ranks) // 2 == 57
 
 
 @pytest.mark.parametrize("layout", list(WORLDS))

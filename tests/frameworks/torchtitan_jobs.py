@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torchtitan.distributed.parallel_dims as tt_parallel_dims
+import torchtitan.distributed.utils as tt_dist_utils
 import torchtitan.tools.utils as tt_utils
 from torch.distributed import checkpoint as dcp
 from torchtitan.components.checkpointer import ModelWrapper
@@ -31,25 +32,30 @@ tt_utils.device_type = tt_parallel_dims.device_type = "cpu"
 
 
 def build(dp_shard: int, tp: int, seed: int, work: str, *, ep: int = 1, pp: int = 1, schedule: str = "1F1B",
-          model: str = "llama3") -> tuple[list[Any], Any]:
+          model: str = "llama3", backend: str = "partial_dtensor") -> tuple[list[Any], Any]:
     """The model as torchtitan's trainer builds it (meta, parallelize, to_empty, init):
     its parts (one per pipeline stage of this rank; the whole model without PP, as
     the trainer's ``model_parts``), and their AdamW.
 
-    The ``partial_dtensor`` backend: DTensors for TP, EP and FSDP2, what torchtitan
-    before 0.3 always used. (0.3's default ``spmd_types`` backend refuses to
-    shard the model here: "all parameters must be DTensors on the full SPMD mesh".)
+    ``backend`` is torchtitan's ``spmd_backend``, set as its trainer sets it:
+    ``partial_dtensor`` (DTensors for TP, EP and FSDP2, what torchtitan before 0.3
+    always used) or ``full_dtensor`` (every parameter a DTensor over the whole
+    mesh before FSDP2 shards it). 0.3's default ``spmd_types`` needs a
+    ``fully_shard`` that turns its annotations into DTensors, which torch 2.13's
+    lacks ("all parameters must be DTensors on the full SPMD mesh").
     With ``pp`` > 1, the trainer's ``pipelining_fn`` splits the model into stages
     (``schedule`` chooses how many per rank) and parallelizes each. A MoE's
     load-balancing ``expert_bias_E`` (a buffer its optimizer hook moves by the
     routed token counts) is set to values of its own.
     """
-    # TODO(limitation): 0.3's default spmd_types backend is not tested (it refuses to shard here).
+    # TODO(limitation): 0.3's default spmd_types backend is not tested (torch 2.13's fully_shard refuses it).
     parallelism = ParallelismConfig(data_parallel_shard_degree=dp_shard, tensor_parallel_degree=tp,
                                     expert_parallel_degree=ep, pipeline_parallel_degree=pp,
-                                    pipeline_parallel_schedule=schedule, spmd_backend="partial_dtensor")
+                                    pipeline_parallel_schedule=schedule, spmd_backend=backend)
+    tt_dist_utils.set_spmd_backend(backend)  # as its trainer does, before the model is built
     model_spec = spec(model, parallelism)
-    dims = ParallelDims.from_config(parallelism, dist.get_world_size())
+    key = (dp_shard, tp, ep, pp, backend)  # one ParallelDims per layout, as one trainer has one
+    dims = _DIMS[key] = _DIMS.get(key) or ParallelDims.from_config(parallelism, dist.get_world_size())
     with torch.device("meta"):
         whole = model_spec.model.build()
     common = dict(parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
@@ -74,6 +80,9 @@ def build(dp_shard: int, tp: int, seed: int, work: str, *, ep: int = 1, pp: int 
     return parts, config.build(model_parts=parts)
 
 
+_DIMS: dict[tuple[Any, ...], ParallelDims] = {}  # full_dtensor's second model must share the first's meshes
+
+
 def state(parts: list[Any], optimizers: Any) -> dict[str, Any]:
     """As torchtitan's CheckpointManager hands its state to DCP: model keys at the top."""
     return {**ModelWrapper(parts).state_dict(), "optimizer": optimizers}
@@ -84,10 +93,10 @@ def _parameters(parts: list[Any]) -> list[torch.Tensor]:
 
 
 def train(rank: int, *, work: str, dp_shard: int, tp: int, ep: int = 1, pp: int = 1, schedule: str = "1F1B",
-          name: str = "llama3") -> dict[str, Any]:
+          name: str = "llama3", backend: str = "partial_dtensor") -> dict[str, Any]:
     """Two AdamW steps (gradients a function of the weights, so equal on every replica),
     then the state saved with globalshard and with DCP."""
-    parts, optimizers = build(dp_shard, tp, 0, work, ep=ep, pp=pp, schedule=schedule, model=name)
+    parts, optimizers = build(dp_shard, tp, 0, work, ep=ep, pp=pp, schedule=schedule, model=name, backend=backend)
     for _ in range(2):
         for p in _parameters(parts):
             p.grad = torch.sin(p.detach() * 3.0) * 0.1
@@ -113,12 +122,13 @@ def _local(t: Any) -> torch.Tensor:
 
 
 def reload(rank: int, *, work: str, dp_shard: int, tp: int, ep: int = 1, pp: int = 1, schedule: str = "1F1B",
-           name: str = "llama3") -> dict[str, Any]:
-    """Load what ``train`` saved into this layout with globalshard (default arguments)
-    and with DCP, each into a model of other values; every tensor compared."""
+           name: str = "llama3", backend: str = "partial_dtensor") -> dict[str, Any]:
+    """Load what ``train`` saved into this layout (and ``backend``) with globalshard
+    (default arguments) and with DCP, each into a model of other values; every tensor compared."""
     loaded = {}
     for who, seed in (("ours", 5), ("dcp", 7)):
-        parts, optimizers = build(dp_shard, tp, seed, work, ep=ep, pp=pp, schedule=schedule, model=name)
+        parts, optimizers = build(dp_shard, tp, seed, work, ep=ep, pp=pp, schedule=schedule, model=name,
+                                  backend=backend)
         for p in _parameters(parts):  # optimizer state of its own, to be replaced
             p.grad = torch.cos(p.detach())
         optimizers.step()
