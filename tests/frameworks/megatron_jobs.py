@@ -204,19 +204,25 @@ def build(m: dict[str, Any], layout: gt.ParallelLayout) -> list[GPTModel]:
     if m.get("moe_freq"):  # dense and MoE layers: Megatron's block spec (it then keys each layer apart)
         return [GPTModel(cfg, transformer_layer_spec=_attending(get_gpt_decoder_block_spec(
                              cfg, use_transformer_engine=False, normalization=cfg.normalization, vp_stage=stage)),
-                         vocab_size=m["vocab"], max_sequence_length=SEQ, position_embedding_type="rope",
+                         vocab_size=m["vocab"], max_sequence_length=SEQ, position_embedding_type="rope", **_rope(m),
                          share_embeddings_and_output_weights=m["tied"], vp_stage=stage,
                          pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
                          post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage))
                 for stage in stages]
     spec = _attending(spec)
     return [GPTModel(cfg, transformer_layer_spec=spec, vocab_size=m["vocab"], max_sequence_length=SEQ,
-                     position_embedding_type="rope", share_embeddings_and_output_weights=m["tied"],
+                     position_embedding_type="rope", **_rope(m), share_embeddings_and_output_weights=m["tied"],
                      mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False, vp_stage=stage)
                      if m.get("mtp") else None,
                      vp_stage=stage, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
                      post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage))
             for stage in stages]
+
+
+def _rope(m: dict[str, Any]) -> dict[str, Any]:
+    """GPTModel's rotary arguments: its base, and Llama 3.1's scaling (``rope_scaling``: its factor)."""
+    return dict(rotary_base=m.get("rotary_base", 10000),
+                **({"rope_scaling": True, "rope_scaling_factor": m["rope_scaling"]} if m.get("rope_scaling") else {}))
 
 
 def _attending(spec: Any) -> Any:

@@ -182,10 +182,11 @@ def scenario(rank: int, *, path: str, name: str, save: dict[str, int], load: dic
 
 def _hf_params(model: dict[str, Any]) -> dict[str, float]:
     """The export mapping's params for ``model``: what a Megatron checkpoint does not record."""
-    params = {"heads": model["heads"], "rms_norm_eps": 1e-5, "rope_theta": 10000,
+    params = {"heads": model["heads"], "rms_norm_eps": 1e-5, "rope_theta": model.get("rotary_base", 10000),
               **({"top_k": 2} if model.get("experts") else {})}  # config's moe_router_topk
     if not model.get("mla"):
-        return params | {"kv_heads": model["groups"]}
+        return params | {"kv_heads": model["groups"]} | (
+            {"rope_scaling_factor": model["rope_scaling"]} if model.get("rope_scaling") else {})
     mla = model["mla"]
     yarn = {k: mla[k] for k in ("rotary_scaling_factor", "mscale", "mscale_all_dim",
                                 "original_max_position_embeddings") if k in mla}

@@ -59,6 +59,9 @@ LLAMA = {**DENSE, "llama": True}
 EXPORTS = [
     dict(name="export_tp2", save=dict(tp=2, pp=1), model=LLAMA, export="megatron_dist", reload=dict(tp=1, pp=2)),
     dict(name="export_pp2_tied", save=dict(tp=1, pp=2), model={**LLAMA, "tied": True}, export="megatron_dist"),
+    # Llama 3.1's rotary: base 500000, scaled by 8 (GPTModel's rope_scaling), which the checkpoint does not record.
+    dict(name="export_rope_scaling_tp2", save=dict(tp=2, pp=1), model={**LLAMA, "rotary_base": 500000,
+                                                                          "rope_scaling": 8}, export="megatron_dist"),
     dict(name="export_qwen3_pp2", save=dict(tp=1, pp=2), model={**LLAMA, "qk_norm": True},
          export="megatron_dist_qwen3", reload=dict(tp=2, pp=1)),
     dict(name="export_qwen2_tp2", save=dict(tp=2, pp=1), model={**LLAMA, "qkv_bias": True},

@@ -385,13 +385,28 @@ Q_BIAS, O_BIAS, MLP_BIAS = ({f"model.layers.0.{n}.bias": (8,)} for n in ("self_a
                                                                           "mlp.gate_proj"))
 
 
-def config_of(mapping, names):
+def config_of(mapping, names, **params):
     """The config.json ``mapping`` writes for Hugging Face tensors of these names and shapes."""
     from globalshard.hf.config import hf_config
     from globalshard.hf.naming import HfTensor
 
     pieces = [HfTensor(n, n, gs.Box.full(shape)) for n, shape in names.items()]
-    return hf_config(NameMapping.load(mapping, {"heads": 2, "kv_heads": 1}), pieces, dict.fromkeys(names, "float32"))
+    return hf_config(NameMapping.load(mapping, {"heads": 2, "kv_heads": 1, **params}), pieces,
+                     dict.fromkeys(names, "float32"))
+
+
+@pytest.mark.parametrize("mapping", ["megatron_dist", "megatron_gpt_qwen3"])
+def test_megatrons_rotary_scaling_is_written_as_hugging_faces_when_given(mapping):
+    assert config_of(mapping, LAYER)["rope_scaling"] is None  # Megatron's default: plain rotary
+    # GPTModel(rope_scaling=True, rope_scaling_factor=8): Llama 3.1's, Megatron's fixed 1, 4 and 8192 beside it
+    assert config_of(mapping, LAYER, rope_scaling_factor=8)["rope_scaling"] == {
+        "rope_type": "llama3", "factor": 8, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}
+    # seq_len_interpolation_factor divides the positions: Hugging Face's linear scaling
+    assert config_of(mapping, LAYER, seq_len_interpolation_factor=2)["rope_scaling"] == {
+        "rope_type": "linear", "factor": 2}
+    with pytest.raises(ExportError, match=r"both rope_scaling and seq_len_interpolation_factor"):
+        config_of(mapping, LAYER, rope_scaling_factor=8, seq_len_interpolation_factor=2)
 
 
 @pytest.mark.parametrize("mapping,biases,architecture", [
