@@ -186,7 +186,8 @@ def _hf_params(model: dict[str, Any]) -> dict[str, float]:
               **({"top_k": 2} if model.get("experts") else {})}  # config's moe_router_topk
     if not model.get("mla"):
         return params | {"kv_heads": model["groups"]} | (
-            {"rope_scaling_factor": model["rope_scaling"]} if model.get("rope_scaling") else {})
+            {"rope_scaling_factor": model["rope_scaling"]} if model.get("rope_scaling") else {}) | (
+            {"pre_softmax": 1} if model.get("pre_softmax") else {})
     mla = model["mla"]
     yarn = {k: mla[k] for k in ("rotary_scaling_factor", "mscale", "mscale_all_dim",
                                 "original_max_position_embeddings") if k in mla}

@@ -69,6 +69,9 @@ EXPORTS = [
     # A Qwen3 MoE: 4 experts (SequentialMLP, the local spec's), 2 routed per token, saved at EP=2.
     dict(name="export_qwen3_moe_ep2", save=dict(tp=1, pp=1, ep=2), model={**LLAMA, "qk_norm": True, "experts": 4},
          export="megatron_dist_qwen3_moe", reload=dict(tp=2, pp=1)),
+    # Routed with moe_router_pre_softmax: the top k's probabilities over all experts, not normalised.
+    dict(name="export_qwen3_moe_pre_softmax_ep2", save=dict(tp=1, pp=1, ep=2),
+         model={**LLAMA, "qk_norm": True, "experts": 4, "pre_softmax": True}, export="megatron_dist_qwen3_moe"),
     # Its first layer dense (moe_layer_freq): Megatron keys each layer apart (non-homogeneous layers).
     dict(name="export_qwen3_moe_dense_first_tp2", save=dict(tp=2, pp=1),
          model={**LLAMA, "qk_norm": True, "experts": 4, "moe_freq": [0, 1, 1, 1]}, export="megatron_dist_qwen3_moe"),

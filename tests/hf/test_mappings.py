@@ -395,6 +395,13 @@ def config_of(mapping, names, **params):
                      dict.fromkeys(names, "float32"))
 
 
+def test_megatrons_pre_softmax_routing_is_qwen3_moes_top_k_not_normalised():
+    moe = LAYER | {"model.layers.1.input_layernorm.weight": (4,), "model.layers.1.mlp.gate.weight": (3, 4),
+                   "model.layers.1.mlp.experts.0.gate_proj.weight": (2, 4)}
+    assert config_of("megatron_dist_qwen3_moe", moe, top_k=2)["norm_topk_prob"] is True  # Megatron's default
+    assert config_of("megatron_dist_qwen3_moe", moe, top_k=2, pre_softmax=1)["norm_topk_prob"] is False
+
+
 @pytest.mark.parametrize("mapping", ["megatron_dist", "megatron_gpt_qwen3"])
 def test_megatrons_rotary_scaling_is_written_as_hugging_faces_when_given(mapping):
     assert config_of(mapping, LAYER)["rope_scaling"] is None  # Megatron's default: plain rotary
