@@ -299,7 +299,7 @@ class LoadStrategy(LoadShardedStrategy):
 
 def load_hf(directory: str, sharded_state_dict: Any, *, mapping: NameMapping | str,
             params: dict[str, float] | None = None, allow_lossy_cast: bool = False, strict: bool = True,
-            comm: Comm | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+            comm: Comm | None = None) -> tuple[Any, dict[str, Any]]:
     """A Megatron model's state from Hugging Face safetensors, through a mapping read
     in reverse (``megatron_dist``, ``megatron_dist_qwen3``, ...: the mappings that
     export what this strategy stores): what ``dist_checkpointing.load`` returns
@@ -315,8 +315,9 @@ def load_hf(directory: str, sharded_state_dict: Any, *, mapping: NameMapping | s
 
     Args:
         directory: ``model.safetensors``, or ``model.safetensors.index.json`` and its files.
-        sharded_state_dict: the model's ``sharded_state_dict()`` (one model chunk; with
-            virtual pipeline stages, call once per chunk).
+        sharded_state_dict: the model's ``sharded_state_dict()``, or with virtual
+            pipeline stages the list of its chunks' (in local order), so that
+            what no rank reads is decided over all of them.
         mapping: a shipped mapping's name, a mapping file, or a :class:`~globalshard.hf.NameMapping`.
         params: the mapping's params (``{"heads": 32, "kv_heads": 8}``).
         allow_lossy_cast: allow e.g. a bfloat16 model from float32 files.
@@ -325,7 +326,8 @@ def load_hf(directory: str, sharded_state_dict: Any, *, mapping: NameMapping | s
         comm: the ranks loading together (by default torch.distributed's).
 
     Returns:
-        The state dict, and :func:`globalshard_torch.load_hf`'s figures for this rank.
+        The state dict (a list of them for a list of chunks), and
+        :func:`globalshard_torch.load_hf`'s figures for this rank.
 
     Raises:
         MismatchError: keys the files lack or of another global shape, each named.
@@ -339,25 +341,31 @@ def load_hf(directory: str, sharded_state_dict: Any, *, mapping: NameMapping | s
     if isinstance(mapping, str):
         mapping = NameMapping.load(mapping, params)
     source = SafetensorsSource(directory, mapping)
-    state, nonpersistent, factories = load_preprocess(sharded_state_dict)
-    tensors = [v for v in nested_values(state) if isinstance(v, MegatronTensor)]
+    chunks = sharded_state_dict if isinstance(sharded_state_dict, list) else [sharded_state_dict]
+    prepared = [load_preprocess(chunk) for chunk in chunks]
     staging = HostStaging()
     targets: dict[str, gs.ShardedTensor] = {}
-    for i, t in enumerate(tensors):
-        if t.data is None:
-            t.init_data("cpu", init_fn=torch.zeros)
-        t.data = t.data.detach()
-        found = source.keys.get(t.key)
-        shape = found[1] if t.allow_shape_mismatch and found is not None else tuple(t.global_shape)
-        if shape != tuple(t.global_shape) and _inside(t, shape) is None:
-            t.data.zero_()  # all beyond the files' vocabulary
-            continue
-        targets[f"{i}:{t.key}"] = _piece(t, numpy_view(staging.host(t.data, for_save=False)), shape, main=True)
+    for c, (state, _, _) in enumerate(prepared):
+        for i, t in enumerate(v for v in nested_values(state) if isinstance(v, MegatronTensor)):
+            if t.data is None:
+                t.init_data("cpu", init_fn=torch.zeros)
+            t.data = t.data.detach()
+            found = source.keys.get(t.key)
+            shape = found[1] if t.allow_shape_mismatch and found is not None else tuple(t.global_shape)
+            if shape != tuple(t.global_shape) and _inside(t, shape) is None:
+                t.data.zero_()  # all beyond the files' vocabulary
+                continue
+            targets[f"{c}:{i}:{t.key}"] = _piece(t, numpy_view(staging.host(t.data, for_save=False)), shape,
+                                                 main=True)
     report = fill_from_safetensors(source, targets, allow_lossy_cast=allow_lossy_cast, strict=strict, comm=comm)
     staging.finish_load()
-    loaded = dict_list_map_outplace(lambda v: v.data if isinstance(v, (MegatronTensor, ShardedObject)) else v, state)
-    merge(loaded, nonpersistent)
-    return apply_factory_merges(loaded, factories), report
+    out = []
+    for state, nonpersistent, factories in prepared:
+        loaded = dict_list_map_outplace(lambda v: v.data if isinstance(v, (MegatronTensor, ShardedObject)) else v,
+                                        state)
+        merge(loaded, nonpersistent)
+        out.append(apply_factory_merges(loaded, factories))
+    return (out if isinstance(sharded_state_dict, list) else out[0]), report
 
 
 def _registered() -> None:

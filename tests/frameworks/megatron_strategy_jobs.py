@@ -239,9 +239,9 @@ def exported(rank: int, *, path: str, name: str, save: dict[str, int], model: di
         b = build(model, layout)
         scramble(b, layout, model, "fresh")
         meta = ensure_metadata_has_dp_cp_group(None)
-        for chunk in b:
-            state, report = gm.load_hf(hf_saved, chunk.sharded_state_dict(metadata=meta), mapping=export,
-                                       params=params)
+        states, report = gm.load_hf(hf_saved, [chunk.sharded_state_dict(metadata=meta) for chunk in b],
+                                    mapping=export, params=params)
+        for chunk, state in zip(b, states, strict=True):
             chunk.load_state_dict(state)
         reloaded = logits(b, layout)
     mine = {"before": before, "reloaded": reloaded, "report": report}

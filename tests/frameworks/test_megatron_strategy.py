@@ -63,7 +63,7 @@ EXPORTS = [
     dict(name="export_rope_scaling_tp2", save=dict(tp=2, pp=1), model={**LLAMA, "rotary_base": 500000,
                                                                           "rope_scaling": 8}, export="megatron_dist"),
     dict(name="export_qwen3_pp2", save=dict(tp=1, pp=2), model={**LLAMA, "qk_norm": True},
-         export="megatron_dist_qwen3", reload=dict(tp=2, pp=1)),
+         export="megatron_dist_qwen3", reload=dict(tp=1, pp=2, vpp=2)),  # its chunks in one call
     dict(name="export_qwen2_tp2", save=dict(tp=2, pp=1), model={**LLAMA, "qkv_bias": True},
          export="megatron_dist_qwen2"),
     # A Qwen3 MoE: 4 experts (SequentialMLP, the local spec's), 2 routed per token, saved at EP=2.
