@@ -89,11 +89,16 @@ matches is left as it is and reported; any other is an error.
   (a model the architecture cannot hold: q, k and v biases without an
   o_proj bias as a Llama). Without it no ``config.json`` is written (nor
   removed).
+* ``renumber`` (a list): ``{"key": "mtp_layers.{n}.", "as": "layers.{layer}.",
+  "offset": "layers"}`` reads keys under the first prefix as under the second,
+  numbered after ``params.layers`` entries (torchtitan's multi-token prediction
+  layers after its layers, as Hugging Face numbers them); reading back, a key
+  under the second prefix from that number on is also the first's.
 * ``extends``: the name of a shipped mapping, or a path from this file's
   directory. Its rules follow this file's (the first rule a key matches
-  applies, on export and on reading back); its ``params``, ``skip`` patterns
-  and ``config`` keys are merged under this file's (a ``config`` key set to
-  ``null`` is left out).
+  applies, on export and on reading back; ``renumber`` entries too); its
+  ``params``, ``skip`` patterns and ``config`` keys are merged under this
+  file's (a ``config`` key set to ``null`` is left out).
 
 ``params`` are numbers; sizes, heads and layer counts must be positive
 integers. A param given that no rule or config reads is refused.

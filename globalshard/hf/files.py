@@ -16,7 +16,8 @@ from globalshard.hf.errors import ExportError
 
 # TODO(limitation): shipped mappings cover Llama, Qwen2, Qwen3 (dense and MoE, a MoE's expert bias only by
 # skipping it: Hugging Face's Qwen3 MoE has none) and DeepSeek-V3 from torchtitan and Megatron-Core (routed with a
-# sigmoid, without multi-token prediction layers); other architectures need a mapping file of their own.
+# sigmoid; Megatron's multi-token prediction layers not exported); other architectures need a mapping file of their
+# own.
 MAPPINGS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "mappings")
 
 
@@ -50,7 +51,7 @@ def read_mapping(path: str, seen: tuple[str, ...]) -> tuple[dict[str, Any], str]
     if not re.fullmatch(r"[a-z0-9_-]+", base):  # a path, from the extending file's directory
         base = os.path.join(os.path.dirname(path), base)
     parent, _ = read_mapping(base, (*seen, os.path.realpath(path)))
-    for field, kind in (("tensors", list), ("skip", list), ("params", dict), ("config", dict)):
+    for field, kind in (("tensors", list), ("skip", list), ("renumber", list), ("params", dict), ("config", dict)):
         for d, at in ((doc, path), (parent, base)):
             if d.get(field) is not None and not isinstance(d[field], kind):
                 raise ExportError(f"{at}: {field} must be a JSON {'list' if kind is list else 'object'}")
@@ -58,6 +59,7 @@ def read_mapping(path: str, seen: tuple[str, ...]) -> tuple[dict[str, Any], str]
     return {**{k: v for k, v in doc.items() if k != "extends"},
             "tensors": [*(doc.get("tensors") or []), *(parent.get("tensors") or [])],
             "skip": [*(parent.get("skip") or []), *(doc.get("skip") or [])],
+            "renumber": [*(doc.get("renumber") or []), *(parent.get("renumber") or [])],
             "params": {**(parent.get("params") or {}), **(doc.get("params") or {})},
             "config": {k: v for k, v in config.items() if v is not None}
             if "config" in doc or "config" in parent else None}, path
@@ -66,7 +68,7 @@ def read_mapping(path: str, seen: tuple[str, ...]) -> tuple[dict[str, Any], str]
 def param_names(doc: dict[str, Any]) -> set[str]:
     """The params a mapping (its JSON, ``extends`` merged in) reads: those it gives a
     default, and those its rules (sizes, groups, rotary heads, scales) and config name."""
-    return set(doc.get("params") or {}) | set(_named([doc.get("tensors"), doc.get("config")]))
+    return set(doc.get("params") or {}) | set(_named([doc.get("tensors"), doc.get("config"), doc.get("renumber")]))
 
 
 def _named(node: Any) -> Iterator[str]:
@@ -76,7 +78,7 @@ def _named(node: Any) -> Iterator[str]:
             yield from _named(x)
     elif isinstance(node, dict):
         for k, v in node.items():
-            if isinstance(v, str) and k in ("$param", "size", "groups", "rotary", "scale", "divide"):
+            if isinstance(v, str) and k in ("$param", "size", "groups", "rotary", "scale", "divide", "offset"):
                 yield v
             else:
                 yield from _named(v)

@@ -34,6 +34,15 @@ class _Part:
 
 
 @dataclass(frozen=True)
+class _Renumber:
+    pattern: re.Pattern[str]  # the checkpoint's prefix (``mtp_layers.{n}.``), matched at a key's start
+    key: str
+    as_pattern: re.Pattern[str]  # the prefix the rules read it under (``layers.{layer}.``)
+    as_key: str
+    offset: str  # the params name of the number added
+
+
+@dataclass(frozen=True)
 class _Lora:
     a: str
     b: str
@@ -134,6 +143,8 @@ class NameMapping:
             self.rules.append(_Rule(_compile(t["key"], at), t["key"], None, axis, tuple(parts), rotary, lora,
                                     groups, stacked))
         self.skip = [re.compile(p) for p in doc.get("skip") or []]
+        self.renumber = [self._renumbering(r, f"{where}: renumber[{i}]")
+                         for i, r in enumerate(doc.get("renumber") or [])]
         config = doc.get("config")
         if config is not None and not isinstance(config, dict):
             raise ExportError(f"{where}: config must be a JSON object")
@@ -166,6 +177,36 @@ class NameMapping:
         if in_key or len(set(stacked)) != len(stacked):
             raise ExportError(f"{at}.stacked: {stacked} must be distinct fields that the key does not hold")
         return tuple(stacked)
+
+    def _renumbering(self, doc: Any, at: str) -> _Renumber:
+        """A ``renumber`` entry: keys under one numbered prefix read as under another, after the
+        other's ``offset`` (a params name) entries (torchtitan's ``mtp_layers.{n}.`` as ``layers.{n}.``)."""
+        ok = isinstance(doc, dict) and all(isinstance(doc.get(f), str) for f in ("key", "as", "offset"))
+        prefixes = [_compile(doc[f], at) for f in ("key", "as")] if ok else []
+        if not ok or any(p.groups != 1 for p in prefixes):
+            raise ExportError(f"{at}: needs 'key' and 'as', prefixes with one {{field}} each, and 'offset', "
+                              f"a params name; got {doc!r}")
+        return _Renumber(prefixes[0], doc["key"], prefixes[1], doc["as"], doc["offset"])
+
+    def renumbered(self, key: str) -> str:
+        """``key`` as the rules read it (export): under a ``renumber`` entry's ``as`` prefix."""
+        for r in self.renumber:
+            m = r.pattern.match(key)
+            if m is not None:
+                offset = self._count({"offset": r.offset}, "offset", f"{key!r}: renumber {r.key!r}")
+                return _numbered(r.as_key, int(m.group(1)) + offset) + key[m.end():]
+        return key
+
+    def originals(self, key: str) -> list[str]:
+        """The checkpoint keys that a key the rules give (reading back) also is: under each
+        ``renumber`` entry whose ``as`` prefix it has, at or after its offset (when given)."""
+        out = []
+        for r in self.renumber:
+            m = r.as_pattern.match(key)
+            offset = self.params.get(r.offset)
+            if m is not None and isinstance(offset, int) and m.group(1).isdigit() and int(m.group(1)) >= offset:
+                out.append(_numbered(r.key, int(m.group(1)) - offset) + key[m.end():])
+        return out
 
     def _lora(self, doc: Any, at: str) -> _Lora | None:
         if doc is None:
@@ -204,8 +245,13 @@ class NameMapping:
                 continue
             if key in merged:
                 continue
+            try:
+                read_as = self.renumbered(key)
+            except ExportError as e:
+                problems.append(str(e))
+                continue
             for rule in self.rules:
-                m = rule.pattern.fullmatch(key)
+                m = rule.pattern.fullmatch(read_as)
                 if m is None:
                     continue
                 fields = m.groupdict()
@@ -324,6 +370,11 @@ def _to_halves(rows: np.ndarray, heads: int) -> np.ndarray:
 def _from_halves(rows: np.ndarray, heads: int) -> np.ndarray:
     n = rows.shape[0]
     return rows.reshape(heads, 2, n // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _numbered(prefix: str, n: int) -> str:
+    """A prefix with one ``{field}``, numbered ``n``."""
+    return re.sub(r"\{\w+\}", str(n), prefix, count=1)
 
 
 def _compile(key: str, where: str) -> re.Pattern[str]:

@@ -150,6 +150,9 @@ class SafetensorsSource:
                 stacked = self._stacked(key, rule.stacked, by_lead)
                 if stacked is not None:
                     out[key] = stacked
+        for key in list(out):  # the same tensors under a renumbered prefix (torchtitan's mtp_layers.{n}.)
+            for original in self.mapping.originals(key):
+                out.setdefault(original, out[key])
         return out
 
     def _pieces(self, rule: _Rule, key: str, names: list[str], name: str,

@@ -340,3 +340,28 @@ def test_torchtitans_yarn_exports_as_the_rope_scaling_transformers_runs_with_its
     assert yarn["differ"] == [] and yarn["only_ours"] == [] and yarn["only_theirs"] == []
     assert yarn["logits_diff"] / yarn["logits_max"] < 1e-3, yarn  # 2.2e-5 measured
     assert plain["logits_diff"] / plain["logits_max"] > 0.05, plain  # 0.10 measured
+
+
+def test_multi_token_prediction_layers_export_after_the_layers_as_torchtitans_adapter_numbers_them(tmp_path):
+    """torchtitan's deepseek_v3 with a multi-token prediction layer (debugmodel_mtp's num_mtp_layers=1):
+    its mtp_layers.0 exported as Hugging Face's model.layers.3 (after the 3 layers), every tensor as
+    torchtitan's own adapter makes it; transformers runs the main layers with torchtitan's logits."""
+    from globalshard.hf import ExportError, NameMapping, export
+
+    run(1, "torchtitan_jobs:sharpened", str(tmp_path / "save"), work=str(tmp_path), name="deepseek_v3_mtp", scale=4.0)
+    params = {**DEEPSEEK, "sigmoid_routing": 1}
+    with pytest.raises(ExportError, match=r"'mtp_layers\.0\..*renumber.*'layers' is not in params"):
+        export(str(tmp_path / "ours"), str(tmp_path / "asked"), mapping=NameMapping.load("torchtitan_deepseek_v3",
+                                                                                          params))
+    with pytest.raises(ExportError, match=r"several tensors map to the same names.*model\.layers\.2\."):
+        export(str(tmp_path / "ours"), str(tmp_path / "short"), mapping=NameMapping.load(
+            "torchtitan_deepseek_v3", {**params, "layers": 2}))
+    with pytest.raises(ExportError, match=r"layers numbered with a gap"):
+        export(str(tmp_path / "ours"), str(tmp_path / "long"), mapping=NameMapping.load(
+            "torchtitan_deepseek_v3", {**params, "layers": 4}))
+    (r,) = run(1, "torchtitan_jobs:exported", str(tmp_path / "ranks"), work=str(tmp_path), name="deepseek_v3_mtp",
+               hf=str(tmp_path / "hf"), mapping="torchtitan_deepseek_v3", params={**params, "layers": 3})
+    assert r["differ"] == [] and r["only_ours"] == [] and r["only_theirs"] == []
+    assert r["logits_diff"] / r["logits_max"] < 1e-3, r  # 2.2e-5 measured
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["num_nextn_predict_layers"]) == (3, 1)

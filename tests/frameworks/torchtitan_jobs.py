@@ -281,4 +281,5 @@ def logits(parts: list[Any], name: str = "llama3", full: dict[str, torch.Tensor]
     positions = torch.arange(16).unsqueeze(0).expand(2, 16)
     plain.eval()
     with torch.no_grad():
-        return plain(tokens, positions, plain.get_attention_masks(positions))
+        out = plain(tokens, positions, plain.get_attention_masks(positions))
+    return out[0] if isinstance(out, list) else out  # with MTP layers: the main head's, then theirs

@@ -21,9 +21,11 @@ def spec(name: str, parallelism: ParallelismConfig) -> Any:
         out = llama3.model_registry("debugmodel", attn_backend="flex")
         set_llama3_sharding_config(out.model, enable_sp=parallelism.enable_sequence_parallel)
         return out
-    if name == "deepseek_v3":  # small, routed as DeepSeek-V3 is (and Hugging Face's form of it): sigmoid, groups;
-        # its rotary embedding and attention scaled by YaRN as in every deepseek_v3 recipe (debugmodel's mscale)
-        out = deepseek_v3.model_registry("debugmodel", attn_backend="flex")
+    if name.startswith("deepseek_v3"):  # small, routed as DeepSeek-V3 is (and Hugging Face's form of it): sigmoid,
+        # groups; its rotary embedding and attention scaled by YaRN as in every deepseek_v3 recipe (debugmodel's
+        # mscale); "deepseek_v3_mtp": with a multi-token prediction layer (debugmodel_mtp's num_mtp_layers=1)
+        out = deepseek_v3.model_registry("debugmodel", attn_backend="flex",
+                                         num_mtp_layers=1 if name == "deepseek_v3_mtp" else 0)
         out.model.layers = deepseek_v3._build_dsv3_layers(
             n_layers=3, n_dense_layers=1, dim=out.model.dim, n_heads=4, q_lora_rank=0, kv_lora_rank=64,
             qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, mscale=0.70, dense_hidden_dim=128,
@@ -32,6 +34,9 @@ def spec(name: str, parallelism: ParallelismConfig) -> Any:
             attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,
             rope=ComplexRoPE.Config(dim=16, max_seq_len=4096 * 4, theta=10000.0, scaling="yarn", rope_factor=40.0,
                                     beta_fast=32.0, beta_slow=1.0, original_seq_len=4096))
+        if name == "deepseek_v3_mtp":
+            out.model.mtp_layers = deepseek_v3._build_mtp_layers(out.model.layers[-1], dim=out.model.dim,
+                                                                 num_mtp_layers=1)
         set_deepseek_v3_sharding_config(out.model, enable_sp=parallelism.enable_sequence_parallel,
                                         enable_ep=parallelism.expert_parallel_degree > 1)
         return out

@@ -498,9 +498,13 @@ def test_torchtitan_deepseek_v3_keys_export_to_each_hugging_face_tensor_and_read
     layers, dense = data.draw(st.integers(1, 3)), data.draw(st.integers(0, 1))
     heads, nope, rope, v, kv_rank = 2, 3, 2, 4, 5
     q_rank, experts, shared, ffn, hidden = data.draw(st.sampled_from([0, 3])), 3, data.draw(st.integers(1, 2)), 2, 4
+    mtp = data.draw(st.integers(0, 1))  # multi-token prediction layers, after the others
     keys = {"tok_embeddings.weight": w(7, hidden), "norm.weight": w(hidden), "lm_head.weight": w(7, hidden)}
-    for i in range(layers):
-        t = f"layers.{i}."
+    for i in range(layers + mtp):
+        t = f"layers.{i}." if i < layers else f"mtp_layers.{i - layers}."
+        if i >= layers:
+            keys |= {t + "enorm.weight": w(hidden), t + "hnorm.weight": w(hidden),
+                     t + "eh_proj.weight": w(hidden, 2 * hidden), t + "mtp_norm.weight": w(hidden)}
         keys |= {t + "attention_norm.weight": w(hidden), t + "ffn_norm.weight": w(hidden),
                  t + "attention.wkv_a.weight": w(kv_rank + rope, hidden), t + "attention.kv_norm.weight": w(kv_rank),
                  t + "attention.wkv_b.weight": w(heads * (nope + v), kv_rank),
@@ -523,24 +527,30 @@ def test_torchtitan_deepseek_v3_keys_export_to_each_hugging_face_tensor_and_read
     save_global(keys, path / "ckpt")
     yarn = data.draw(st.sampled_from([0, 1]))
     params = {"heads": heads, "top_k": 2, "qk_nope_head_dim": nope, "qk_rope_head_dim": rope, "sigmoid_routing": 1,
-              "yarn": yarn, "mscale": 0.7}
+              "yarn": yarn, "mscale": 0.7, **({"layers": layers} if mtp else {})}
     mapping = NameMapping.load("torchtitan_deepseek_v3", params)
-    if dense == layers:  # no MoE layer: nothing gives the experts' sizes the config needs
+    if dense == layers and not mtp:  # no MoE layer: nothing gives the experts' sizes the config needs
         with pytest.raises(ExportError, match=r"moe_intermediate_size reads"):
             export(str(path / "ckpt"), str(path / "hf"), mapping=mapping)
         return
     index = export(str(path / "ckpt"), str(path / "hf"), mapping=mapping)
     _, got = read_all(path / "hf")
-    expected = sum(1 for k in keys if "inner_experts" not in k) + 3 * experts * (layers - dense)
+    expected = sum(1 for k in keys if "inner_experts" not in k) + 3 * experts * (layers + mtp - dense)
     assert len(got) == expected
-    last = f"layers.{layers - 1}.moe."
+    if mtp:  # as Hugging Face (and torchtitan's adapter) number them: after the layers
+        assert np.array_equal(got[f"model.layers.{layers}.eh_proj.weight"].numpy(), keys["mtp_layers.0.eh_proj.weight"])
+        assert np.array_equal(got[f"model.layers.{layers}.shared_head.norm.weight"].numpy(),
+                              keys["mtp_layers.0.mtp_norm.weight"])
+    n = layers + mtp - 1  # the last layer (a MoE), in Hugging Face's numbers
+    last = f"layers.{n}.moe." if n < layers else "mtp_layers.0.moe."
     for e in range(experts):  # each expert of the stacked tensors under its own name
-        name = f"model.layers.{layers - 1}.mlp.experts.{e}.down_proj.weight"
+        name = f"model.layers.{n}.mlp.experts.{e}.down_proj.weight"
         assert np.array_equal(got[name].numpy(), keys[last + "routed_experts.inner_experts.w2_EDF"][e])
-    assert np.array_equal(got[f"model.layers.{layers - 1}.mlp.gate.e_score_correction_bias"].numpy(),
-                          keys[f"layers.{layers - 1}.moe.expert_bias_E"])
+    assert np.array_equal(got[f"model.layers.{n}.mlp.gate.e_score_correction_bias"].numpy(),
+                          keys[last + "expert_bias_E"])
     config = index["config"]
     assert config["first_k_dense_replace"] == dense and config["n_shared_experts"] == shared
+    assert (config["num_hidden_layers"], config["num_nextn_predict_layers"]) == (layers, mtp)
     assert config["q_lora_rank"] == (q_rank or None) and config["kv_lora_rank"] == kv_rank
     assert config["v_head_dim"] == v and config["n_routed_experts"] == experts and config["scoring_func"] == "sigmoid"
     # torchtitan's YaRN as Hugging Face's: its rotary untouched in magnitude (mscale = mscale_all_dim), its
