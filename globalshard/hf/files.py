@@ -16,8 +16,7 @@ from globalshard.hf.errors import ExportError
 
 # TODO(limitation): shipped mappings cover Llama, Qwen2, Qwen3 (dense and MoE, a MoE's expert bias only by
 # skipping it: Hugging Face's Qwen3 MoE has none) and DeepSeek-V3 from torchtitan and Megatron-Core (routed with a
-# sigmoid; Megatron's multi-token prediction layers not exported); other architectures need a mapping file of their
-# own.
+# sigmoid); other architectures need a mapping file of their own.
 MAPPINGS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "mappings")
 
 

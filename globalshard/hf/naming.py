@@ -197,6 +197,11 @@ class NameMapping:
                 return _numbered(r.as_key, int(m.group(1)) + offset) + key[m.end():]
         return key
 
+    def renumbered_from(self) -> dict[str, int]:
+        """Each ``renumber`` ``as`` prefix's field, and its offset (given): from there on, numbers of other keys."""
+        return {next(iter(r.as_pattern.groupindex)): self.params[r.offset] for r in self.renumber
+                if isinstance(self.params.get(r.offset), int)}
+
     def originals(self, key: str) -> list[str]:
         """The checkpoint keys that a key the rules give (reading back) also is: under each
         ``renumber`` entry whose ``as`` prefix it has, at or after its offset (when given)."""

@@ -128,6 +128,7 @@ class SafetensorsSource:
         rule's key is the tensors its fields number, one after the other on
         its leading axes."""
         out: dict[str, tuple[str, tuple[int, ...], list[HfTensor]]] = {}
+        others = self.mapping.renumbered_from()  # from these numbers on, a renumbered prefix's layers
         for rule in self.mapping.rules:
             targets = [rule.name] if rule.name is not None else [p.name for p in rule.parts]
             first = _compile(targets[0], "mapping")
@@ -137,6 +138,8 @@ class SafetensorsSource:
                 fields = m.groupdict() if m is not None else {}
                 if m is None or not all(fields.get(f, "").isdigit() for f in rule.stacked):
                     continue
+                if any(f in others and int(fields[f]) >= others[f] for f in rule.stacked):
+                    continue  # Megatron's multi-token prediction layers are not its stacked decoder's
                 key = _fill(rule.key, fields)
                 if key in out:  # the first rule that gives a key reads it, as the first a key matches exports it
                     continue

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from megatron_jobs import (
     BATCH,
+    NUM_LAYERS,
     SEQ,
     _differences,
     _keeping_step,
@@ -195,7 +196,8 @@ def _hf_params(model: dict[str, Any]) -> dict[str, float]:
         yarn["max_position_embeddings"] = int(yarn["rotary_scaling_factor"] * yarn["original_max_position_embeddings"])
     return params | dict(qk_nope_head_dim=mla["qk_head_dim"], qk_rope_head_dim=mla["qk_pos_emb_head_dim"],
                          sigmoid_routing=1, routed_scaling_factor=mla["scale"], n_group=mla["groups"],
-                         topk_group=mla["group_topk"], yarn=int(mla["rope_type"] == "yarn"), **yarn)
+                         topk_group=mla["group_topk"], yarn=int(mla["rope_type"] == "yarn"), **yarn,
+                         **({"layers": NUM_LAYERS} if model.get("mtp") else {}))  # the layers before MTP's
 
 
 def exported(rank: int, *, path: str, name: str, save: dict[str, int], model: dict[str, Any],
@@ -204,8 +206,9 @@ def exported(rank: int, *, path: str, name: str, save: dict[str, int], model: di
     strategy, exported by ``globalshard export --map <export>`` and opened by
     transformers as the architecture its ``config.json`` names: its logits and
     class name (rank 0) beside Megatron's logits before the save. With ``reload``:
-    transformers' own ``save_pretrained`` of that model read by ``gm.load_hf``
-    into a fresh Megatron model at the ``reload`` layout, and its logits."""
+    transformers' own ``save_pretrained`` of that model (with multi-token
+    prediction, which transformers drops, the export itself) read by
+    ``gm.load_hf`` into a fresh Megatron model at the ``reload`` layout, and its logits."""
     import transformers
 
     ckpt, hf, hf_saved = (os.path.join(path, name, d) for d in ("ckpt", "hf", "hf_saved"))
@@ -239,7 +242,9 @@ def exported(rank: int, *, path: str, name: str, save: dict[str, int], model: di
         b = build(model, layout)
         scramble(b, layout, model, "fresh")
         meta = ensure_metadata_has_dp_cp_group(None)
-        states, report = gm.load_hf(hf_saved, [chunk.sharded_state_dict(metadata=meta) for chunk in b],
+        # transformers does not keep multi-token prediction layers (it does not run them): those read ours
+        source = hf if model.get("mtp") else hf_saved
+        states, report = gm.load_hf(source, [chunk.sharded_state_dict(metadata=meta) for chunk in b],
                                     mapping=export, params=params)
         for chunk, state in zip(b, states, strict=True):
             chunk.load_state_dict(state)

@@ -570,11 +570,12 @@ def test_torchtitan_deepseek_v3_keys_export_to_each_hugging_face_tensor_and_read
 DS_PARAMS = {"heads": 2, "top_k": 2, "qk_nope_head_dim": 3, "qk_rope_head_dim": 2, "sigmoid_routing": 1, "yarn": 0}
 
 
-def megatron_deepseek(rng, layers, dense, stacked=False, q_rank=0, shared=1, te=False):
+def megatron_deepseek(rng, layers, dense, stacked=False, q_rank=0, shared=1, te=False, mtp=0):
     """A random Megatron-Core MLA + DeepSeek MoE as Hugging Face's DeepSeek-V3 tensors (``hf``) and as
     Megatron's sharded keys (``keys``): stacked over layers, or one key per layer; a query LoRA of
     rank ``q_rank`` (0: none); the latent norms under the local spec's names or (``te``) Transformer
-    Engine's."""
+    Engine's; ``mtp`` multi-token prediction layers (Megatron 0.16's ``mtp.layers.<n>.transformer_layer.``)
+    after the layers, numbered after them in Hugging Face's names."""
     heads, nope, rope, v, kv_rank, hidden, ffn, experts = 2, 3, 2, 4, 5, 4, 2, 3
 
     def w(*shape):
@@ -584,7 +585,7 @@ def megatron_deepseek(rng, layers, dense, stacked=False, q_rank=0, shared=1, te=
     keys = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
             "decoder.final_layernorm.weight": hf["model.norm.weight"], "output_layer.weight": hf["lm_head.weight"]}
     per_layer: dict[str, list[np.ndarray]] = {}
-    for i in range(layers):
+    for i in range(layers + mtp):
         h, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
         t: dict[str, np.ndarray] = {}
         hf[h + "input_layernorm.weight"] = t["input_layernorm.weight"] = w(hidden)
@@ -625,10 +626,17 @@ def megatron_deepseek(rng, layers, dense, stacked=False, q_rank=0, shared=1, te=
                                                                         hf[s + "up_proj.weight"]])
             hf[s + "down_proj.weight"] = t["mlp.shared_experts.linear_fc2.weight"] = w(hidden, shared * ffn)
         for k, x in t.items():
-            if stacked:
+            if i >= layers:
+                keys[f"mtp.layers.{i - layers}.transformer_layer.{k}"] = x
+            elif stacked:
                 per_layer.setdefault(f"decoder.layers.{k}", []).append(x)
             else:
                 keys[f"decoder.layers.{i}.{k}"] = x
+        if i >= layers:
+            for k, n, shape in (("enorm", "enorm", (hidden,)), ("hnorm", "hnorm", (hidden,)),
+                                ("eh_proj", "eh_proj", (hidden, 2 * hidden)),
+                                ("final_layernorm", "shared_head.norm", (hidden,))):
+                hf[f"model.layers.{i}.{n}.weight"] = keys[f"mtp.layers.{i - layers}.{k}.weight"] = w(*shape)
     keys |= {k: np.stack(xs) for k, xs in per_layer.items()}
     return hf, keys, {"q_lora_rank": q_rank or None, "kv_lora_rank": kv_rank, "v_head_dim": v,
                       "n_shared_experts": shared, "n_routed_experts": experts, "first_k_dense_replace": dense}
@@ -642,10 +650,11 @@ def test_megatron_deepseek_v3_keys_export_to_each_hugging_face_tensor_and_read_b
     layers = data.draw(st.integers(1, 3))
     dense = data.draw(st.integers(0, layers - 1))
     stacked = dense == 0 and data.draw(st.booleans())  # Megatron stacks only layers that are all alike
+    mtp = data.draw(st.integers(0, 1))
     hf, keys, expected = megatron_deepseek(rng, layers, dense, stacked, q_rank=data.draw(st.sampled_from([0, 3])),
-                                           shared=data.draw(st.integers(1, 2)), te=data.draw(st.booleans()))
+                                           shared=data.draw(st.integers(1, 2)), te=data.draw(st.booleans()), mtp=mtp)
     save_global(keys, path / "ckpt")
-    mapping = NameMapping.load("megatron_dist_deepseek_v3", DS_PARAMS)
+    mapping = NameMapping.load("megatron_dist_deepseek_v3", {**DS_PARAMS, **({"layers": layers} if mtp else {})})
     index = export(str(path / "ckpt"), str(path / "hf"), mapping=mapping)
     _, got = read_all(path / "hf")
     assert sorted(got) == sorted(hf)
@@ -654,9 +663,11 @@ def test_megatron_deepseek_v3_keys_export_to_each_hugging_face_tensor_and_read_b
     config = index["config"]
     assert {k: config[k] for k in expected} == expected
     assert config["num_hidden_layers"] == layers and config["norm_topk_prob"] is True
+    assert config["num_nextn_predict_layers"] == mtp
     assert config["scoring_func"] == "sigmoid" and config["rope_scaling"] is None
     source = SafetensorsSource(str(path / "hf"), mapping)
     for k, value in keys.items():
+        assert source.keys[k][1] == value.shape, k  # a stacked decoder key stops before MTP's layers
         out = np.empty(value.shape, np.float32)
         source.read(k, gs.Box.full(value.shape), out)
         assert np.array_equal(out, value), k
