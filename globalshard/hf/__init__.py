@@ -24,7 +24,7 @@ globalshard's rules, ``megatron_dist`` for the same saved by Megatron's
 ``megatron_gpt_qwen2`` and ``megatron_dist_qwen2`` to ``Qwen2ForCausalLM``;
 ``megatron_gpt_qwen3``, ``megatron_dist_qwen3`` and ``torchtitan_qwen3`` to
 ``Qwen3ForCausalLM``; ``megatron_dist_qwen3_moe`` and ``torchtitan_qwen3_moe``
-to ``Qwen3MoeForCausalLM``; ``torchtitan_deepseek_v3`` and
+to ``Qwen3MoeForCausalLM``; ``megatron_dist_qwen2_moe`` to ``Qwen2MoeForCausalLM``; ``torchtitan_deepseek_v3`` and
 ``megatron_dist_deepseek_v3`` to ``DeepseekV3ForCausalLM``)::
 
     {"params": {"heads": 32, "kv_heads": 8, "rope_theta": 500000.0},

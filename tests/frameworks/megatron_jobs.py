@@ -163,7 +163,9 @@ def config(m: dict[str, Any], vpp: int = 1, first: int | None = None,
            pp_layout: str | None = None, etp: int | None = None) -> TransformerConfig:
     moe = dict(num_moe_experts=m["experts"], moe_router_topk=2, moe_token_dispatcher_type="allgather",
                moe_aux_loss_coeff=0.0, moe_router_pre_softmax=bool(m.get("pre_softmax")),
-               **({"moe_layer_freq": m["moe_freq"]} if m.get("moe_freq") else {}))\
+               **({"moe_layer_freq": m["moe_freq"]} if m.get("moe_freq") else {}),
+               **({"moe_shared_expert_intermediate_size": m["shared"], "moe_shared_expert_gate": True}
+                  if m.get("shared") else {}))\
         if m.get("experts") else {}
     mtp = dict(mtp_num_layers=1) if m.get("mtp") else {}  # multi-token prediction (DeepSeek-V3's)
     precision = (dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16) if m.get("bf16")

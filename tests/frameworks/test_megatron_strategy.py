@@ -72,6 +72,10 @@ EXPORTS = [
     # Routed with moe_router_pre_softmax: the top k's probabilities over all experts, not normalised.
     dict(name="export_qwen3_moe_pre_softmax_ep2", save=dict(tp=1, pp=1, ep=2),
          model={**LLAMA, "qk_norm": True, "experts": 4, "pre_softmax": True}, export="megatron_dist_qwen3_moe"),
+    # A Qwen2-MoE (Qwen1.5-MoE's form): q, k, v biases, a shared expert scaled by its sigmoid gate, routed
+    # with moe_router_pre_softmax; read back at TP=2.
+    dict(name="export_qwen2_moe_ep2", save=dict(tp=1, pp=1, ep=2), export="megatron_dist_qwen2_moe",
+         model={**LLAMA, "qkv_bias": True, "experts": 4, "shared": 32, "pre_softmax": True}, reload=dict(tp=2, pp=1)),
     # Its first layer dense (moe_layer_freq): Megatron keys each layer apart (non-homogeneous layers).
     dict(name="export_qwen3_moe_dense_first_tp2", save=dict(tp=2, pp=1),
          model={**LLAMA, "qk_norm": True, "experts": 4, "moe_freq": [0, 1, 1, 1]}, export="megatron_dist_qwen3_moe"),
@@ -101,7 +105,7 @@ EXPORTS += [
 ]
 # Files that do not fit the model, read by gm.load_hf (after the exports, whose transformers files they are).
 MISMATCHES = [dict(name="hf_mismatches", refuse=True, llama="export_tp2", qwen3="export_qwen3_pp2", model=LLAMA)]
-ARCHITECTURES = {"megatron_dist_deepseek_v3": "DeepseekV3ForCausalLM",
+ARCHITECTURES = {"megatron_dist_deepseek_v3": "DeepseekV3ForCausalLM", "megatron_dist_qwen2_moe": "Qwen2MoeForCausalLM",
                  "megatron_dist": "LlamaForCausalLM", "megatron_dist_qwen3": "Qwen3ForCausalLM",
                  "megatron_dist_qwen2": "Qwen2ForCausalLM",
                  "megatron_dist_qwen3_moe": "Qwen3MoeForCausalLM"}

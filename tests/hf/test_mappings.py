@@ -55,7 +55,7 @@ def test_every_shipped_mapping_loads_and_a_name_that_is_none_lists_them():
     from globalshard.hf import shipped_mappings
 
     names = shipped_mappings()
-    assert {"llama", "megatron_dist_qwen2", "megatron_dist_deepseek_v3"} <= set(names) and len(names) == 13
+    assert {"llama", "megatron_dist_qwen2", "megatron_dist_deepseek_v3"} <= set(names) and len(names) == 14
     for name in names:
         reads = param_names(read_mapping(name, ())[0])
         mapping = NameMapping.load(name, {k: v for k, v in {"heads": 4, "kv_heads": 2, "top_k": 2}.items()
@@ -713,3 +713,53 @@ def test_a_megatron_deepseek_trained_with_yarn_exports_its_rope_scaling_and_grou
                                       "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1}
     assert (config["n_group"], config["topk_group"], config["num_experts_per_tok"]) == (8, 4, 8)
     assert config["routed_scaling_factor"] == 2.5 and config["norm_topk_prob"] is True
+
+
+# ------------------------------------------------------------------ Qwen2-MoE from Megatron-Core
+
+
+def megatron_qwen2_moe_layer(rng, gate=True):
+    """One MoE layer of a Megatron GPTModel with q, k, v biases, 3 experts and a shared expert (with
+    its sigmoid gate unless ``gate`` is false), under its per-layer sharded keys."""
+    def w(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    p = "decoder.layers.0."
+    keys = {"embedding.word_embeddings.weight": w(7, 4), "decoder.final_layernorm.weight": w(4),
+            "output_layer.weight": w(7, 4), p + "input_layernorm.weight": w(4),
+            p + "self_attention.linear_qkv.weight": w(12, 4), p + "self_attention.linear_qkv.bias": w(12),
+            p + "self_attention.linear_proj.weight": w(4, 4), p + "pre_mlp_layernorm.weight": w(4),
+            p + "mlp.router.weight": w(3, 4), p + "mlp.experts.experts.linear_fc1.weight": w(3, 4, 4),
+            p + "mlp.experts.experts.linear_fc2.weight": w(3, 4, 2),
+            p + "mlp.shared_experts.linear_fc1.weight": w(10, 4), p + "mlp.shared_experts.linear_fc2.weight": w(4, 5)}
+    return keys | ({p + "mlp.shared_experts.gate_weight": w(1, 4)} if gate else {})
+
+
+def test_a_megatron_qwen2_moe_exports_its_shared_expert_and_gate_and_reads_back(tmp_path):
+    keys = megatron_qwen2_moe_layer(np.random.default_rng(1))
+    save_global(keys, tmp_path / "ckpt")
+    mapping = NameMapping.load("megatron_dist_qwen2_moe", {"heads": 2, "kv_heads": 1, "top_k": 2, "pre_softmax": 1})
+    config = export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), mapping=mapping)["config"]
+    _, got = read_all(tmp_path / "hf")
+    fc1 = keys["decoder.layers.0.mlp.shared_experts.linear_fc1.weight"]
+    assert np.array_equal(got["model.layers.0.mlp.shared_expert.gate_proj.weight"].numpy(), fc1[:5])
+    assert np.array_equal(got["model.layers.0.mlp.shared_expert.up_proj.weight"].numpy(), fc1[5:])
+    assert np.array_equal(got["model.layers.0.mlp.shared_expert_gate.weight"].numpy(),
+                          keys["decoder.layers.0.mlp.shared_experts.gate_weight"])
+    assert np.array_equal(got["model.layers.0.mlp.experts.2.down_proj.weight"].numpy(),
+                          keys["decoder.layers.0.mlp.experts.experts.linear_fc2.weight"][2])
+    assert config["architectures"] == ["Qwen2MoeForCausalLM"] and config["model_type"] == "qwen2_moe"
+    assert (config["num_experts"], config["moe_intermediate_size"], config["shared_expert_intermediate_size"],
+            config["norm_topk_prob"], config["mlp_only_layers"]) == (3, 2, 5, False, [])
+    source = SafetensorsSource(str(tmp_path / "hf"), mapping)
+    for k, value in keys.items():
+        out = np.empty(value.shape, np.float32)
+        source.read(k, gs.Box.full(value.shape), out)
+        assert np.array_equal(out, value), k
+
+
+def test_a_megatron_shared_expert_without_its_gate_is_refused_as_a_qwen2_moe(tmp_path):
+    save_global(megatron_qwen2_moe_layer(np.random.default_rng(1), gate=False), tmp_path / "ckpt")
+    with pytest.raises(ExportError, match=r"a shared expert without its gate \(Megatron's moe_shared_expert_gate\)"):
+        export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), mapping=NameMapping.load(
+            "megatron_dist_qwen2_moe", {"heads": 2, "kv_heads": 1, "top_k": 2}))
