@@ -461,6 +461,26 @@ def test_a_param_no_rule_or_config_reads_is_refused_naming_those_it_reads():
     assert NameMapping.load("megatron_dist_qwen3", {"heads": 4, "kv_heads": 2, "rope_theta": 1e6}).params["heads"] == 4
 
 
+def test_renumber_reads_a_prefix_as_another_after_an_offset_both_ways(tmp_path):
+    doc = {"tensors": [{"key": "L.{layer}.w", "name": "model.layers.{layer}.w"}],
+           "renumber": [{"key": "M.{n}.", "as": "L.{layer}.", "offset": "layers"}]}
+    keys = {"L.0.w": np.full((2,), 0, np.float32), "L.1.w": np.full((2,), 1, np.float32),
+            "M.0.w": np.full((2,), 2, np.float32)}
+    save_global(keys, tmp_path / "ckpt")
+    export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), mapping=NameMapping(doc, params={"layers": 2}))
+    _, got = read_all(tmp_path / "hf")
+    assert {n: t.numpy().tolist() for n, t in got.items()} == {
+        "model.layers.0.w": [0, 0], "model.layers.1.w": [1, 1], "model.layers.2.w": [2, 2]}
+    source = SafetensorsSource(str(tmp_path / "hf"), NameMapping(doc, params={"layers": 2}))
+    out = np.empty(2, np.float32)
+    source.read("M.0.w", gs.Box.full((2,)), out)
+    assert out.tolist() == [2, 2]
+    with pytest.raises(ExportError, match=r"'M\.0\.w': renumber 'M\.\{n\}\.'.*'layers' is not in params"):
+        export(str(tmp_path / "ckpt"), str(tmp_path / "hf2"), mapping=NameMapping(doc))
+    with pytest.raises(ExportError, match=r"renumber\[0\]: needs 'key' and 'as'.*and 'offset'"):
+        NameMapping({**doc, "renumber": [{"key": "M.{n}.", "as": "L.{layer}."}]})
+
+
 def test_equal_compares_two_values_and_range_counts_up_to_one(tmp_path):
     # Dense layers first (first_k_dense_replace) is: their indices are range(their count).
     first = {"$equal": [{"$indices": "L.{layer}.dense"}, {"$range": {"$count": "L.{layer}.dense"}}],
