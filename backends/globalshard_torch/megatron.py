@@ -226,6 +226,23 @@ def _wait_for_file(path: str) -> None:
         time.sleep(0.01)
 
 
+def _target(t: MegatronTensor, stored: tuple[int, ...] | None, staging: HostStaging) -> gs.ShardedTensor | None:
+    """The core's piece a load fills ``t.data`` through (made on the CPU when None), or None
+    when ``t`` allows a shape mismatch and lies wholly beyond the ``stored`` array (of that
+    shape; None: not stored): its data is then zeros, as it is beyond the stored part in any case."""
+    if t.data is None:
+        t.init_data("cpu", init_fn=torch.zeros if t.allow_shape_mismatch else torch.empty)
+    else:
+        t.data = t.data.detach()
+        if t.allow_shape_mismatch:
+            t.data.zero_()
+    assert t.data is not None
+    shape = stored if t.allow_shape_mismatch and stored is not None else tuple(t.global_shape)
+    if shape != tuple(t.global_shape) and _inside(t, shape) is None:
+        return None  # a device tensor is not staged for nothing
+    return _piece(t, numpy_view(staging.host(t.data, for_save=False)), shape, main=True)
+
+
 class LoadStrategy(LoadShardedStrategy):
     """Fills a sharded state dict's ShardedTensors from the globalshard
     checkpoint in a Megatron checkpoint directory (see the module).
@@ -265,18 +282,10 @@ class LoadStrategy(LoadShardedStrategy):
         staging = HostStaging()
         targets: dict[str, gs.ShardedTensor] = {}
         for i, t in enumerate(tensors):
-            if t.data is None:
-                t.init_data("cpu", init_fn=torch.zeros if t.allow_shape_mismatch else torch.empty)
-            else:
-                t.data = t.data.detach()
-                if t.allow_shape_mismatch:
-                    t.data.zero_()
-            assert t.data is not None
-            shape = tuple(stored[t.key].global_shape) if t.allow_shape_mismatch and t.key in stored \
-                else tuple(t.global_shape)
-            if shape != tuple(t.global_shape) and _inside(t, shape) is None:
-                continue  # all beyond the stored array: zeros, as set above (a device tensor is not staged)
-            targets[f"{i}:{t.key}"] = _piece(t, numpy_view(staging.host(t.data, for_save=False)), shape, main=True)
+            found = stored.get(t.key)
+            target = _target(t, None if found is None else tuple(found.global_shape), staging)
+            if target is not None:
+                targets[f"{i}:{t.key}"] = target
         checkpoint.load(targets, comm=comm, allow_lossy_cast=self.allow_lossy_cast)
         staging.finish_load()
         return dict_list_map_outplace(lambda t: t.data, sharded_state_dict)
@@ -347,16 +356,10 @@ def load_hf(directory: str, sharded_state_dict: Any, *, mapping: NameMapping | s
     targets: dict[str, gs.ShardedTensor] = {}
     for c, (state, _, _) in enumerate(prepared):
         for i, t in enumerate(v for v in nested_values(state) if isinstance(v, MegatronTensor)):
-            if t.data is None:
-                t.init_data("cpu", init_fn=torch.zeros)
-            t.data = t.data.detach()
             found = source.keys.get(t.key)
-            shape = found[1] if t.allow_shape_mismatch and found is not None else tuple(t.global_shape)
-            if shape != tuple(t.global_shape) and _inside(t, shape) is None:
-                t.data.zero_()  # all beyond the files' vocabulary
-                continue
-            targets[f"{c}:{i}:{t.key}"] = _piece(t, numpy_view(staging.host(t.data, for_save=False)), shape,
-                                                 main=True)
+            target = _target(t, None if found is None else found[1], staging)
+            if target is not None:
+                targets[f"{c}:{i}:{t.key}"] = target
     report = fill_from_safetensors(source, targets, allow_lossy_cast=allow_lossy_cast, strict=strict, comm=comm)
     staging.finish_load()
     out = []

@@ -50,6 +50,17 @@ def hf_config(mapping: NameMapping, pieces: Sequence[HfTensor], out_dtype: Mappi
             raise ExportError(f"{where}: {at}: {kind} with 'then' needs 'else' too, and the reverse")
         return value(v["then"], f"{at}.then") if holds else value(v["else"], f"{at}.else")
 
+    def divided(v: dict[str, Any], n: Any, what: str, at: str) -> Any:
+        """``n`` divided by ``v["divide"]`` when given: a count, a params name, or a directive
+        (another tensor's size); exactly, else an error naming ``what`` ``n`` is."""
+        if "divide" not in v:
+            return n
+        d = value(v["divide"], f"{at}.divide") if isinstance(v["divide"], dict) else \
+            mapping._count(v, "divide", at)
+        if not isinstance(n, int) or n % d:
+            raise ExportError(f"{where}: {at}: {what}{n} does not divide by {d}")
+        return n // d
+
     def value(v: Any, at: str) -> Any:
         if isinstance(v, list):
             return [value(x, f"{at}[{i}]") for i, x in enumerate(v)]
@@ -60,13 +71,8 @@ def hf_config(mapping: NameMapping, pieces: Sequence[HfTensor], out_dtype: Mappi
             return {k: value(x, f"{at}.{k}") for k, x in v.items()}
         kind, arg = directive[0], v[directive[0]]
         if kind == "$param":
-            got = mapping._param(arg, f"{where}: {at} needs params.{arg}")
-            if "divide" in v:  # a count or a params name: top_k per group of experts
-                d = mapping._count(v, "divide", f"{where}: {at}")
-                if not isinstance(got, int) or got % d:
-                    raise ExportError(f"{where}: {at}: params.{arg} {got} does not divide by {d}")
-                got //= d
-            return chosen(v, got, kind, at)
+            got = divided(v, mapping._param(arg, f"{where}: {at} needs params.{arg}"), f"params.{arg} ", at)
+            return chosen(v, got, kind, at)  # divided: top_k per group of experts
         if kind == "$error":  # in a branch of $present/$absent: a model the architecture cannot hold
             raise ExportError(f"{where}: {at}: {arg}")
         if kind in ("$present", "$absent"):
@@ -93,13 +99,7 @@ def hf_config(mapping: NameMapping, pieces: Sequence[HfTensor], out_dtype: Mappi
         if kind == "$shape":
             axis = int(v.get("axis", 0))
             n = agreed({name: shapes[name][axis] for name in named(arg, at) if axis < len(shapes[name])}, arg, at)
-            if "divide" in v:  # a count, a params name, or a directive (another tensor's size)
-                d = value(v["divide"], f"{at}.divide") if isinstance(v["divide"], dict) else \
-                    mapping._count(v, "divide", at)
-                if n % d:
-                    raise ExportError(f"{where}: {at}: {n} does not divide by {d}")
-                n //= d
-            return n
+            return divided(v, n, "", at)
         raise ExportError(f"{where}: {at}: unknown directive {kind!r}")
 
     return {k: value(v, f"config.{k}") for k, v in mapping.config.items()}
