@@ -146,13 +146,18 @@ class Writer:
             self._send(("setup", self.setup[0], list(self.setup[1])))
 
     def ensure(self) -> None:
-        """Start the writer if it is not running.
+        """Start the writer if it is not running. Under :attr:`job_lock`: two
+        threads (ranks of one process) start one writer, and none is
+        replaced while a job sent to it waits for its reply.
 
         Raises:
             OSError: it cannot be started.
         """
-        if not self.alive():
-            self._start()
+        if self.alive():
+            return
+        with self.job_lock:
+            if not self.alive():
+                self._start()
 
     def _send(self, message: Any) -> None:
         assert self._conn is not None

@@ -15,17 +15,24 @@ MODES = pytest.mark.parametrize("mode", ["process", "thread"])
 
 @MODES
 def test_the_checkpoint_holds_the_values_at_the_snapshot_on_every_rank(tmp_path, mode):
+    from globalshard.checkpoint.writer import Writer
+
+    writer = Writer()  # not started: both ranks' first saves start it
+
     def save(comm):
         state = saver.stamped_state(1, rank=comm.rank)
-        s = gs.AsyncSaver(mode)
+        s = gs.AsyncSaver(mode, writer=writer)
         s.save(state, tmp_path, trainer_state={"tag": 1}, comm=comm)
         for t in state.values():
             t.data[...] = -1  # training goes on while the save runs
         s.wait()
         return s.blocking_seconds, s.snapshot_seconds, s.last_mode
 
-    for blocking, snapshot, ran in run_ranks(2, save):
-        assert 0 < snapshot <= blocking and ran == mode
+    try:
+        for blocking, snapshot, ran in run_ranks(2, save):
+            assert 0 < snapshot <= blocking and ran == mode
+    finally:
+        writer.close()
     assert saver.whose(tmp_path) == 1
 
 
@@ -245,3 +252,40 @@ def test_the_writer_process_writes_shards_around_the_page_cache(tmp_path):
         assert np.array_equal(gs.read_array(tmp_path / name, "w"), value)
         assert np.array_equal(gs.read_array(tmp_path / name, "b"), small)
         assert gs.Checkpoint(tmp_path / name).verify()[0] == []
+
+
+def test_ranks_sharing_a_writer_start_one_process_and_each_gets_its_own_reply(tmp_path):
+    # Ranks run as threads of one process share its writer; before 2026-12-05
+    # two that found it not started each started one, and a job sent to the
+    # first could wait forever for its reply on the second's connection.
+    import threading
+
+    from globalshard.checkpoint.writer import Writer
+    from globalshard.store import open_root
+
+    writer, ranks = Writer(), 4
+    store = open_root(tmp_path)
+    together = threading.Barrier(ranks)
+    pids: list[int | None] = []
+    errors: list[BaseException] = []
+
+    def rank(k: int) -> None:
+        try:
+            together.wait()
+            writer.ensure()
+            pids.append(writer.pid)
+            writer.call("remove", store, f"nothing-{k}")
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(k,), daemon=True) for k in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        assert not any(t.is_alive() for t in threads), "a rank still waits for its reply"
+        assert not errors, errors
+        assert len(pids) == ranks and len(set(pids)) == 1 and writer.alive(), pids
+    finally:
+        writer.close()
