@@ -76,6 +76,10 @@ EXPORTS = [
     # with moe_router_pre_softmax; read back at TP=2.
     dict(name="export_qwen2_moe_ep2", save=dict(tp=1, pp=1, ep=2), export="megatron_dist_qwen2_moe",
          model={**LLAMA, "qkv_bias": True, "experts": 4, "shared": 32, "pre_softmax": True}, reload=dict(tp=2, pp=1)),
+    # A Mixtral (Megatron-LM's examples/mixtral): every layer a MoE, no biases, no query or key norms,
+    # routed by Megatron's default softmax over the top k; exported under the Hub's names, read back at TP=2.
+    dict(name="export_mixtral_ep2", save=dict(tp=1, pp=1, ep=2), model={**LLAMA, "experts": 4},
+         export="megatron_dist_mixtral", reload=dict(tp=2, pp=1)),
     # Its first layer dense (moe_layer_freq): Megatron keys each layer apart (non-homogeneous layers).
     dict(name="export_qwen3_moe_dense_first_tp2", save=dict(tp=2, pp=1),
          model={**LLAMA, "qk_norm": True, "experts": 4, "moe_freq": [0, 1, 1, 1]}, export="megatron_dist_qwen3_moe"),
@@ -107,7 +111,7 @@ EXPORTS += [
 MISMATCHES = [dict(name="hf_mismatches", refuse=True, llama="export_tp2", qwen3="export_qwen3_pp2", model=LLAMA)]
 ARCHITECTURES = {"megatron_dist_deepseek_v3": "DeepseekV3ForCausalLM", "megatron_dist_qwen2_moe": "Qwen2MoeForCausalLM",
                  "megatron_dist": "LlamaForCausalLM", "megatron_dist_qwen3": "Qwen3ForCausalLM",
-                 "megatron_dist_qwen2": "Qwen2ForCausalLM",
+                 "megatron_dist_qwen2": "Qwen2ForCausalLM", "megatron_dist_mixtral": "MixtralForCausalLM",
                  "megatron_dist_qwen3_moe": "Qwen3MoeForCausalLM"}
 
 

@@ -55,7 +55,7 @@ def test_every_shipped_mapping_loads_and_a_name_that_is_none_lists_them():
     from globalshard.hf import shipped_mappings
 
     names = shipped_mappings()
-    assert {"llama", "megatron_dist_qwen2", "megatron_dist_deepseek_v3"} <= set(names) and len(names) == 14
+    assert {"llama", "megatron_dist_qwen2", "megatron_dist_mixtral"} <= set(names) and len(names) == 15
     for name in names:
         reads = param_names(read_mapping(name, ())[0])
         mapping = NameMapping.load(name, {k: v for k, v in {"heads": 4, "kv_heads": 2, "top_k": 2}.items()
@@ -783,3 +783,100 @@ def test_a_megatron_shared_expert_without_its_gate_is_refused_as_a_qwen2_moe(tmp
     with pytest.raises(ExportError, match=r"a shared expert without its gate \(Megatron's moe_shared_expert_gate\)"):
         export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), mapping=NameMapping.load(
             "megatron_dist_qwen2_moe", {"heads": 2, "kv_heads": 1, "top_k": 2}))
+
+
+# ------------------------------------------------------------------ Mixtral from Megatron-Core
+
+
+MIXTRAL_NAMES = (("mlp.gate.", "block_sparse_moe.gate."), ("gate_proj.", "w1."), ("up_proj.", "w3."),
+                 ("down_proj.", "w2."), ("mlp.experts.", "block_sparse_moe.experts."))
+
+
+def as_mixtral(hf):
+    """A Qwen3 MoE with a MoE in every layer, without its query and key norms, under the Hub's Mixtral
+    names (``block_sparse_moe``, the experts' ``w1`` gate, ``w3`` up and ``w2`` down)."""
+    out = {}
+    for name, value in hf.items():
+        if "_norm." in name:
+            continue
+        for theirs, mixtrals in MIXTRAL_NAMES:
+            if ".mlp." in name or ".block_sparse_moe." in name:
+                name = name.replace(theirs, mixtrals)
+        out[name] = value
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_a_megatron_mixtral_exports_to_each_hub_tensor_exactly_and_reads_back(tmp_path_factory, data):
+    path = tmp_path_factory.mktemp("megatron_mixtral")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    qwen, m = qwen3(data.draw, rng, all_moe=True)
+    keys = {k: v for k, v in as_megatron_keys(qwen, m, stack=data.draw(st.booleans())).items()
+            if "_layernorm." not in k or "self_attention" not in k}  # no query and key norms
+    hf = as_mixtral(qwen)
+    save_global(keys, path / "ckpt")
+    params = {"heads": m["heads"], "kv_heads": m["kv_heads"], "top_k": 1, "rope_theta": 1e6}
+    mapping = NameMapping.load("megatron_dist_mixtral", params)
+    config = export(str(path / "ckpt"), str(path / "hf"), mapping=mapping)["config"]
+    _, got = read_all(path / "hf")
+    assert got.keys() == hf.keys()
+    for n, value in hf.items():
+        assert np.array_equal(got[n].numpy(), value), n
+    assert config["architectures"] == ["MixtralForCausalLM"] and config["model_type"] == "mixtral"
+    assert (config["num_local_experts"], config["num_experts_per_tok"], config["intermediate_size"],
+            config["head_dim"], config["num_hidden_layers"], config["rope_theta"]) == \
+        (m["experts"], 1, m["ffn"], m["hd"], m["layers"], 1e6)
+    assert config["tie_word_embeddings"] == ("lm_head.weight" not in hf)
+    assert not {"attention_bias", "mlp_bias", "sliding_window"} & config.keys()  # Mixtral has no such fields
+    source = SafetensorsSource(str(path / "hf"), mapping)
+    for k, value in keys.items():  # layers and experts stacked again
+        out = np.empty(value.shape, np.float32)
+        source.read(k, gs.Box.full(value.shape), out)
+        assert np.array_equal(out, value), k
+
+
+MIXTRAL_LAYER = {"model.embed_tokens.weight": (8, 4), "model.layers.0.input_layernorm.weight": (4,),
+                 "model.layers.0.self_attn.q_proj.weight": (8, 4),
+                 "model.layers.0.block_sparse_moe.gate.weight": (3, 4),
+                 "model.layers.0.block_sparse_moe.experts.0.w1.weight": (2, 4)}
+
+
+@pytest.mark.parametrize("extra,params,match", [
+    ({}, {}, "MixtralForCausalLM"),
+    (Q_BIAS, {}, r"q, k and v biases .*Mixtral's attention has none"),
+    (O_BIAS, {}, r"an o_proj bias .*Mixtral's attention has none"),
+    ({"model.layers.1.mlp.gate_proj.weight": (6, 4)}, {}, r"dense layers .*every Mixtral layer is a MoE"),
+    ({}, {"pre_softmax": 1}, r"moe_router_pre_softmax .*Mixtral normalises its top k"),
+])
+def test_a_megatron_model_mixtral_cannot_hold_is_refused_naming_why(extra, params, match):
+    if match.endswith("ForCausalLM"):
+        assert config_of("megatron_dist_mixtral", MIXTRAL_LAYER | extra, top_k=2, **params)["architectures"] == [match]
+    else:
+        with pytest.raises(ExportError, match=match):
+            config_of("megatron_dist_mixtral", MIXTRAL_LAYER | extra, top_k=2, **params)
+
+
+def megatron_mixtral_layer(rng):
+    """One layer of a Megatron GPTModel with 3 experts and no biases, under its stacked sharded keys."""
+    def w(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    p = "decoder.layers."
+    return {"embedding.word_embeddings.weight": w(7, 4), "decoder.final_layernorm.weight": w(4),
+            "output_layer.weight": w(7, 4), p + "input_layernorm.weight": w(1, 4),
+            p + "self_attention.linear_qkv.weight": w(1, 12, 4), p + "self_attention.linear_proj.weight": w(1, 4, 4),
+            p + "pre_mlp_layernorm.weight": w(1, 4), p + "mlp.router.weight": w(1, 3, 4),
+            p + "mlp.experts.experts.linear_fc1.weight": w(1, 3, 4, 4),
+            p + "mlp.experts.experts.linear_fc2.weight": w(1, 3, 4, 2)}
+
+
+@pytest.mark.parametrize("extra", ["mlp.router.expert_bias", "mlp.shared_experts.linear_fc2.weight"])
+def test_a_megatron_mixtral_with_an_expert_bias_or_a_shared_expert_stops_at_it(tmp_path, extra):
+    rng = np.random.default_rng(2)
+    save_global(megatron_mixtral_layer(rng) | {f"decoder.layers.{extra}": np.ones((1, 3), np.float32)},
+                tmp_path / "ckpt")
+    with pytest.raises(ExportError, match=re.escape(f"decoder.layers.{extra}")):
+        export(str(tmp_path / "ckpt"), str(tmp_path / "hf"),
+               mapping=NameMapping.load("megatron_dist_mixtral", {"heads": 2, "kv_heads": 1, "top_k": 2}))
+    assert not (tmp_path / "hf").exists()
