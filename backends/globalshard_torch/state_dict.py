@@ -9,6 +9,9 @@ nested dict, as ``model.state_dict()`` or
   may have copies on other meshes of the same dims and shape (tensor
   parallelism on the "tp" sub-mesh, data parallelism across it): as in DCP,
   they are taken as data-parallel replicas, equal, and stored once;
+* torch's ``ShardedTensor`` (``torch.distributed._shard``: FSDP1's
+  ``SHARDED_STATE_DICT``, which ``get_state_dict`` gives for an FSDP1 model,
+  and TorchRec's tables): each local shard at its offsets, as DCP stores them;
 * plain tensors, which are taken as equal on every rank that holds them (all
   ranks, or a pipeline stage's), and stored once;
 * Stateful objects (anything with ``state_dict()`` and ``load_state_dict()``:
@@ -138,6 +141,40 @@ def _replica_shard(key: str, data: np.ndarray, main: bool) -> gs.ShardedTensor:
                                         replica_id=0 if main else 1)
 
 
+def _is_sharded_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is torch's (pre-DTensor) ``ShardedTensor``."""
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(t, ShardedTensor)
+
+
+def _tensor_shards(key: str, t: torch.Tensor, staging: HostStaging, *, for_save: bool) -> list[gs.ShardedTensor]:
+    """``t`` as this rank's shards of key ``key``: a ShardedTensor's local shards
+    (none, one or several, each at its offsets, all main copies), else what
+    :func:`_tensor_shard` gives."""
+    if not _is_sharded_tensor(t):
+        shard = _tensor_shard(key, t.detach(), staging, for_save=for_save)
+        return [] if shard is None else [shard]
+    global_shape = tuple(t.size())
+    out = []
+    for local in t.local_shards():  # type: ignore[attr-defined]
+        offsets, sizes = tuple(local.metadata.shard_offsets), tuple(local.metadata.shard_sizes)
+        if tuple(local.tensor.shape) != sizes:
+            raise LayoutError(f"{key}: a local shard of shape {tuple(local.tensor.shape)} where its metadata "
+                              f"says {sizes}")
+        data = numpy_view(staging.host(local.tensor, for_save=for_save))
+        out.append(gs.ShardedTensor.from_offset(key, data, global_shape=global_shape, global_offset=offsets))
+    return out
+
+
+def _named(key: str, shards: list[gs.ShardedTensor]) -> dict[str, gs.ShardedTensor]:
+    """Names for a key's shards in one dict: the key, then the key, a NUL and a number
+    (no state dict key holds a NUL)."""
+    return {key if i == 0 else f"{key}\0{i}": shard for i, shard in enumerate(shards)}
+
+
 def _tensor_shard(key: str, t: torch.Tensor, staging: HostStaging, *, for_save: bool) -> gs.ShardedTensor | None:
     """``t`` as a shard: a DTensor where it places itself (the main copy where its mesh
     coordinates on Replicate dims are 0), a plain tensor whole (a main copy)."""
@@ -219,7 +256,9 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
         problems: list[str] = []
 
         def visit(key: str, value: Any, _container: Any, _index: Any) -> None:
-            if torch.is_tensor(value):
+            if _is_sharded_tensor(value):  # each shard placed once, by its rank: no copies elsewhere
+                shards.update(_named(key, _tensor_shards(key, value, staging, for_save=True)))
+            elif torch.is_tensor(value):
                 shard = _tensor_shard(key, value.detach(), staging, for_save=True)
                 if shard is not None:
                     shards[key] = shard
@@ -337,9 +376,7 @@ def load(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, all
 
         def visit(key: str, value: Any, container: Any, index: Any) -> None:
             if torch.is_tensor(value):
-                shard = _tensor_shard(key, value.detach(), staging, for_save=False)
-                if shard is not None:
-                    targets[key] = shard
+                targets.update(_named(key, _tensor_shards(key, value, staging, for_save=False)))
             elif _is_stateful(value):
                 inner = _plain(value.state_dict())
                 statefuls.append((value, inner))
@@ -362,9 +399,10 @@ def load(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, all
 
         _walk(state_dict, visit)
         if not strict:
-            for key in [k for k, t in targets.items() if t.key not in checkpoint.metadata.tensors]:
-                missing.append(key)
-                del targets[key]
+            for name in [k for k, t in targets.items() if t.key not in checkpoint.metadata.tensors]:
+                if targets[name].key not in missing:
+                    missing.append(targets[name].key)
+                del targets[name]
         if problems:
             raise MismatchError(format_problems("cannot load: the state dict does not match the checkpoint",
                                                 problems))
