@@ -58,8 +58,13 @@ def _state(chunks: list[Any], opt: Any, sharding: str | None, loading: bool) -> 
     dicts and, with an optimizer, its sharded state dict of ``sharding`` type."""
     state = _megatron(chunks)
     if opt is not None:
-        state["optimizer"] = opt.sharded_state_dict(state["model0"], is_loading=loading,
-                                                    metadata={"distrib_optim_sharding_type": sharding})
+        # "..._mem_efficient": Megatron-LM's --distrib-optim-fully-reshardable-mem-efficient (gathered
+        # over gloo, the state on DP rank 0 only)
+        efficient = sharding is not None and sharding.endswith("_mem_efficient")
+        metadata = {"distrib_optim_sharding_type": sharding.removesuffix("_mem_efficient") if sharding else sharding}
+        if efficient:
+            metadata["distrib_optim_fully_reshardable_mem_efficient"] = True
+        state["optimizer"] = opt.sharded_state_dict(state["model0"], is_loading=loading, metadata=metadata)
     return state
 
 

@@ -29,6 +29,10 @@ CASES = [
     # main copies, as Megatron's trainer keeps them.
     dict(name="distopt_fully_reshardable_dp2_to_tp2", save=dict(tp=1, pp=1), load=dict(tp=2, pp=1), model=DENSE,
          sharding="fully_reshardable"),
+    # Megatron-LM's --distrib-optim-fully-reshardable-mem-efficient: the same format, gathered over gloo
+    # to DP rank 0, which alone saves it.
+    dict(name="distopt_fully_reshardable_mem_efficient_dp2_to_tp2", save=dict(tp=1, pp=1), load=dict(tp=2, pp=1),
+         model=DENSE, sharding="fully_reshardable_mem_efficient"),
     dict(name="distopt_dp_reshardable_bf16_dp2", save=dict(tp=1, pp=1), load=dict(tp=1, pp=1),
          model={**DENSE, "bf16": True}, sharding="dp_reshardable"),
     # Megatron's fully parallel save and load (its trainer's default), over DP=2 and then DP=1.
