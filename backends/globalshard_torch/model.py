@@ -267,11 +267,18 @@ def model_entries(
     return entries
 
 
+#: Components wrappers add to the names of what they wrap, anywhere in a name, as DCP's
+#: keys leave them out: torch.compile, activation checkpointing (``checkpoint_wrapper``), FSDP1.
+_WRAPPERS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+
 def unwrapped_name(name: str) -> str:
-    """``name`` without the components wrappers add: ``_orig_mod`` (torch.compile,
-    of the model or of any submodule) anywhere, and the leading ``module``
-    (DDP wraps the whole model), so a wrapped model's names are a plain one's."""
-    parts = [p for p in name.split(".") if p != "_orig_mod"]
+    """``name`` without the components wrappers add: ``_orig_mod`` (torch.compile),
+    ``_checkpoint_wrapped_module`` (activation checkpointing) and
+    ``_fsdp_wrapped_module`` (FSDP1), of the model or of any submodule, anywhere,
+    and the leading ``module`` (DDP wraps the whole model), so a wrapped model's
+    names are a plain one's."""
+    parts = [p for p in name.split(".") if p not in _WRAPPERS]
     while len(parts) > 1 and parts[0] == "module":
         parts = parts[1:]
     return ".".join(parts) if parts else name

@@ -301,6 +301,32 @@ def test_wrapped_models_save_and_load_under_plain_names(tmp_path):
                                                                                      "0.module.bias"}
 
 
+def test_activation_checkpointed_layers_save_and_load_under_their_plain_names(tmp_path):
+    # torch's checkpoint_wrapper (torchtitan's and FSDP's activation checkpointing) puts
+    # _checkpoint_wrapped_module in its parameters' names; its state_dict(), and DCP's keys, drop it.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(2, 3), nn.LayerNorm(3))
+    wrapped = nn.Sequential(checkpoint_wrapper(plain[0]), plain[1])
+    assert "0._checkpoint_wrapped_module.weight" in dict(wrapped.named_parameters())
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=0.1)
+    wrapped(torch.randn(2, 2)).sum().backward()
+    opt.step()
+    gt.save_checkpoint(tmp_path / "c", model=wrapped, layout=ONE, rules=REPLICATED, optimizer=opt)
+    assert set(gs.read_metadata(tmp_path / "c").tensors) >= {"0.weight", "0.bias", "1.weight", "1.bias"}
+    assert set(wrapped.state_dict()) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+    # Resumed without activation checkpointing, and with it again.
+    target = nn.Sequential(nn.Linear(2, 3), nn.LayerNorm(3))
+    target_opt = torch.optim.AdamW(target.parameters(), lr=0.1)
+    gt.load_checkpoint(tmp_path / "c", model=target, layout=ONE, rules=REPLICATED, optimizer=target_opt)
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), target.parameters()))
+    assert torch.equal(target_opt.state[target[0].weight]["exp_avg"], opt.state[plain[0].weight]["exp_avg"])
+    again = nn.Sequential(checkpoint_wrapper(nn.Linear(2, 3)), nn.LayerNorm(3))
+    gt.load_checkpoint(tmp_path / "c", model=again, layout=ONE, rules=REPLICATED)
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), again.parameters()))
+
+
 def test_async_save_through_the_adapter_keeps_the_snapshot(tmp_path):
     model = nn.Sequential(nn.Linear(3, 2), nn.LayerNorm(2))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
