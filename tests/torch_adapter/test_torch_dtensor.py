@@ -43,3 +43,8 @@ def test_fsdp2_over_tp_strided_shards_are_mapped_exactly(tmp_path, rows):
 def test_partial_placements_are_refused_by_name(tmp_path):
     for message in values_of(run(2, "partial_job", str(tmp_path / "p"), path=str(tmp_path / "ckpt"))):
         assert message.startswith("layer.w: ") and "Partial" in message and "pending sum" in message
+
+
+def test_any_placement_on_a_1d_or_2d_mesh_loads_into_any_other(tmp_path):
+    # Replicate, Shard on either dim, both mesh dims on one tensor dim, FSDP2's _StridedShard; uneven shapes.
+    assert values_of(run(4, "placement_jobs:properties", str(tmp_path / "r"), path=str(tmp_path))) == [30] * 4
