@@ -239,6 +239,8 @@ def exported(rank: int, *, path: str, name: str, save: dict[str, int], model: di
         dense = getattr(reference.config, "mlp_only_layers", None)  # Qwen3 MoE's; DeepSeek's come first
         if hasattr(reference.config, "first_k_dense_replace"):
             dense = list(range(reference.config.first_k_dense_replace))
+        if reference.config.model_type == "mixtral":  # every layer a MoE
+            dense = []
         reference.save_pretrained(hf_saved)  # transformers' own files of the same model
     dist.barrier()
     reloaded = report = None
