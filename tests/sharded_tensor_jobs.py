@@ -34,10 +34,11 @@ FULL = {"model.w": torch.arange(21, dtype=torch.float32).reshape(7, 3),
         "optim.state.w.exp_avg": torch.linspace(-1.0, 1.0, 21).reshape(7, 3)}
 
 
-def fsdp1(full: torch.Tensor) -> ShardedTensor:
-    """``full`` as FSDP1's sharded state dict holds it on this rank."""
-    return _create_chunk_sharded_tensor(full.clone(), dist.get_rank(), dist.get_world_size(), 1,
-                                        dist.distributed_c10d._get_default_group())
+def fsdp1(full: torch.Tensor, group: Any = None) -> ShardedTensor:
+    """``full`` as FSDP1's sharded state dict holds it on this rank (sharded over
+    ``group``, by default the world)."""
+    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    return _create_chunk_sharded_tensor(full.clone(), dist.get_rank(group), dist.get_world_size(group), 1, group)
 
 
 def blocks(full: torch.Tensor, rows: list[int], cols: list[int], owner: Any) -> ShardedTensor:
@@ -67,6 +68,19 @@ def save_job(rank: int, *, path: str, dcp_path: str) -> int:
     gt.save(state, path)
     dcp_save(state, checkpoint_id=dcp_path)
     return sum(len(t.local_shards()) for t in (state["model"]["w"], state["model"]["tiny"], state["model"]["grid"]))
+
+
+def hybrid_save_job(rank: int, *, path: str, dcp_path: str) -> int:
+    """World 4 as FSDP1's HYBRID_SHARD keeps it: each half of the world ([0, 1], [2, 3])
+    shards the model, the other half holds a copy. Saved by globalshard and by DCP.
+    Returns this rank's local shard count."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group
+    mine = groups[rank // 2]
+    state = {"model": {"w": fsdp1(FULL["model.w"], mine), "tiny": fsdp1(FULL["model.tiny"], mine)},
+             "optim": {"state": {"w": {"exp_avg": fsdp1(FULL["optim.state.w.exp_avg"], mine)}}}}
+    gt.save(state, path)
+    dcp_save(state, checkpoint_id=dcp_path)
+    return sum(len(t.local_shards()) for t in _leaves(state).values())
 
 
 def _targets(into: str) -> dict[str, Any]:

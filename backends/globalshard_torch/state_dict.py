@@ -11,7 +11,10 @@ nested dict, as ``model.state_dict()`` or
   they are taken as data-parallel replicas, equal, and stored once;
 * torch's ``ShardedTensor`` (``torch.distributed._shard``: FSDP1's
   ``SHARDED_STATE_DICT``, which ``get_state_dict`` gives for an FSDP1 model,
-  and TorchRec's tables): each local shard at its offsets, as DCP stores them;
+  and TorchRec's tables): each local shard at its offsets, as DCP stores them.
+  One on a process group over part of the ranks (FSDP1's hybrid sharding)
+  may have copies on other groups with the same shards: taken as
+  data-parallel replicas, equal, and stored once, as DCP does;
 * plain tensors, which are taken as equal on every rank that holds them (all
   ranks, or a pipeline stage's), and stored once;
 * Stateful objects (anything with ``state_dict()`` and ``load_state_dict()``:
@@ -194,8 +197,18 @@ def _tensor_shard(key: str, t: torch.Tensor, staging: HostStaging, *, for_save: 
 
 def _holder(t: torch.Tensor, rank: int, world_size: int) -> tuple[str, int] | None:
     """``(kind, holder)`` of a tensor whose copies other ranks may hold: a plain
-    tensor (kind ``""``, held by this rank) or a DTensor on a mesh over part of
-    the world (kind its dim names and shape, held by its mesh's lowest rank)."""
+    tensor (kind ``""``, held by this rank), a DTensor on a mesh over part of
+    the world (kind its dim names and shape, held by its mesh's lowest rank),
+    or a ShardedTensor on a process group over part of the world, as FSDP1's
+    hybrid sharding makes them (kind its shards' boxes, held by its group's
+    lowest rank)."""
+    if _is_sharded_tensor(t):
+        group = torch.distributed.get_process_group_ranks(t._process_group)  # type: ignore[attr-defined]
+        if len(group) >= world_size:
+            return None
+        metadata = t.metadata()  # type: ignore[attr-defined]
+        boxes = [[list(m.shard_offsets), list(m.shard_sizes)] for m in metadata.shards_metadata]
+        return json.dumps(["ShardedTensor", sorted(boxes)]), min(group)
     if not _is_dtensor(t):
         return "", rank
     mesh = t.device_mesh  # type: ignore[attr-defined]
@@ -257,12 +270,10 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
         problems: list[str] = []
 
         def visit(key: str, value: Any, _container: Any, _index: Any) -> None:
-            if _is_sharded_tensor(value):  # each shard placed once, by its rank: no copies elsewhere
-                shards.update(_named(key, _tensor_shards(key, value, staging, for_save=True)))
-            elif torch.is_tensor(value):
-                shard = _tensor_shard(key, value.detach(), staging, for_save=True)
-                if shard is not None:
-                    shards[key] = shard
+            if torch.is_tensor(value):
+                mine = _tensor_shards(key, value, staging, for_save=True)
+                shards.update(_named(key, mine))
+                if mine:
                     if (holder := _holder(value, comm.rank, comm.world_size)) is not None:
                         kind, low = holder
                         if holders.setdefault(kind, low) != low:
@@ -302,9 +313,11 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
     # each such key: the lowest that holds it (DCP too stores one of the copies; any holder of
     # a copy may write it). JSON values: the lowest rank's.
     # TODO(limitation): copies of a key on several ranks are assumed equal, not compared.
-    for key in replica_keys(comm.rank, kept, [d["holders"] for d in described],
-                            {digest: part["shared"] for digest, part in parts.items()}):
-        shards[key] = dataclasses.replace(shards[key], replica_id=1)
+    copies = replica_keys(comm.rank, kept, [d["holders"] for d in described],
+                          {digest: part["shared"] for digest, part in parts.items()})
+    for name, shard in shards.items():
+        if shard.key in copies:
+            shards[name] = dataclasses.replace(shard, replica_id=1)
     merged: dict[str, Any] = {}
     for digest in dict.fromkeys(kept):  # in rank order
         for key, value in parts[digest]["values"].items():

@@ -9,6 +9,7 @@ import sharded_tensor_jobs as jobs
 from torch_harness import run, values_of
 
 import globalshard as gs
+import globalshard_torch as gt
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +46,23 @@ def test_an_fsdp1_state_dict_loads_into_another_layout_as_dcp_loads_it(saved, in
 def test_any_cut_of_a_sharded_tensor_round_trips_as_through_dcp(tmp_path):
     (examples,) = values_of(run(1, "sharded_tensor_jobs:properties", str(tmp_path / "r"), path=str(tmp_path)))
     assert examples == 25
+
+
+def test_hybrid_sharded_copies_are_stored_once_as_dcp_stores_them(tmp_path):
+    # FSDP1's HYBRID_SHARD: ranks [0, 1] and [2, 3] each shard the model; the halves are copies.
+    import torch
+    from torch.distributed.checkpoint import load as dcp_load
+
+    ckpt, ref = str(tmp_path / "ckpt"), str(tmp_path / "dcp")
+    counts = values_of(run(4, "sharded_tensor_jobs:hybrid_save_job", str(tmp_path / "s"), path=ckpt, dcp_path=ref))
+    assert counts == [3, 2, 3, 2]
+    stored = gs.read_metadata(ckpt).tensors
+    assert [len(stored[k].regions) for k in ("model.w", "model.tiny", "optim.state.w.exp_avg")] == [2, 1, 2]
+    ours = {"model": {"w": torch.zeros(7, 3), "tiny": torch.zeros(1, 2)},
+            "optim": {"state": {"w": {"exp_avg": torch.zeros(7, 3)}}}}
+    theirs = {"model": {"w": torch.zeros(7, 3), "tiny": torch.zeros(1, 2)},
+              "optim": {"state": {"w": {"exp_avg": torch.zeros(7, 3)}}}}
+    assert gt.load(ours, ckpt) == gt.LoadedKeys([], [])
+    dcp_load(theirs, checkpoint_id=ref)
+    for (key, mine), (_, dcps) in zip(jobs._leaves(ours).items(), jobs._leaves(theirs).items(), strict=True):
+        assert torch.equal(mine, dcps) and torch.equal(mine, jobs.FULL[key]), key
