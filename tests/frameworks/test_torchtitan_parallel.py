@@ -27,7 +27,11 @@ into the FSDP2 x TP (x EP) models by ``load_hf``, and so do models written by
 transformers' ``save_pretrained``, with transformers' logits. A small
 DeepSeek-V3 saved at FSDP2 x TP x EP exports with ``torchtitan_deepseek_v3``
 as torchtitan's adapter does, gives its logits in ``DeepseekV3ForCausalLM``,
-and reads back."""
+and reads back.
+
+torchtitan's trainer loop with ``globalshard_torch.torchtitan.CheckpointManager``
+as its checkpointer, beside its own DCP one: the same steps kept, and a resume
+at another layout equal tensor for tensor."""
 
 import json
 
@@ -365,3 +369,27 @@ def test_multi_token_prediction_layers_export_after_the_layers_as_torchtitans_ad
     assert r["logits_diff"] / r["logits_max"] < 1e-3, r  # 2.2e-5 measured
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["num_hidden_layers"], config["num_nextn_predict_layers"]) == (3, 1)
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async", "async_with_pinned_mem"])
+def test_torchtitans_trainer_loop_checkpoints_with_our_manager_as_with_its_own(tmp_path, async_mode):
+    # torchtitan's trainer takes its checkpointer from its config: ours in its place, beside its own DCP one
+    # (whose pinned-memory mode needs an accelerator: "async" there).
+    theirs = "async" if async_mode == "async_with_pinned_mem" else async_mode
+    for who, mode in (("ours", async_mode), ("dcp", theirs)):
+        for r in run(2, "torchtitan_checkpointer_jobs:train", str(tmp_path / f"t_{who}"), work=str(tmp_path), who=who,
+                     async_mode=mode):
+            assert r["fresh_start"] and r["saved"] == [True] * 5, r
+            # keep_latest_k=2, then the last step. DCP's async save makes its folder in the background, so
+            # torchtitan's purge right after it sees one step fewer and keeps step-2 as well.
+            kept = ["step-3", "step-4", "step-5"]
+            assert r["steps"] == kept if who == "ours" or mode == "disabled" else set(kept) <= set(r["steps"]), r
+    import globalshard as gs
+
+    last = gs.read_metadata(tmp_path / "ours" / "checkpoint" / "step-5").tensors
+    assert last and all(t.dtype == "bfloat16" for t in last.values())  # the model only, in export_dtype
+    assert not any(k.startswith("optimizer") for k in last)
+    for r in run(2, "torchtitan_checkpointer_jobs:resume", str(tmp_path / "r"), work=str(tmp_path)):
+        assert r["latest"] == [5, 5] and r["changed"] > 10, r
+        assert r["model"] == [] and r["optimizer"] == [] and r["schedulers"], r
+        assert r["train_state"] == [[4, 16], [4, 16]], r  # 4 steps of 4 one-token samples

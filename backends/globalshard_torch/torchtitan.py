@@ -1,0 +1,146 @@
+"""torchtitan's checkpointer, storing globalshard checkpoints.
+
+torchtitan (0.3) takes its checkpointer from the trainer's config
+(``Trainer.Config.checkpoint``: any ``BaseCheckpointManager.Config``).
+:class:`CheckpointManager` is torchtitan's own DCP checkpointer, its
+policies unchanged (interval, ``keep_latest_k``, the model-only last save in
+``export_dtype``, ``initial_load_path``, ``exclude_from_loading``,
+``load_step``, the seed checkpoint, Hugging Face loads and saves), with each
+``step-<n>`` folder a globalshard checkpoint written by :func:`globalshard_torch.save`
+and read by :func:`globalshard_torch.load`::
+
+    from globalshard_torch.torchtitan import CheckpointManager
+
+    config.checkpoint = CheckpointManager.Config(enable=True, folder="checkpoint", interval=500,
+                                                 async_mode="async_with_pinned_mem")
+
+``async_mode``: ``"async"`` saves in the background from a thread
+(:class:`~globalshard.AsyncSaver` ``mode="thread"``), ``"async_with_pinned_mem"``
+from the writer process (``mode="process"``); either returns once this rank's
+tensors are copied to host memory. Loads take what the state asks for and
+refuse what is missing, as DCP does: keys of the checkpoint no state asks for
+(the optimizer, for a model-only load) are left. Hugging Face saves and loads
+(``last_save_in_hf``, ``initial_load_in_hf``) stay torchtitan's.
+
+Importing this module needs torchtitan.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from torchtitan.components.checkpointer import MODEL, AsyncMode
+from torchtitan.components.checkpointer import CheckpointManager as DcpCheckpointManager
+from torchtitan.tools import filesystem
+
+import globalshard as gs
+from globalshard.errors import MissingKeyError
+from globalshard_torch import state_dict as _state_dict
+
+__all__ = ["CheckpointManager"]
+
+#: A checkpoint's commit record (spec section 2): a step folder holding it is a committed checkpoint.
+COMMIT_RECORD = "metadata.json"
+
+
+class _Saving(Future):
+    """The background part of an async save, as torchtitan waits for DCP's:
+    ``result()`` waits for it and raises its error."""
+
+    def __init__(self, saver: gs.AsyncSaver) -> None:
+        super().__init__()
+        self._saver = saver
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            if not self._saver.join(timeout):
+                raise TimeoutError(f"the checkpoint save is still running after {timeout} s")
+            try:
+                self._saver.wait()
+            except BaseException as e:
+                self.set_exception(e)
+            else:
+                self.set_result(None)
+        return super().result(timeout)
+
+
+class _OwnStaging:
+    """Stands in for torchtitan's DCP stager, which ``_save`` makes for
+    ``async_with_pinned_mem`` (and which needs an accelerator): the
+    :class:`~globalshard.AsyncSaver` stages the tensors itself."""
+
+    def close(self) -> None:
+        pass
+
+
+class CheckpointManager(DcpCheckpointManager):
+    """torchtitan's checkpointer storing globalshard checkpoints (see the module)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(DcpCheckpointManager.Config):
+        pass
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        if self.enable:
+            self.stager = _OwnStaging()
+
+    def _saver(self, async_mode: AsyncMode) -> gs.AsyncSaver | None:
+        if async_mode == AsyncMode.DISABLED:
+            return None
+        mode = "process" if async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM else "thread"
+        saver: gs.AsyncSaver | None = getattr(self, "_async_saver", None)
+        if saver is None or saver.mode != mode:
+            saver = self._async_saver = gs.AsyncSaver(mode)  # one staging pool, reused by every save
+        return saver
+
+    def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode,
+                 enable_garbage_collection: bool = False, to_hf: bool = False) -> Any:
+        """Save ``state_dict`` as a globalshard checkpoint at ``checkpoint_id``
+        (Hugging Face files, with ``to_hf``, as torchtitan writes them). A step
+        saved again (a run resumed from an earlier step) replaces its checkpoint
+        atomically, as DCP writes over it."""
+        if to_hf:
+            return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        saver = self._saver(async_mode)
+        _state_dict.save(state_dict, checkpoint_id, overwrite=True, saver=saver)
+        if saver is None:
+            return None
+        saving = _Saving(saver)
+        if async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
+            staged: Future[None] = Future()
+            staged.set_result(None)  # the snapshot is in host memory when save returns
+            return AsyncSaveResponse(staging_completion=staged, upload_completion=saving)
+        return saving
+
+    def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+        """Fill ``state_dict`` from the globalshard checkpoint at ``checkpoint_id``
+        (from Hugging Face files, with ``from_hf``, as torchtitan reads them)."""
+        if from_hf:
+            super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+            return
+        missing, _ = _state_dict.load(state_dict, checkpoint_id, strict=False)
+        if missing:
+            raise MissingKeyError(f"{checkpoint_id} does not hold {len(missing)} keys the training state asks "
+                                  f"for: {missing[:10]}")
+        if MODEL in self.states:
+            self.states[MODEL].load_state_dict(state_dict)
+
+    def _find_load_step(self, folder: str = "") -> int:
+        """The highest step whose folder holds a committed globalshard checkpoint
+        (or Hugging Face files); -1 if none."""
+        folder = folder or self.folder
+        if not filesystem.isdir(folder):
+            return -1
+        steps = []
+        for name in filesystem.listdir(folder):
+            if not name.startswith("step-") or not name[len("step-"):].isdigit():
+                continue
+            path = filesystem.join(folder, name)
+            if filesystem.isfile(filesystem.join(path, COMMIT_RECORD)) or \
+                    filesystem.isfile(filesystem.join(path, "model.safetensors.index.json")):
+                steps.append(int(name[len("step-"):]))
+        return max(steps, default=-1)

@@ -1,0 +1,102 @@
+"""torchtitan's trainer loop around a checkpointer built from its config, as
+``Trainer`` builds and calls it (``config.checkpoint.build(...)``, ``load``,
+``maybe_wait_for_staging``, ``save``, ``close``): ours
+(``globalshard_torch.torchtitan.CheckpointManager``) beside torchtitan's own
+DCP one, on the llama3 debugmodel (run by test_torchtitan_parallel.py)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
+from torchtitan.components.checkpointer import CheckpointManager as DcpCheckpointManager
+from torchtitan.components.checkpointer import ModelWrapper
+from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+from torchtitan_jobs import _loader, _local, _parameters, build
+
+from globalshard_torch.torchtitan import CheckpointManager
+
+MANAGERS = {"ours": CheckpointManager, "dcp": DcpCheckpointManager}
+STEPS = 5
+
+
+class TrainState(Stateful):
+    """The trainer's own entry (``states={"train_state": trainer}``): its step and tokens seen."""
+
+    def __init__(self) -> None:
+        self.step, self.ntokens_seen = 0, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": torch.tensor(self.step), "ntokens_seen": torch.tensor(self.ntokens_seen)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.ntokens_seen = int(state["step"]), int(state["ntokens_seen"])
+
+
+def _trainer(who: str, work: str, dp_shard: int, tp: int, seed: int, async_mode: str,
+             exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    parts, optimizers = build(dp_shard, tp, seed, work)
+    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=10)
+    mesh = max(1, dist.get_world_size() // tp)
+    loader = _loader(dist.get_rank() // tp, mesh, seed)
+    train_state = TrainState()
+    config = MANAGERS[who].Config(enable=True, folder="checkpoint", interval=1, keep_latest_k=2,
+                                  async_mode=async_mode, export_dtype="bfloat16", exclude_from_loading=list(exclude))
+    manager = config.build(dataloader=loader, model_parts=parts, optimizers=optimizers, lr_schedulers=schedulers,
+                           states={"train_state": train_state}, sd_adapter=None, base_folder=os.path.join(work, who))
+    return {"parts": parts, "optimizers": optimizers, "schedulers": schedulers, "loader": loader,
+            "train_state": train_state, "manager": manager}
+
+
+def train(rank: int, *, work: str, who: str, async_mode: str) -> dict[str, Any]:
+    """At dp_shard=2: a fresh start, then 5 steps with a checkpoint at each, the
+    last one model only (in bf16), the 2 newest others kept. Returns the step folders left and
+    each save's return value."""
+    t = _trainer(who, work, 2, 1, 0, async_mode)
+    manager, batches = t["manager"], iter(t["loader"])
+    fresh = manager.load(step=-1)
+    saved = []
+    for step in range(1, STEPS + 1):
+        t["train_state"].step = step
+        t["train_state"].ntokens_seen += int(next(batches).numel())
+        for p in _parameters(t["parts"]):
+            p.grad = torch.sin(p.detach() * 3.0 + step) * 0.1
+        manager.maybe_wait_for_staging()
+        t["optimizers"].step()
+        t["schedulers"].step()
+        saved.append(manager.save(step, last_step=step == STEPS))
+    manager.maybe_wait_for_saving()
+    manager.close()  # rank 0's purge thread finishes its deletions
+    dist.barrier()
+    folder = os.path.join(work, who, "checkpoint")
+    return {"fresh_start": not fresh, "saved": saved, "steps": sorted(os.listdir(folder))}
+
+
+def resume(rank: int, *, work: str) -> dict[str, Any]:
+    """At TP=2, into models of other values, by each checkpointer from its own folder:
+    the latest step each finds, then step 4 loaded (the last holds the model only),
+    its dataloader left out (torchtitan's refuses another DP degree). Returns what
+    differs between the two loads, tensor for tensor."""
+    loaded = {}
+    for who in MANAGERS:
+        t = _trainer(who, work, 1, 2, 11, "disabled", exclude=("dataloader",))
+        before = {k: _local(v).clone() for k, v in ModelWrapper(t["parts"]).state_dict().items()}
+        assert t["manager"].load(step=4)
+        t["latest"] = t["manager"]._find_load_step()
+        t["changed"] = sum(not torch.equal(before[k], _local(v))
+                           for k, v in ModelWrapper(t["parts"]).state_dict().items())
+        loaded[who] = t
+    ours, theirs = loaded["ours"], loaded["dcp"]
+
+    def differ(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+        return sorted(k for k in b if (not torch.equal(_local(a[k]), _local(b[k])) if torch.is_tensor(b[k])
+                                       else a[k] != b[k]))
+
+    return {"latest": [ours["latest"], theirs["latest"]], "changed": ours["changed"],
+            "model": differ(ModelWrapper(ours["parts"]).state_dict(), ModelWrapper(theirs["parts"]).state_dict()),
+            "optimizer": differ(ours["optimizers"].state_dict(), theirs["optimizers"].state_dict()),
+            "schedulers": ours["schedulers"].state_dict() == theirs["schedulers"].state_dict(),
+            "train_state": [[t["train_state"].step, t["train_state"].ntokens_seen] for t in (ours, theirs)]}
