@@ -393,3 +393,11 @@ def test_torchtitans_trainer_loop_checkpoints_with_our_manager_as_with_its_own(t
         assert r["latest"] == [5, 5] and r["changed"] > 10, r
         assert r["model"] == [] and r["optimizer"] == [] and r["schedulers"], r
         assert r["train_state"] == [[4, 16], [4, 16]], r  # 4 steps of 4 one-token samples
+        assert r["initial_model"] == [] and r["initial_optimizer_kept"], r  # initial_load_path: the model only
+
+
+@pytest.mark.parametrize("async_mode", ["async", "async_with_pinned_mem"])
+def test_a_background_save_that_fails_raises_at_the_trainers_wait_and_commits_nothing(tmp_path, async_mode):
+    for r in run(2, "torchtitan_checkpointer_jobs:failed", str(tmp_path / "f"), work=str(tmp_path),
+                 async_mode=async_mode):
+        assert r == {"returned": True, "error": "StorageError", "found": -1, "committed": False}, r

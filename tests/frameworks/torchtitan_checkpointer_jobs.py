@@ -37,14 +37,15 @@ class TrainState(Stateful):
 
 
 def _trainer(who: str, work: str, dp_shard: int, tp: int, seed: int, async_mode: str,
-             exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+             exclude: tuple[str, ...] = (), initial: str | None = None, folder: str = "checkpoint") -> dict[str, Any]:
     parts, optimizers = build(dp_shard, tp, seed, work)
     schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=10)
     mesh = max(1, dist.get_world_size() // tp)
     loader = _loader(dist.get_rank() // tp, mesh, seed)
     train_state = TrainState()
-    config = MANAGERS[who].Config(enable=True, folder="checkpoint", interval=1, keep_latest_k=2,
-                                  async_mode=async_mode, export_dtype="bfloat16", exclude_from_loading=list(exclude))
+    config = MANAGERS[who].Config(enable=True, folder=folder, interval=1, keep_latest_k=2, async_mode=async_mode,
+                                  export_dtype="bfloat16", exclude_from_loading=list(exclude),
+                                  initial_load_path=initial)
     manager = config.build(dataloader=loader, model_parts=parts, optimizers=optimizers, lr_schedulers=schedulers,
                            states={"train_state": train_state}, sd_adapter=None, base_folder=os.path.join(work, who))
     return {"parts": parts, "optimizers": optimizers, "schedulers": schedulers, "loader": loader,
@@ -90,13 +91,47 @@ def resume(rank: int, *, work: str) -> dict[str, Any]:
                            for k, v in ModelWrapper(t["parts"]).state_dict().items())
         loaded[who] = t
     ours, theirs = loaded["ours"], loaded["dcp"]
+    # A new run started from that step's weights (initial_load_path, model only, its default): the
+    # optimizer's state in the checkpoint is left, the new run's own kept.
+    start = _trainer("ours", work, 1, 2, 13, "disabled", initial=os.path.join(work, "ours", "checkpoint", "step-4"),
+                     folder="finetune")
+    own = {k: _local(v).clone() for k, v in start["optimizers"].state_dict().items() if torch.is_tensor(v)}
+    assert start["manager"].load(step=-1)
 
     def differ(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
         return sorted(k for k in b if (not torch.equal(_local(a[k]), _local(b[k])) if torch.is_tensor(b[k])
                                        else a[k] != b[k]))
 
-    return {"latest": [ours["latest"], theirs["latest"]], "changed": ours["changed"],
+    kept = start["optimizers"].state_dict()
+    started = ModelWrapper(start["parts"]).state_dict()
+    return {"initial_model": differ(started, ModelWrapper(ours["parts"]).state_dict()),
+            "initial_optimizer_kept": all(torch.equal(_local(kept[k]), own[k]) for k in own) and len(own) > 10,
+            "latest": [ours["latest"], theirs["latest"]], "changed": ours["changed"],
             "model": differ(ModelWrapper(ours["parts"]).state_dict(), ModelWrapper(theirs["parts"]).state_dict()),
             "optimizer": differ(ours["optimizers"].state_dict(), theirs["optimizers"].state_dict()),
             "schedulers": ours["schedulers"].state_dict() == theirs["schedulers"].state_dict(),
             "train_state": [[t["train_state"].step, t["train_state"].ntokens_seen] for t in (ours, theirs)]}
+
+
+def failed(rank: int, *, work: str, async_mode: str) -> dict[str, Any]:
+    """An async save whose background part fails (a file where the step's save
+    directories go): what ``save`` returned, the error ``maybe_wait_for_saving``
+    raised, and the step the checkpointer then finds (none: nothing looks committed)."""
+    t = _trainer("ours", work, 2, 1, 0, async_mode)
+    manager = t["manager"]
+    step = os.path.join(work, "ours", "checkpoint", "step-1")
+    if rank == 0:
+        os.makedirs(step)
+        with open(os.path.join(step, "saves"), "w") as f:
+            f.write("not a directory")
+    dist.barrier()
+    returned = manager.save(1)
+    try:
+        manager.maybe_wait_for_saving()
+        error = None
+    except Exception as e:
+        error = type(e).__name__
+    manager.close()
+    dist.barrier()
+    return {"returned": returned, "error": error, "found": manager._find_load_step(),
+            "committed": os.path.exists(os.path.join(step, "metadata.json"))}
