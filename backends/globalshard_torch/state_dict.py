@@ -28,8 +28,9 @@ Keys are the dotted paths of the leaves, as DCP flattens them
 (``{"model": {"w": t}}`` -> ``model.w``), after removing the wrapper prefixes
 ``_orig_mod.`` (torch.compile), ``_checkpoint_wrapped_module.`` (activation
 checkpointing), ``_fsdp_wrapped_module.`` (FSDP1) and ``module.`` (DDP) from
-every component, so a compiled or wrapped model loads into a plain one. Lists are traversed (with
-their index as a component) only when they hold tensors, as in DCP.
+every component, so a compiled or wrapped model loads into a plain one. Lists
+are traversed (with their index as a component) only when they hold tensors,
+as in DCP.
 
 Anything else (a module, a function, an arbitrary object) is an error naming
 its key: nothing is dropped, and nothing is pickled.
