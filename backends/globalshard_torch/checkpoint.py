@@ -297,7 +297,7 @@ def load_checkpoint(
     opened: list[gs.Checkpoint] = []
     extras: list[Any] = []
     missing: list[str] = []
-    group_sources: list[int] = []  # for each param group, the saved group whose hyperparameters it gets
+    group_sources: list[int | None] = []  # for each param group, the saved group whose hyperparameters it gets
     zero = _is_zero_redundancy(optimizer)
     zero_pieces: list[FlatShard] = []
     if extra_state not in ("load", "skip"):
@@ -358,12 +358,10 @@ def load_checkpoint(
                 item, _, key = k[len(_OPT):].partition(".")
                 items.setdefault(key, []).append(item)
         assert optimizer is not None  # the branches above return otherwise
-        group_sources[:] = _check_groups(optimizer, ts.get("optimizer"))
-        membership = (ts.get("optimizer") or {}).get("membership", {})
+        params = _optimizer_params(optimizer, entries, master_params)
+        group_sources[:] = _sources_by_membership(optimizer, params, ts["optimizer"])
         problems = []
-        for g, p, e, is_master in _optimizer_params(optimizer, entries, master_params):
-            if e.key in membership and membership[e.key] != g:
-                problems.append(f"{e.key!r} is in param group {g}, it was saved in group {membership[e.key]}")
+        for _, p, e, is_master in params:
             if is_master:
                 if "master" not in items.get(e.key, []):
                     problems.append(f"{e.key!r}: the checkpoint holds no fp32 master copy")
@@ -410,9 +408,12 @@ def load_checkpoint(
         for p, st in new_state:
             optimizer.state[p] = {k: _like_param(p, v) for k, v in st.items()}
         saved_groups = (trainer.get("optimizer") or {}).get("param_groups", [])
-        # By position unless a check matched them otherwise (a ZeroRedundancyOptimizer's are not checked).
+        # By position unless a check matched them otherwise (a ZeroRedundancyOptimizer's are not checked);
+        # a group none of whose parameters the checkpoint holds keeps its own.
         sources = group_sources if group_sources else range(len(saved_groups))
         for group, source in zip(optimizer.param_groups, sources):
+            if source is None:
+                continue
             for k, v in saved_groups[source].items():
                 if group_sources and k in _IDENTITY_KEYS:
                     continue  # what names the group (an experts' one may take a dense group's values)
@@ -612,6 +613,51 @@ _GROUP_IDENTITY = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr"
 _IDENTITY_KEYS = frozenset(_GROUP_IDENTITY) | {f"pre_{k}" for k in _GROUP_IDENTITY}
 
 
+def _sources_by_membership(optimizer: torch.optim.Optimizer, params: list[tuple[int, torch.Tensor, Entry, bool]],
+                           saved: dict[str, Any]) -> list[int | None]:
+    """For each of the optimizer's param groups, the saved group its parameters
+    were in (by their checkpoint keys, as DCP matches groups by parameter name):
+    groups may be reordered, split or merged, and a group none of whose
+    parameters the checkpoint holds gets None (it keeps its hyperparameters).
+    Checkpoints without a record of membership match by position.
+
+    Raises:
+        MismatchError: another optimizer class; a group whose parameters were
+            saved in groups of different hyperparameters (named).
+    """
+    membership: dict[str, int] = saved.get("membership") or {}
+    if not membership:
+        return list(_check_groups(optimizer, saved))
+    _check_class(optimizer, saved)
+    saved_groups = saved.get("param_groups", [])
+    origins: list[set[int]] = [set() for _ in optimizer.param_groups]
+    for g, _, e, _ in params:
+        if e.key in membership:
+            origins[g].add(membership[e.key])
+    out: list[int | None] = []
+    problems = []
+    for g, found in enumerate(origins):
+        if any(s >= len(saved_groups) for s in found):
+            problems.append(f"param group {g}: its parameters were saved in groups {sorted(found)}, the checkpoint "
+                            f"records the hyperparameters of {len(saved_groups)}")
+            continue
+        differ = sorted({k for s in found for t in found for k in saved_groups[s]
+                         if saved_groups[s].get(k) != saved_groups[t].get(k)})
+        if differ:
+            problems.append(f"param group {g} holds parameters saved in groups {sorted(found)}, whose {differ} "
+                            "differ; keep them in groups of their own")
+        out.append(min(found) if found else None)
+    if problems:
+        raise MismatchError(format_problems("the optimizer's param groups do not match the checkpoint's", problems))
+    return out
+
+
+def _check_class(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    if saved.get("class") != _optimizer_class(optimizer):
+        raise MismatchError(f"the checkpoint holds {saved.get('class')} state; the optimizer is "
+                            f"{_optimizer_class(optimizer)}")
+
+
 def _check_groups(optimizer: torch.optim.Optimizer, saved: dict[str, Any] | None,
                   by_identity: bool = False) -> list[int]:
     """For each of the optimizer's param groups, the saved group whose
@@ -621,15 +667,13 @@ def _check_groups(optimizer: torch.optim.Optimizer, saved: dict[str, Any] | None
     only in ``is_expert_parallel`` (expert groups come and go with EP)."""
     if saved is None:
         return []
-    if saved.get("class") != _optimizer_class(optimizer):
-        raise MismatchError(f"the checkpoint holds {saved.get('class')} state; the optimizer is "
-                            f"{_optimizer_class(optimizer)}")
+    _check_class(optimizer, saved)
     saved_groups, groups = saved.get("param_groups", []), optimizer.param_groups
     if len(saved_groups) == len(groups):
         return list(range(len(groups)))
     identities = [_group_identity(g) for g in saved_groups]
-    # TODO(limitation): when their number changes, param groups are matched by Megatron-Core's identifier
-    # keys only; other optimizers' groups must keep their number (they are matched by position).
+    # TODO(limitation): when their number changes, the groups of a distributed optimizer's flat shards are
+    # matched by Megatron-Core's identifier keys only (other optimizers': by their parameters' membership).
     if not by_identity or any(i is None for i in identities) or any(_group_identity(g) is None for g in groups):
         raise MismatchError(f"the checkpoint has {len(saved_groups)} optimizer param groups, the optimizer "
                             f"{len(groups)}")

@@ -309,11 +309,6 @@ def test_optimizer_mismatches_are_refused_before_loading(tmp_path):
     with pytest.raises(gs.MismatchError, match="SGD"):
         gt.load_checkpoint(tmp_path / "c", model=target, layout=gt.ParallelLayout(), rules=RULES,
                            optimizer=torch.optim.SGD(target.parameters(), lr=0.1))
-    params = list(target.parameters())
-    regrouped = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}])
-    with pytest.raises(gs.MismatchError, match="param groups"):
-        gt.load_checkpoint(tmp_path / "c", model=target, layout=gt.ParallelLayout(), rules=RULES,
-                           optimizer=regrouped)
     assert all(torch.equal(a, b) for a, b in zip(before, target.parameters()))  # nothing touched
     with pytest.raises(gs.LayoutError, match="not a tensor of the model"):
         gt.save_checkpoint(tmp_path / "d", model=model, layout=gt.ParallelLayout(), rules=RULES,
@@ -321,6 +316,41 @@ def test_optimizer_mismatches_are_refused_before_loading(tmp_path):
     with pytest.raises(gs.MetadataError, match="reserved"):
         gt.save_checkpoint(tmp_path / "e", model=model, layout=gt.ParallelLayout(), rules=RULES,
                            trainer_state={"rng": 1})
+
+
+def test_param_groups_are_matched_by_their_parameters_as_dcp_matches_them(tmp_path):
+    # Saved: decay (weight_decay 0.1, lr 1e-3) for the weights, no decay (0, lr 2e-3) for the rest.
+    model = _model()
+    names = [n for n, _ in model.named_parameters()]
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    assert weights and rest
+    opt = torch.optim.AdamW([{"params": weights, "weight_decay": 0.1, "lr": 1e-3},
+                             {"params": rest, "weight_decay": 0.0, "lr": 2e-3}])
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    gt.save_checkpoint(tmp_path / "c", model=model, layout=gt.ParallelLayout(), rules=RULES, optimizer=opt)
+
+    def loaded(groups):
+        target = _model()
+        params = dict(target.named_parameters())
+        opt2 = torch.optim.AdamW([{"params": [params[n] for n in g], "weight_decay": 0.5, "lr": 9.0}
+                                  for g in groups])
+        gt.load_checkpoint(tmp_path / "c", model=target, layout=gt.ParallelLayout(), rules=RULES, optimizer=opt2)
+        return [(g["weight_decay"], g["lr"]) for g in opt2.param_groups], opt2, target
+
+    w = [n for n in names if n.endswith("weight")]
+    r = [n for n in names if not n.endswith("weight")]
+    # Built in the other order: each group gets the hyperparameters its parameters were saved with.
+    got, opt2, target = loaded([r, w])
+    assert got == [(0.0, 2e-3), (0.1, 1e-3)]
+    assert torch.equal(opt2.state[dict(target.named_parameters())[w[0]]]["exp_avg"], opt.state[weights[0]]["exp_avg"])
+    # A saved group split in two: both halves get its hyperparameters.
+    assert loaded([w[:1], w[1:], r])[0] == [(0.1, 1e-3), (0.1, 1e-3), (0.0, 2e-3)]
+    # Parameters of groups with other hyperparameters in one group: refused, naming what differs.
+    with pytest.raises(gs.MismatchError, match=r"param group 0 holds parameters saved in groups \[0, 1\], whose "
+                                               r"\['lr', 'weight_decay'\] differ"):
+        loaded([w + r])
 
 
 # ----------------------------------------------------------------------- manager
