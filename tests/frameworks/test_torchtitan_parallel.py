@@ -371,14 +371,15 @@ def test_multi_token_prediction_layers_export_after_the_layers_as_torchtitans_ad
     assert (config["num_hidden_layers"], config["num_nextn_predict_layers"]) == (3, 1)
 
 
-@pytest.mark.parametrize("async_mode", ["disabled", "async", "async_with_pinned_mem"])
-def test_torchtitans_trainer_loop_checkpoints_with_our_manager_as_with_its_own(tmp_path, async_mode):
+@pytest.mark.parametrize("async_mode,pp", [("disabled", 1), ("async", 1), ("async_with_pinned_mem", 1),
+                                           ("disabled", 2)])
+def test_torchtitans_trainer_loop_checkpoints_with_our_manager_as_with_its_own(tmp_path, async_mode, pp):
     # torchtitan's trainer takes its checkpointer from its config: ours in its place, beside its own DCP one
-    # (whose pinned-memory mode needs an accelerator: "async" there).
+    # (whose pinned-memory mode needs an accelerator: "async" there). Saved at dp_shard=2 or PP=2.
     theirs = "async" if async_mode == "async_with_pinned_mem" else async_mode
     for who, mode in (("ours", async_mode), ("dcp", theirs)):
         for r in run(2, "torchtitan_checkpointer_jobs:train", str(tmp_path / f"t_{who}"), work=str(tmp_path), who=who,
-                     async_mode=mode):
+                     async_mode=mode, pp=pp):
             assert r["fresh_start"] and r["saved"] == [True] * 5, r
             # keep_latest_k=2, then the last step. DCP's async save makes its folder in the background, so
             # torchtitan's purge right after it sees one step fewer and keeps step-2 as well.

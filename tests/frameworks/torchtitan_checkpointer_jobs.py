@@ -37,11 +37,11 @@ class TrainState(Stateful):
 
 
 def _trainer(who: str, work: str, dp_shard: int, tp: int, seed: int, async_mode: str,
-             exclude: tuple[str, ...] = (), initial: str | None = None, folder: str = "checkpoint") -> dict[str, Any]:
-    parts, optimizers = build(dp_shard, tp, seed, work)
+             exclude: tuple[str, ...] = (), initial: str | None = None, folder: str = "checkpoint",
+             pp: int = 1) -> dict[str, Any]:
+    parts, optimizers = build(dp_shard, tp, seed, work, pp=pp)
     schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=10)
-    mesh = max(1, dist.get_world_size() // tp)
-    loader = _loader(dist.get_rank() // tp, mesh, seed)
+    loader = _loader(dist.get_rank() // (tp * pp), max(1, dist.get_world_size() // (tp * pp)), seed)
     train_state = TrainState()
     config = MANAGERS[who].Config(enable=True, folder=folder, interval=1, keep_latest_k=2, async_mode=async_mode,
                                   export_dtype="bfloat16", exclude_from_loading=list(exclude),
@@ -52,11 +52,11 @@ def _trainer(who: str, work: str, dp_shard: int, tp: int, seed: int, async_mode:
             "train_state": train_state, "manager": manager}
 
 
-def train(rank: int, *, work: str, who: str, async_mode: str) -> dict[str, Any]:
-    """At dp_shard=2: a fresh start, then 5 steps with a checkpoint at each, the
+def train(rank: int, *, work: str, who: str, async_mode: str, pp: int = 1) -> dict[str, Any]:
+    """At dp_shard=2 (or PP=2): a fresh start, then 5 steps with a checkpoint at each, the
     last one model only (in bf16), the 2 newest others kept. Returns the step folders left and
     each save's return value."""
-    t = _trainer(who, work, 2, 1, 0, async_mode)
+    t = _trainer(who, work, 2 // pp, 1, 0, async_mode, pp=pp)
     manager, batches = t["manager"], iter(t["loader"])
     fresh = manager.load(step=-1)
     saved = []
