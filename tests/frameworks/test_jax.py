@@ -343,3 +343,43 @@ def test_a_linen_train_state_saved_at_step_0_resumes_as_orbax_resumes_it(tmp_pat
     same_leaves(restored, oracle)
     for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(state.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+
+
+def test_orbaxs_checkpoint_manager_keeps_steps_of_globalshard_items_as_of_its_own(tmp_path):
+    # An optax state trained at dp=2 x tp=4, saved each step by Orbax's CheckpointManager (async, 2 kept) as a
+    # globalshard item beside a JSON one, and by a second manager with Orbax's own StandardSave; restored at
+    # tp=2 (4 devices) and without a target by each.
+    import globalshard_jax.orbax as gjo
+
+    options = ocp.CheckpointManagerOptions(max_to_keep=2)
+    managers = {"gs": ocp.CheckpointManager(tmp_path / "gs", options=options),
+                "orbax": ocp.CheckpointManager(tmp_path / "orbax", options=options)}
+    with jax.set_mesh(mesh(*SAVED_AT)):
+        params = optax_params(mesh(*SAVED_AT))
+        opt_state = optax_tx().init(params)
+        for step in range(1, 4):
+            params, opt_state, _ = optax_step(params, opt_state)
+            state = {"params": params, "opt_state": opt_state}
+            for name, manager in managers.items():
+                item = gjo.Save(state, trainer_state={"step": step}) if name == "gs" else ocp.args.StandardSave(state)
+                assert manager.save(step, args=ocp.args.Composite(state=item, meta=ocp.args.JsonSave({"step": step})))
+        for manager in managers.values():
+            manager.wait_until_finished()
+    assert [m.all_steps() for m in managers.values()] == [[2, 3], [2, 3]]
+    assert gs.read_metadata(tmp_path / "gs" / "3" / "state").tensors  # the item is a globalshard checkpoint
+    m = mesh(1, 4)
+    with jax.set_mesh(m):
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=NamedSharding(m, P("tp") if a.ndim and a.shape[0] % 4 == 0 else P())),
+            jax.eval_shape(lambda: {"params": optax_params(m), "opt_state": optax_tx().init(optax_params(m))}))
+        ours = managers["gs"].restore(3, args=ocp.args.Composite(state=gjo.Restore(abstract),
+                                                                 meta=ocp.args.JsonRestore()))
+        theirs = managers["orbax"].restore(3, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                                      meta=ocp.args.JsonRestore()))
+        same_leaves(ours.state, theirs.state)
+        assert ours.meta == theirs.meta == {"step": 3}
+    whole = managers["gs"].restore(3, args=ocp.args.Composite(state=gjo.Restore()))
+    same_leaves(whole.state, managers["orbax"].restore(3, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore())).state)
+    for manager in managers.values():
+        manager.close()
