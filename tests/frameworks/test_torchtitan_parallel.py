@@ -402,3 +402,9 @@ def test_a_background_save_that_fails_raises_at_the_trainers_wait_and_commits_no
     for r in run(2, "torchtitan_checkpointer_jobs:failed", str(tmp_path / "f"), work=str(tmp_path),
                  async_mode=async_mode):
         assert r == {"returned": True, "error": "StorageError", "found": -1, "committed": False}, r
+
+
+def test_torchtitans_hugging_face_last_save_and_initial_load_go_through_our_checkpointer(tmp_path):
+    for r in run(2, "torchtitan_checkpointer_jobs:hugging_face", str(tmp_path / "h"), work=str(tmp_path)):
+        assert "model.safetensors.index.json" in r["files"] or "model.safetensors" in r["files"], r
+        assert r["differ"] == [] and r["tensors"] > 40, r

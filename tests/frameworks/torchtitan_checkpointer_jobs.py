@@ -135,3 +135,37 @@ def failed(rank: int, *, work: str, async_mode: str) -> dict[str, Any]:
     dist.barrier()
     return {"returned": returned, "error": error, "found": manager._find_load_step(),
             "committed": os.path.exists(os.path.join(step, "metadata.json"))}
+
+
+def hugging_face(rank: int, *, work: str) -> dict[str, Any]:
+    """torchtitan's Hugging Face paths through our checkpointer (they stay torchtitan's): a
+    last step saved as safetensors (``last_save_in_hf``, float32), then a new run started
+    from that folder (``initial_load_in_hf``). Returns the model tensors that differ."""
+    from torchtitan.config.configs import ParallelismConfig
+    from torchtitan_models import spec
+
+    model_spec = spec("llama3", ParallelismConfig(data_parallel_shard_degree=2))
+    trained = _trainer("ours", work, 2, 1, 0, "disabled", folder="hf_run")
+    adapter = model_spec.state_dict_adapter(model_spec.model, None)
+    config = CheckpointManager.Config(enable=True, folder="hf_run", interval=10, last_save_in_hf=True,
+                                      export_dtype="float32")
+    manager = config.build(dataloader=None, model_parts=trained["parts"], optimizers=trained["optimizers"],
+                           lr_schedulers=trained["schedulers"], states={"train_state": TrainState()},
+                           sd_adapter=adapter, base_folder=os.path.join(work, "hf"))
+    for p in _parameters(trained["parts"]):
+        p.grad = torch.sin(p.detach() * 3.0) * 0.1
+    trained["optimizers"].step()
+    assert manager.save(2, last_step=True)
+    manager.close()
+    dist.barrier()
+    files = sorted(os.listdir(os.path.join(work, "hf", "hf_run", "step-2")))
+    fresh = _trainer("ours", work, 2, 1, 17, "disabled", folder="unused")
+    config = CheckpointManager.Config(enable=True, folder="started", initial_load_in_hf=True,
+                                      initial_load_path=os.path.join(work, "hf", "hf_run", "step-2"))
+    starter = config.build(dataloader=None, model_parts=fresh["parts"], optimizers=fresh["optimizers"],
+                           lr_schedulers=fresh["schedulers"], states={"train_state": TrainState()},
+                           sd_adapter=adapter, base_folder=os.path.join(work, "hf"))
+    assert starter.load(step=-1)
+    ours, theirs = (ModelWrapper(t["parts"]).state_dict() for t in (fresh, trained))
+    return {"files": files, "differ": sorted(k for k in theirs if not torch.equal(_local(ours[k]), _local(theirs[k]))),
+            "tensors": len(theirs)}
