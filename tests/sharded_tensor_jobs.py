@@ -63,10 +63,18 @@ def saved_state() -> dict[str, Any]:
 
 
 def save_job(rank: int, *, path: str, dcp_path: str) -> int:
-    """World 2: the state saved by globalshard and by DCP. Returns this rank's local shard count."""
+    """World 2: the state saved by DCP, and by globalshard in the background (the writer
+    process) while training changes every shard. Returns this rank's local shard count."""
+    import globalshard as gs
+
     state = saved_state()
-    gt.save(state, path)
     dcp_save(state, checkpoint_id=dcp_path)
+    saver = gs.AsyncSaver("process")
+    gt.save(state, path, saver=saver)
+    for t in _leaves(state).values():
+        for shard in t.local_shards() if isinstance(t, ShardedTensor) else []:
+            shard.tensor.add_(1000.0)  # the checkpoint holds the values of the call
+    saver.wait()
     return sum(len(t.local_shards()) for t in (state["model"]["w"], state["model"]["tiny"], state["model"]["grid"]))
 
 
