@@ -57,6 +57,20 @@ def save(path: Any, pytree: Any, *, trainer_state: dict[str, Any] | None = None,
     that :func:`~globalshard_jax.load` without a target rebuilds the pytree.
     """
     comm = comm if comm is not None else default_comm()
+    state, described = prepared(pytree, trainer_state, keys, comm)
+    options = dict(trainer_state=described, comm=comm, overwrite=overwrite, kvstore=kvstore, stats=stats,
+                   pack_below=pack_below, base=base, frozen=frozen, digests=digests)
+    if saver is not None:
+        saver.save(state, path, **options)
+    else:
+        gs.save(state, path, **options)
+
+
+def prepared(pytree: Any, trainer_state: dict[str, Any] | None, keys: KeyMap,
+             comm: Comm) -> tuple[dict[str, gs.ShardedTensor], dict[str, Any]]:
+    """What :func:`save` hands to the core: this process's shards of every leaf
+    (views of host copies; device-to-host copies all started before the first
+    is waited for), and the trainer state with the pytree's structure."""
     if trainer_state is not None and TREE in trainer_state:
         raise LayoutError(f"trainer_state member {TREE!r} is globalshard_jax's own (the pytree's structure); "
                           "name yours otherwise")
@@ -73,10 +87,4 @@ def save(path: Any, pytree: Any, *, trainer_state: dict[str, Any] | None = None,
         ckpt_key, axes = resolve(keys, key)
         for i, t in enumerate(_shards(ckpt_key, leaf, axes, comm.rank)):
             state[f"{key}#{i}"] = t
-    described = {**(trainer_state or {}), TREE: {"pytree": skeleton(pytree, keys)}}
-    options = dict(trainer_state=described, comm=comm, overwrite=overwrite, kvstore=kvstore, stats=stats,
-                   pack_below=pack_below, base=base, frozen=frozen, digests=digests)
-    if saver is not None:
-        saver.save(state, path, **options)
-    else:
-        gs.save(state, path, **options)
+    return state, {**(trainer_state or {}), TREE: {"pytree": skeleton(pytree, keys)}}

@@ -345,20 +345,23 @@ def test_a_linen_train_state_saved_at_step_0_resumes_as_orbax_resumes_it(tmp_pat
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
 
 
-def test_orbaxs_checkpoint_manager_keeps_steps_of_globalshard_items_as_of_its_own(tmp_path):
-    # An optax state trained at dp=2 x tp=4, saved each step by Orbax's CheckpointManager (async, 2 kept) as a
-    # globalshard item beside a JSON one, and by a second manager with Orbax's own StandardSave; restored at
-    # tp=2 (4 devices) and without a target by each.
+@pytest.mark.parametrize("background", [True, False], ids=["async", "sync"])
+def test_orbaxs_checkpoint_manager_keeps_steps_of_globalshard_items_as_of_its_own(tmp_path, background):
+    # An optax state trained at dp=2 x tp=4 by a step that donates it, saved each step by Orbax's
+    # CheckpointManager (asynchronous or not, 2 kept) as a globalshard item beside a JSON one, and by a second
+    # manager with Orbax's own StandardSave; restored at tp=4 (4 devices) and without a target by each.
     import globalshard_jax.orbax as gjo
 
-    options = ocp.CheckpointManagerOptions(max_to_keep=2)
+    donating = jax.jit(lambda p, s: optax_step(p, s), donate_argnums=(0, 1))
+
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=background)
     managers = {"gs": ocp.CheckpointManager(tmp_path / "gs", options=options),
                 "orbax": ocp.CheckpointManager(tmp_path / "orbax", options=options)}
     with jax.set_mesh(mesh(*SAVED_AT)):
         params = optax_params(mesh(*SAVED_AT))
         opt_state = optax_tx().init(params)
         for step in range(1, 4):
-            params, opt_state, _ = optax_step(params, opt_state)
+            params, opt_state, _ = donating(params, opt_state)  # the saves in flight hold their own copies
             state = {"params": params, "opt_state": opt_state}
             for name, manager in managers.items():
                 item = gjo.Save(state, trainer_state={"step": step}) if name == "gs" else ocp.args.StandardSave(state)
@@ -383,3 +386,14 @@ def test_orbaxs_checkpoint_manager_keeps_steps_of_globalshard_items_as_of_its_ow
         state=ocp.args.StandardRestore())).state)
     for manager in managers.values():
         manager.close()
+
+
+def test_orbaxs_checkpointer_saves_and_restores_through_the_handler_alone(tmp_path):
+    import globalshard_jax.orbax as gjo
+
+    tree = {"w": jnp.arange(8.0).reshape(2, 4), "step": 3}
+    with ocp.Checkpointer(gjo.Handler()) as checkpointer:
+        checkpointer.save(tmp_path / "c", args=gjo.Save(tree, trainer_state={"note": "x"}))
+        restored = checkpointer.restore(tmp_path / "c", args=gjo.Restore())
+    assert np.array_equal(np.asarray(restored["w"]), np.asarray(tree["w"])) and restored["step"] == 3
+    assert gs.Checkpoint(tmp_path / "c").trainer_state["note"] == "x"
