@@ -131,11 +131,18 @@ class CheckpointManager(DcpCheckpointManager):
 
     def _find_load_step(self, folder: str = "") -> int:
         """The highest step whose folder holds a committed globalshard checkpoint
-        (or Hugging Face files); -1 if none."""
+        (or Hugging Face files); -1 if none.
+
+        Raises:
+            ValueError: a newer step holds a DCP checkpoint (this folder was
+                written by torchtitan's own checkpointer), which this one does not
+                read: resuming from an older step, or from none, would silently
+                lose that training.
+        """
         folder = folder or self.folder
         if not filesystem.isdir(folder):
             return -1
-        steps = []
+        steps, dcp = [], []
         for name in filesystem.listdir(folder):
             if not name.startswith("step-") or not name[len("step-"):].isdigit():
                 continue
@@ -143,4 +150,12 @@ class CheckpointManager(DcpCheckpointManager):
             if filesystem.isfile(filesystem.join(path, COMMIT_RECORD)) or \
                     filesystem.isfile(filesystem.join(path, "model.safetensors.index.json")):
                 steps.append(int(name[len("step-"):]))
-        return max(steps, default=-1)
+            elif filesystem.isfile(filesystem.join(path, ".metadata")):
+                dcp.append(int(name[len("step-"):]))
+        latest = max(steps, default=-1)
+        if dcp and max(dcp) > latest:
+            raise ValueError(f"{filesystem.join(folder, f'step-{max(dcp)}')} holds a DCP checkpoint, newer than any "
+                             f"globalshard one in {folder} (latest: {latest}); this checkpointer reads globalshard "
+                             "checkpoints only: resume that step with torchtitan's own CheckpointManager (and save "
+                             "it with this one), or move it away")
+        return latest

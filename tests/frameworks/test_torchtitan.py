@@ -149,3 +149,22 @@ def test_per_pattern_param_groups_of_two_optimizer_classes_round_trip_as_dcp_loa
         else:
             assert ours[key] == value == before[key], key
     assert theirs["param_groups.layers.0.moe.router.gate.weight.lr"] == 1e-4  # the routers' own Adam
+
+
+def test_our_checkpointer_refuses_to_pass_over_newer_dcp_steps_in_its_folder(tmp_path):
+    # A run that switches to our checkpointer in a folder torchtitan's own one wrote: resuming from an older
+    # step, or starting afresh, would silently lose the training of the newer DCP steps.
+    from types import SimpleNamespace
+
+    from globalshard_torch.torchtitan import CheckpointManager
+
+    folder = tmp_path / "checkpoint"
+    gt.save({"w": torch.ones(2)}, folder / "step-3")
+    (folder / "step-2").mkdir()
+    (folder / "step-2" / ".metadata").write_bytes(b"dcp")
+    (folder / "step-4").mkdir()  # a save that never committed: no checkpoint
+    assert CheckpointManager._find_load_step(SimpleNamespace(folder=str(folder))) == 3
+    (folder / "step-5").mkdir()
+    (folder / "step-5" / ".metadata").write_bytes(b"dcp")
+    with pytest.raises(ValueError, match=r"step-5 holds a DCP checkpoint, newer than any globalshard one .*latest: 3"):
+        CheckpointManager._find_load_step(SimpleNamespace(folder=str(folder)))
