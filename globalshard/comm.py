@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from globalshard.errors import CommError, GlobalShardError
 
-__all__ = ["Comm", "SingleProcessComm", "distinct_values", "json_digest", "run_collectively"]
+__all__ = ["Comm", "SingleProcessComm", "distinct_values", "json_digest", "run_collectively", "start_in_background",
+           "wait_for_background"]
 
 T = TypeVar("T")
 
@@ -50,6 +52,54 @@ class SingleProcessComm:
         return None
 
 
+#: Threads taking part in collectives while the threads that started them go on, until they end.
+_BACKGROUND: set[threading.Thread] = set()
+_BACKGROUND_LOCK = threading.Lock()
+
+
+def start_in_background(target: Callable[[], None], name: str) -> threading.Thread:
+    """Start a thread running ``target``, which takes part in collectives while
+    its caller goes on (an asynchronous save's background); until it ends,
+    :func:`wait_for_background` in any other thread waits for it."""
+    def run() -> None:
+        try:
+            target()
+        finally:
+            with _BACKGROUND_LOCK:
+                _BACKGROUND.discard(thread)
+
+    thread = threading.Thread(target=run, name=name)
+    with _BACKGROUND_LOCK:
+        _BACKGROUND.add(thread)
+    try:
+        thread.start()
+    except BaseException:
+        with _BACKGROUND_LOCK:
+            _BACKGROUND.discard(thread)
+        raise
+    return thread
+
+
+def wait_for_background() -> None:
+    """Wait until the threads :func:`start_in_background` started have ended
+    (at once in one of them); their errors are theirs to report.
+
+    A collective begun while such a thread runs its own on the same
+    communicator would pair with theirs on the ranks where it came first and
+    not on the others: a hang, an abort, or one message read as another. So
+    every collective step waits first (:func:`run_collectively` does, and the
+    torch and JAX adapters' communicators before each collective), as Orbax's
+    restore waits for the saves in flight.
+    """
+    me = threading.current_thread()
+    with _BACKGROUND_LOCK:
+        if me in _BACKGROUND:
+            return
+        running = list(_BACKGROUND)
+    for thread in running:
+        thread.join()
+
+
 def run_collectively(comm: Comm, step: str, fn: Callable[[], T]) -> tuple[T, list[Any]]:
     """Run ``fn`` on every rank, then all-gather its outcome.
 
@@ -57,10 +107,15 @@ def run_collectively(comm: Comm, step: str, fn: Callable[[], T]) -> tuple[T, lis
     exception, the others a :class:`CommError` naming the failed ranks and
     their messages. Nobody waits forever for a rank that already gave up.
 
+    Over several ranks, collectives running in the background
+    (:func:`start_in_background`) are waited for first.
+
     Returns:
         ``(result, gathered)``: this rank's result and every rank's result,
         which must then be JSON-able.
     """
+    if comm.world_size > 1:
+        wait_for_background()
     error: BaseException | None = None
     result: Any = None
     try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 import traceback
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -695,6 +696,40 @@ def state_dict_save_job(rank: int, *, path: str, dump: str, saver: str | None = 
             p.add_(1000.0)
             opt.state[p]["exp_avg"].add_(1000.0)
     background.wait()
+
+
+def load_during_async_save_job(rank: int, *, path: str, mode: str) -> dict[str, Any]:
+    """2 ranks: a checkpoint saved, then the next one saved by an AsyncSaver
+    (``mode``) and the first loaded while it is in flight, without waiting for
+    it: its collectives (in the background) and the load's share the
+    communicator. Rank 1's background reaches its first collective late and
+    rank 0's load starts late, so that unordered, the two ranks would pair
+    one's load with the other's save. Whether each load got its checkpoint."""
+    from globalshard.checkpoint import saving
+
+    first = {f"w{i}": torch.full((64, 32), float(i)) for i in range(6)}
+    gt.save({"model": first, "step": 1}, os.path.join(path, "a"))
+    gathered = saving.run_collectively
+
+    def late(comm: Any, step: str, fn: Any) -> Any:  # scoped to this job's process
+        if rank == 1 and step == "save: writing":
+            time.sleep(1.0)
+        return gathered(comm, step, fn)
+
+    saving.run_collectively = late
+    saver = gs.AsyncSaver(mode)
+    second = {k: v + 100 for k, v in first.items()}
+    gt.save({"model": second, "step": 2}, os.path.join(path, "b"), saver=saver)
+    if rank == 0:
+        time.sleep(0.3)
+    got = {"model": {k: torch.zeros_like(v) for k, v in first.items()}, "step": 0}
+    gt.load(got, os.path.join(path, "a"))
+    loaded_first = got["step"] == 1 and all(torch.equal(got["model"][k], v) for k, v in first.items())
+    saver.wait()
+    got = {"model": {k: torch.zeros_like(v) for k, v in first.items()}, "step": 0}
+    gt.load(got, os.path.join(path, "b"))
+    return {"first": loaded_first,
+            "second": got["step"] == 2 and all(torch.equal(got["model"][k], v) for k, v in second.items())}
 
 
 def state_dict_load_job(rank: int, *, path: str) -> dict[str, Any]:

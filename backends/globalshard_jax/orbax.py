@@ -46,7 +46,9 @@ class Handler(ocp.AsyncCheckpointHandler):
     async def async_save(self, directory: Any, args: Save) -> list[Any]:
         """Copy this process's shards to host memory now; write them, and commit,
         in the future Orbax waits for (after it has made ``directory``)."""
-        comm = default_comm()
+        # Orbax writes a step's items at the same time, in threads of each process: each item's exchanges
+        # in a namespace of its own (its directory, the same on every process), so that they never meet.
+        comm = default_comm(namespace=str(directory))
         # Host arrays: copied from an accelerator, or on the CPU views that keep their buffers from being
         # donated (jax copies instead), so the arrays may be donated once this returns.
         state, described = prepared(args.item, args.trainer_state, None, comm)

@@ -50,7 +50,8 @@ def save(path: Any, pytree: Any, *, trainer_state: dict[str, Any] | None = None,
     ``saver`` (a :class:`globalshard.AsyncSaver`): the call returns once the
     shards are copied into the saver's staging pool, and the writing goes on
     in its writer process; the arrays may then be donated or deleted. Call
-    ``saver.wait()`` before exiting or loading.
+    ``saver.wait()`` to learn its outcome, and before exiting (a load or save
+    begun meanwhile waits for its exchanges first).
 
     The pytree's containers and each leaf's kind go into the trainer state's
     ``"globalshard_jax"`` member (a name ``trainer_state`` may not use), so

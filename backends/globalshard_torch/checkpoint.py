@@ -152,7 +152,8 @@ def save_checkpoint(
     state (a dataloader's or sampler's position), kept per rank. With
     ``saver`` (a :class:`globalshard.AsyncSaver`) the call returns once this
     rank's data is copied to host memory, and the rest runs in the
-    background: call ``saver.wait()`` before exiting or loading. A failure on
+    background: call ``saver.wait()`` to learn its outcome, and before exiting
+    (a load or save begun meanwhile waits for its collectives first). A failure on
     any rank raises on every rank and commits nothing. ``pack_below``: as for
     :func:`globalshard.save` (small regions stored in a few packs). ``base``,
     ``frozen`` and ``digests``: as for :func:`globalshard.save` (regions equal

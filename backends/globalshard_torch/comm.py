@@ -18,6 +18,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from globalshard.comm import wait_for_background
+
 __all__ = ["TorchComm", "default_comm"]
 
 
@@ -38,6 +40,7 @@ class TorchComm:
         self.world_size = dist.get_world_size(self._group)
 
     def all_gather(self, obj: Any) -> list[Any]:
+        wait_for_background()  # a save's collectives in flight on this group come first, on every rank
         data = json.dumps(obj, separators=(",", ":")).encode("utf-8")
         size = torch.tensor([len(data)], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
@@ -51,12 +54,14 @@ class TorchComm:
         return [json.loads(bytes(t[: int(s.item())].numpy()).decode("utf-8")) for t, s in zip(out, sizes)]
 
     def barrier(self) -> None:
+        wait_for_background()
         dist.barrier(group=self._group)
 
     def exchange(self, sends: Sequence[tuple[int, int, np.ndarray]],
                  recvs: Sequence[tuple[int, int, np.ndarray]]) -> None:
         """Point-to-point sends and receives of host arrays (``(peer, tag,
         array)``, peers as ranks of this group), all posted, then waited for."""
+        wait_for_background()
         works = [dist.irecv(_bytes(a), src=dist.get_global_rank(self._group, peer), group=self._group, tag=tag)
                  for peer, tag, a in recvs]
         works += [dist.isend(_bytes(a), dst=dist.get_global_rank(self._group, peer), group=self._group, tag=tag)

@@ -252,7 +252,9 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
     as DCP's ``async_save``: the call returns once this rank's tensors are
     copied to host memory (CUDA tensors into the saver's page-locked pool, on
     a side stream), and the writing goes on in the background; training may
-    change them meanwhile. Call ``saver.wait()`` before exiting or loading.
+    change them meanwhile. Call ``saver.wait()`` to learn its outcome, and
+    before exiting (a load or save begun meanwhile waits for its collectives
+    first).
 
     Raises:
         LayoutError: a leaf that cannot be saved (named by its key), or

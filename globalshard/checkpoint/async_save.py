@@ -16,7 +16,7 @@ from globalshard.checkpoint.messages import can_send
 from globalshard.checkpoint.saving import InProcess, PlannedSave, entries_of, finish_save, plan_save
 from globalshard.checkpoint.staging import StagingPool, parallel_copy
 from globalshard.checkpoint.writer import Writer, describe_items, shared_writer
-from globalshard.comm import Comm, SingleProcessComm
+from globalshard.comm import Comm, SingleProcessComm, start_in_background
 from globalshard.errors import LayoutError
 from globalshard.format.metadata import Metadata
 from globalshard.io import ArrayItem, IOStats, PackItem
@@ -53,11 +53,13 @@ class AsyncSaver:
 
     One save at a time: :meth:`save` first waits for the previous one (and
     raises its error, if it failed). Call :meth:`wait` before the process
-    exits, and before loading with the same communicator (its collectives
-    run in the background meanwhile). A crash, or a killed writer, during
-    the background part leaves the previous checkpoint as it was (spec
-    section 2.1); the error is raised by the next :meth:`wait` or
-    :meth:`save`, and the next save starts a new writer.
+    exits. Over several ranks the save's last collectives run in the
+    background: a load or save begun meanwhile (of any saver, on any
+    communicator) waits for them before its own, which would otherwise pair
+    with theirs. A crash, or a killed writer, during the background part
+    leaves the previous checkpoint as it was (spec section 2.1); the error
+    is raised by the next :meth:`wait` or :meth:`save`, and the next save
+    starts a new writer.
 
     Args:
         mode: ``"process"`` or ``"thread"``, see above.
@@ -159,8 +161,11 @@ class AsyncSaver:
             except BaseException as e:  # raised by wait() in the caller's thread
                 self._error = e
 
-        self._thread = threading.Thread(target=background, name="globalshard-save")
-        self._thread.start()
+        if comm.world_size > 1:  # its collectives go on in the background: other collectives wait for them
+            self._thread = start_in_background(background, "globalshard-save")
+        else:
+            self._thread = threading.Thread(target=background, name="globalshard-save")
+            self._thread.start()
         self.blocking_seconds = time.perf_counter() - start
 
     def _operations(self, store: Store) -> InProcess:

@@ -37,6 +37,33 @@ def test_the_checkpoint_holds_the_values_at_the_snapshot_on_every_rank(tmp_path,
 
 
 @MODES
+def test_a_load_while_a_save_is_in_flight_waits_for_its_collectives(tmp_path, mode):
+    # Rank 0 loads at once, while its save's background reaches its first collective; rank 1 comes late. On one
+    # communicator, rank 0's load and its save's background would gather with each other (a thread communicator
+    # pairs whoever arrives) and mix their messages.
+    import time
+
+    def run(comm):
+        gs.save(saver.stamped_state(1, rank=comm.rank), tmp_path / "a", comm=comm)
+        s = gs.AsyncSaver(mode)
+        s.save(saver.stamped_state(2, rank=comm.rank), tmp_path / "b", trainer_state={"tag": 2}, comm=comm)
+        if comm.rank == 1:
+            time.sleep(0.5)
+        targets = saver.stamped_state(0, rank=comm.rank)
+        gs.load(targets, tmp_path / "a", comm=comm)
+        s.wait()
+        return {name: t.data.copy() for name, t in targets.items()}, s.last_mode
+
+    for rank, outcome in enumerate(run_ranks(2, run)):
+        assert not isinstance(outcome, BaseException), f"rank {rank}: {outcome!r}"
+        loaded, ran = outcome
+        assert ran == mode
+        for name, data in loaded.items():
+            assert np.array_equal(data, saver.stamped_state(1, rank=rank)[name].data), (rank, name)
+    assert saver.whose(tmp_path / "b") == 2
+
+
+@MODES
 def test_a_background_failure_is_raised_by_wait_and_commits_nothing(tmp_path, mode):
     saver.save_stamped(tmp_path, 1)
     (tmp_path / "saves").rename(tmp_path / "kept")

@@ -11,6 +11,8 @@ stopped (a dropout key restored wrong moves them by far more). And a Linen
 ``TrainState`` saved as ``create`` returns it (its step a Python int),
 restored from ``jax.eval_shape(create)`` as Orbax restores it."""
 
+import textwrap
+
 import numpy as np
 import pytest
 
@@ -22,6 +24,7 @@ ocp = pytest.importorskip("orbax.checkpoint")
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from jax_processes import two_processes  # noqa: E402
 
 import globalshard as gs  # noqa: E402
 import globalshard_jax as gj  # noqa: E402
@@ -397,3 +400,56 @@ def test_orbaxs_checkpointer_saves_and_restores_through_the_handler_alone(tmp_pa
         restored = checkpointer.restore(tmp_path / "c", args=gjo.Restore())
     assert np.array_equal(np.asarray(restored["w"]), np.asarray(tree["w"])) and restored["step"] == 3
     assert gs.Checkpoint(tmp_path / "c").trainer_state["note"] == "x"
+
+
+MULTIHOST = textwrap.dedent("""
+    import os, sys, time
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+    import orbax.checkpoint as ocp
+    import globalshard as gs, globalshard_jax.orbax as gjo
+
+    written = gs.save
+    def late(state, path, **kwargs):  # process 0 writes item "opt" late, process 1 "params": orders differ
+        if str(path).endswith(("opt", "params")[jax.process_index()]):
+            time.sleep(0.3)
+        return written(state, path, **kwargs)
+    gs.save = late
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("dp", "tp"))
+    def tree(step, sharding):
+        def leaf(i, shape):
+            value = np.arange(np.prod(shape), dtype=np.float32).reshape(shape) + 100 * step + i
+            return jax.make_array_from_callback(shape, sharding, lambda idx: value[idx])
+        return {"params": {"w": leaf(0, (8, 12)), "b": leaf(1, (4, 4))}, "opt": {"mu": leaf(2, (8, 12))}}
+    manager = ocp.CheckpointManager(sys.argv[3], options=ocp.CheckpointManagerOptions(max_to_keep=2))
+    for step in range(1, 4):
+        state = tree(step, NamedSharding(mesh, P("dp", "tp")))
+        manager.save(step, args=ocp.args.Composite(params=gjo.Save(state["params"]), opt=gjo.Save(state["opt"]),
+                                                   orbax=ocp.args.StandardSave(state),
+                                                   meta=ocp.args.JsonSave({"step": step})))
+    manager.wait_until_finished()
+    assert manager.all_steps() == [2, 3], manager.all_steps()
+    other = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P(None, "x"))
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=other), tree(0, other))
+    got = manager.restore(3, args=ocp.args.Composite(params=gjo.Restore(abstract["params"]),
+                                                     opt=gjo.Restore(abstract["opt"]),
+                                                     orbax=ocp.args.StandardRestore(abstract)))
+    for ours, theirs in [(got.params, got.orbax["params"]), (got.opt, got.orbax["opt"])]:
+        for k in theirs:
+            assert ours[k].sharding == theirs[k].sharding == other, k
+            for a, b in zip(ours[k].addressable_shards, theirs[k].addressable_shards):
+                assert a.index == b.index and np.array_equal(np.asarray(a.data), np.asarray(b.data)), k
+    manager.close()
+    print("ok", jax.process_index())
+""")
+
+
+def test_orbax_items_saved_at_once_by_two_processes_hold_what_orbax_holds(tmp_path):
+    # Orbax writes a step's items in threads, in an order that differs between processes: each of our items
+    # exchanges in its own namespace. Before, both items' exchanges shared one numbering, and one process's
+    # "params" met the other's "opt" (messages read as others', or a hang).
+    two_processes(tmp_path, MULTIHOST, tmp_path / "ckpt")

@@ -4,7 +4,6 @@ checkpoint loaded into a Flax-style pytree and the reverse; two processes
 through jax.distributed."""
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax_processes import two_processes
 
 jax = pytest.importorskip("jax")
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding  # noqa: E402
@@ -300,7 +300,7 @@ def test_torch_linear_at_tp2_loads_as_a_flax_kernel_and_back(tmp_path):
 
 
 WORKER = textwrap.dedent("""
-    import os, sys
+    import os, sys, time
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax, numpy as np
@@ -332,26 +332,18 @@ WORKER = textwrap.dedent("""
     assert ts == {"step": 1} and whole["step"] == 7 and whole["w"].sharding.is_equivalent_to(sharding, 2)
     for shard in whole["w"].addressable_shards:
         assert np.array_equal(np.asarray(shard.data), value[shard.index]), shard.index
+    # A load while an async save is in flight: process 0 loads at once, process 1 late, so that unordered, one
+    # process's load would take the exchange the other's save's background takes.
+    saver = gs.AsyncSaver("thread")
+    gj.save(path + ".next", {"w": x, "keys": keys, "step": 8}, saver=saver)
+    if jax.process_index() == 1:
+        time.sleep(0.5)
+    again, ts = gj.load(path, {"w": jax.ShapeDtypeStruct(value.shape, np.float32, sharding=sharding)}, strict=False)
+    saver.wait()
+    assert ts == {"step": 1} and all(np.array_equal(np.asarray(s.data), value[s.index])
+                                     for s in again["w"].addressable_shards)
     print("ok", jax.process_index(), len(got["w"].addressable_shards), stats.bytes_needed, whole_stats.bytes_needed)
 """)
-
-
-def two_processes(tmp_path, worker, *args):
-    """Run ``worker`` in 2 processes joined by jax.distributed on 127.0.0.1; their stdouts."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    script = tmp_path / "worker.py"
-    script.write_text(worker)
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-    procs = [subprocess.Popen([sys.executable, str(script), f"127.0.0.1:{port}", str(i), *map(str, args)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-        assert out.startswith("ok"), out
-    return [out for out, _ in outs]
 
 
 def test_two_processes_through_jax_distributed(tmp_path):

@@ -207,6 +207,14 @@ def test_strict_by_default_and_the_keys_reported_either_way(tmp_path):
     assert torch.equal(sd["extra"], torch.full((2,), 7.0))
 
 
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_a_load_while_an_async_save_is_in_flight_waits_for_it_instead_of_crossing_its_collectives(tmp_path, mode):
+    # Before: the load's collectives and the save's background ones crossed on the shared gloo group (a hang,
+    # or gloo aborting the process).
+    for got in values_of(run(2, "load_during_async_save_job", str(tmp_path / "r"), path=str(tmp_path), mode=mode)):
+        assert got == {"first": True, "second": True}
+
+
 @pytest.mark.parametrize("saver", [None, "process"])
 def test_dtensor_state_dicts_reshard_between_placements(tmp_path, saver):
     # saver: as DCP's async_save, the parameters changed on every rank while the writer writes.
