@@ -722,14 +722,19 @@ class CheckpointManager(gs.CheckpointManager):
         return self._comm if self._comm is not None else default_comm()
 
     def save(self, step: int, **kwargs: Any) -> Any:  # type: ignore[override]
-        """:func:`save_checkpoint` into ``iter_<step>``, then move the pointer and prune."""
+        """:func:`save_checkpoint` into ``iter_<step>``, then move the pointer and
+        prune; with ``saver=``, once that save has committed (see
+        :class:`globalshard.CheckpointManager`)."""
         trainer_state = dict(kwargs.pop("trainer_state", None) or {})
         trainer_state.setdefault("step", step)
         return self.save_with(step, lambda path: save_checkpoint(path, trainer_state=trainer_state,
-                                                                 comm=self.comm(), **kwargs))
+                                                                 comm=self.comm(), **kwargs),
+                              saver=kwargs.get("saver"))
 
     def load_latest(self, **kwargs: Any) -> LoadResult | None:  # type: ignore[override]
-        """:func:`load_checkpoint` from :meth:`latest`; None when there is none."""
+        """:func:`load_checkpoint` from :meth:`latest`; None when there is none.
+        An asynchronous save in flight is waited for first."""
+        self.wait()
         found = self.latest()
         if found is None:
             return None

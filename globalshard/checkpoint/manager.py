@@ -9,7 +9,7 @@ import json
 import logging
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from globalshard.checkpoint import cleanup
 from globalshard.checkpoint.loading import load, read_metadata
@@ -20,6 +20,9 @@ from globalshard.format.metadata import Metadata
 from globalshard.format.paths import METADATA_FILE, is_temporary
 from globalshard.layout import ShardedTensor
 from globalshard.store import Store, open_root
+
+if TYPE_CHECKING:
+    from globalshard.checkpoint.async_save import AsyncSaver
 
 __all__ = ["POINTER_FILE", "CheckpointManager"]
 
@@ -44,6 +47,13 @@ class CheckpointManager:
     among the others, and every base those reference (a save with
     ``base=``, spec section 5.2); a save never deletes what it has just written.
 
+    With ``saver=`` (an :class:`~globalshard.AsyncSaver`), :meth:`save`
+    returns once the state is in the saver's host memory; the pointer moves
+    and pruning runs only once that save has committed, at the manager's
+    next :meth:`save`, :meth:`wait` or :meth:`load_latest`, which raise its
+    error if it failed (then nothing moved and nothing was pruned: the
+    checkpoints before it stay). Call :meth:`wait` before the process exits.
+
     >>> import numpy as np, tempfile
     >>> from globalshard import ShardedTensor
     >>> w = np.ones(4, np.float32)
@@ -66,6 +76,8 @@ class CheckpointManager:
             raise ValueError("keep_last must be at least 1")
         self.keep_last = keep_last
         self._comm = comm
+        #: The asynchronous save in flight, published by wait(): (step, its saver).
+        self._pending: tuple[int, AsyncSaver] | None = None
 
     def comm(self) -> Comm | None:
         """The communicator of the job (None: one process)."""
@@ -82,29 +94,64 @@ class CheckpointManager:
         comm = self.comm()
         return comm.rank if comm is not None else 0
 
-    def save(self, step: int, state: Mapping[str, ShardedTensor], **kwargs: Any) -> Any:
+    def save(self, step: int, state: Mapping[str, ShardedTensor], *, saver: AsyncSaver | None = None,
+             **kwargs: Any) -> Any:
         """:func:`~globalshard.save` ``state`` as step ``step`` (``trainer_state``
-        gains ``"step"``), then move the pointer and prune. Returns its path."""
+        gains ``"step"``), then move the pointer and prune; with ``saver``, in
+        the background (see the class). Returns its path."""
         trainer_state = dict(kwargs.pop("trainer_state", None) or {})
         trainer_state.setdefault("step", step)
+        if saver is not None:
+            return self.save_with(step, lambda path: saver.save(state, path, trainer_state=trainer_state,
+                                                                comm=self.comm(), **kwargs), saver=saver)
         return self.save_with(step, lambda path: save(state, path, trainer_state=trainer_state, comm=self.comm(),
                                                       **kwargs))
 
-    def save_with(self, step: int, save: Callable[[Any], Any]) -> Any:
+    def save_with(self, step: int, save: Callable[[Any], Any], *, saver: AsyncSaver | None = None) -> Any:
         """Run ``save(path)`` (any function that saves a checkpoint there on
-        every rank), then move the pointer and prune. Returns the path."""
+        every rank), then move the pointer and prune. Returns the path.
+
+        ``saver``: the :class:`~globalshard.AsyncSaver` that ``save`` starts an
+        asynchronous save on; the pointer moves and pruning runs once it has
+        committed (see the class). Collective, as the save is."""
         if step < 0:
             raise ValueError(f"step must be non-negative, got {step}")
+        self.wait()
         path = self.path(step)
         save(path)
-        if self._rank() == 0:
+        if saver is not None:
+            self._pending = (step, saver)
+        else:
+            self._publish(step)
+        return path
+
+    def wait(self) -> None:
+        """Wait for the asynchronous save in flight (if any), then move the
+        pointer to it and prune; raise its error if it failed, and then move
+        and prune nothing. Collective, as :meth:`save` is."""
+        if self._pending is None:
+            return
+        (step, saver), self._pending = self._pending, None
+        saver.wait()
+        self._publish(step, committed_only=True)
+
+    def _publish(self, step: int, *, committed_only: bool = False) -> None:
+        # committed_only: the saver's error may have been raised by its own wait() already.
+        if self._rank() == 0 and (not committed_only or self._committed(step)):
             self._write_pointer(step)
             self._prune(keep=_name(step))
             self._remove_leftovers()
         comm = self.comm()
         if comm is not None:
             comm.barrier()
-        return path
+
+    def _committed(self, step: int) -> bool:
+        try:
+            read_metadata(self.path(step))
+        except GlobalShardError as e:
+            _log.warning("step %d did not commit (%s): the pointer stays, nothing is pruned", step, e)
+            return False
+        return True
 
     def _write_pointer(self, step: int) -> None:
         # Whole or not at all (locally: a temporary file, fsync, rename, fsync of the directory).
@@ -144,7 +191,9 @@ class CheckpointManager:
 
     def load_latest(self, state: Mapping[str, ShardedTensor], **kwargs: Any) -> dict[str, Any] | None:
         """:func:`~globalshard.load` ``state`` from :meth:`latest`: its trainer
-        state, or None when there is no checkpoint."""
+        state, or None when there is no checkpoint. An asynchronous save in
+        flight is waited for first (:meth:`wait`)."""
+        self.wait()
         found = self.latest()
         if found is None:
             return None

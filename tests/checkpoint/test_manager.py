@@ -95,3 +95,55 @@ def test_bad_arguments_are_refused(root):
         gs.CheckpointManager(root, keep_last=0)
     with pytest.raises(ValueError, match="non-negative"):
         gs.CheckpointManager(root).save(-1, state(1))
+
+
+def pointer(mgr):
+    return json.loads(open_root(mgr.root).read("latest"))["step"]
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_an_async_save_moves_the_pointer_and_prunes_once_committed_and_a_failed_one_neither(tmp_path, mode):
+    mgr, saver = gs.CheckpointManager(tmp_path, keep_last=1), gs.AsyncSaver(mode)
+    mgr.save(1, state(1.0))
+    (tmp_path / "iter_0000002").mkdir()
+    (tmp_path / "iter_0000002" / "saves").write_text("a file where the save directories go")  # its writes fail
+    mgr.save(2, state(2.0), saver=saver)  # planned: returns, writes in the background
+    assert steps(mgr) == [1] and pointer(mgr) == 1
+    with pytest.raises(gs.StorageError):
+        mgr.wait()
+    assert steps(mgr) == [1] and pointer(mgr) == 1  # nothing pruned for a save that did not commit
+    (tmp_path / "iter_0000002" / "saves").unlink()
+
+    held = state(3.0)
+    mgr.save(3, held, saver=saver)
+    held["w"].data[:] = -1  # training goes on
+    mgr.wait()
+    assert steps(mgr) == [3] and pointer(mgr) == 3  # published once committed, and step 1 pruned then
+    assert mgr.load_latest(t := target()) == {"step": 3} and (t["w"].data == 3.0).all()
+
+    # A failure already raised by the saver's own wait(): the manager's next save publishes nothing for it.
+    (tmp_path / "iter_0000004").mkdir()
+    (tmp_path / "iter_0000004" / "saves").write_text("no room")
+    mgr.save(4, state(4.0), saver=saver)
+    with pytest.raises(gs.StorageError):
+        saver.wait()
+    mgr.save(5, state(5.0), saver=saver)  # publishes nothing for step 4; step 3 stays until 5 commits
+    assert steps(mgr) == [3] and pointer(mgr) == 3
+    assert mgr.load_latest(target())["step"] == 5  # waits for step 5, publishes it
+    assert steps(mgr) == [5] and pointer(mgr) == 5
+
+
+def test_async_saves_of_several_ranks_are_published_before_the_next_save_and_load(tmp_path):
+    from globalshard.testing.comm import run_ranks
+
+    def run(comm):
+        mgr, saver = gs.CheckpointManager(tmp_path, keep_last=2, comm=comm), gs.AsyncSaver("thread")
+        for step in (1, 2, 3):
+            piece = gs.ShardedTensor.from_offset("w", np.full(2, step + comm.rank, np.float32), global_shape=(4,),
+                                                 global_offset=(2 * comm.rank,))
+            mgr.save(step, {"w": piece}, saver=saver)
+        got = {"w": gs.ShardedTensor.from_offset("w", np.zeros(4, np.float32), global_shape=(4,), global_offset=(0,))}
+        return mgr.load_latest(got)["step"], got["w"].data.tolist(), steps(mgr)
+
+    for outcome in run_ranks(2, run):
+        assert outcome == (3, [3.0, 3.0, 4.0, 4.0], [2, 3]), outcome

@@ -407,6 +407,28 @@ def test_manager_keeps_last_n_and_resumes_from_latest_complete(tmp_path):
     assert result.trainer_state["step"] == 300 and (target[0].weight == 300).all()
 
 
+def test_a_managers_async_save_that_fails_keeps_the_checkpoint_before_it(tmp_path):
+    # Before: save(..., saver=) moved the pointer and pruned as soon as the snapshot was taken, so with
+    # keep_last=1 a background failure left no checkpoint at all (latest() None).
+    mgr, saver, model = gt.CheckpointManager(tmp_path, keep_last=1), gs.AsyncSaver("thread"), _model()
+    mgr.save(1, model=model, layout=gt.ParallelLayout(), rules=RULES)
+    os.makedirs(mgr.path(2))
+    with open(os.path.join(mgr.path(2), "saves"), "w") as f:
+        f.write("a file where the save directories go")  # the background writes fail
+    mgr.save(2, model=model, layout=gt.ParallelLayout(), rules=RULES, saver=saver)
+    with pytest.raises(gs.StorageError):
+        saver.wait()  # as the saver's own wait() raises it (the manager's wait() raises it too)
+    assert mgr.latest() == (1, mgr.path(1)) and json.load(open(tmp_path / "latest"))["step"] == 1
+    with torch.no_grad():
+        model[0].weight.fill_(3)
+    mgr.save(3, model=model, layout=gt.ParallelLayout(), rules=RULES, saver=saver)
+    with torch.no_grad():
+        model[0].weight.fill_(-1)  # training goes on
+    target = _model()
+    assert mgr.load_latest(model=target, layout=gt.ParallelLayout(), rules=RULES).trainer_state["step"] == 3
+    assert (target[0].weight == 3).all() and [s for s, _ in mgr.complete()] == [3]
+
+
 def test_manager_pointer_is_replaced_atomically(tmp_path):
     mgr = gt.CheckpointManager(tmp_path)
     mgr.save(7, model=_model(), layout=gt.ParallelLayout(), rules=RULES)
