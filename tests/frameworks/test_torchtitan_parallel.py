@@ -390,6 +390,15 @@ def test_torchtitans_trainer_loop_checkpoints_with_our_manager_as_with_its_own(t
     last = gs.read_metadata(tmp_path / "ours" / "checkpoint" / "step-5").tensors
     assert last and all(t.dtype == "bfloat16" for t in last.values())  # the model only, in export_dtype
     assert not any(k.startswith("optimizer") for k in last)
+    # A step folder the trainer left exports to Hugging Face as it is: its optimizer, schedulers, dataloader and
+    # train state skipped (before: "4 keys match no rule and no 'skip' pattern": dataloader.*, train_state.*).
+    from globalshard.hf import NameMapping, export
+
+    mapping = NameMapping.load("torchtitan_llama3", {"heads": 16, "kv_heads": 16})
+    full = export(str(tmp_path / "ours" / "checkpoint" / "step-4"), str(tmp_path / "hf4"), mapping=mapping)
+    assert {k.split(".")[0] for k in full["skipped"]} == {"optimizer", "dataloader", "train_state"}, full["skipped"]
+    model_only = export(str(tmp_path / "ours" / "checkpoint" / "step-5"), str(tmp_path / "hf5"), mapping=mapping)
+    assert not model_only["skipped"] and sorted(full["weight_map"]) == sorted(model_only["weight_map"]), model_only
     for r in run(2, "torchtitan_checkpointer_jobs:resume", str(tmp_path / "r"), work=str(tmp_path)):
         assert r["latest"] == [5, 5] and r["changed"] > 10, r
         assert r["model"] == [] and r["optimizer"] == [] and r["schedulers"], r
