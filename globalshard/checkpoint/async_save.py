@@ -3,10 +3,14 @@ written by a writer process (or a thread) while training goes on."""
 
 from __future__ import annotations
 
+import atexit
+import concurrent.futures.thread  # noqa: F401  (its exit hook is registered before ours below, so runs after)
 import contextlib
 import logging
 import threading
 import time
+import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -29,6 +33,37 @@ _log = logging.getLogger("globalshard")
 
 #: Where the background part of an asynchronous save runs.
 MODES = ("process", "thread")
+
+#: Every saver of this process, for the exit's report of failures no wait() raised.
+_SAVERS: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
+
+
+def _finish_saves_at_exit() -> None:
+    """At interpreter shutdown, wait for the saves in flight before Python shuts
+    down its thread pools (their writes use one: a save still writing then
+    failed with "cannot schedule new futures after interpreter shutdown" and
+    was not committed). Python waits for such threads anyway, but only after."""
+    for saver in list(_SAVERS):
+        saver.join()
+
+
+# Threading's exit hooks run in the reverse order of their registration, before non-daemon threads are joined.
+# A private hook of threading (Python 3.9 and later; concurrent.futures registers its own with it).
+_register_at_shutdown = getattr(threading, "_register_atexit", None)
+if _register_at_shutdown is not None:
+    _register_at_shutdown(_finish_saves_at_exit)
+
+
+@atexit.register
+def _report_unraised() -> None:
+    """At exit (after the interpreter has waited for the saves in flight): a
+    background failure that no :meth:`AsyncSaver.wait` raised is said on
+    stderr, rather than lost with the checkpoint it did not commit."""
+    for saver in list(_SAVERS):
+        if saver._error is not None:
+            warnings.warn(f"the asynchronous save to {saver._where} failed and was not committed; nothing raised "
+                          f"it (call AsyncSaver.wait() before exiting): {type(saver._error).__name__}: "
+                          f"{saver._error}", RuntimeWarning, stacklevel=1)
 
 
 class AsyncSaver:
@@ -53,7 +88,10 @@ class AsyncSaver:
 
     One save at a time: :meth:`save` first waits for the previous one (and
     raises its error, if it failed). Call :meth:`wait` before the process
-    exits. Over several ranks the save's last collectives run in the
+    exits (and before destroying its process group); a script that ends
+    without it still has its save finished before the interpreter shuts
+    down, and a failure that no :meth:`wait` raised is printed at exit (a
+    ``RuntimeWarning``) rather than lost in silence. Over several ranks the save's last collectives run in the
     background: a load or save begun meanwhile (of any saver, on any
     communicator) waits for them before its own, which would otherwise pair
     with theirs. A crash, or a killed writer, during the background part
@@ -95,6 +133,8 @@ class AsyncSaver:
         self.snapshot_seconds = 0.0
         #: Where the last save's background part ran: ``"process"`` or ``"thread"``.
         self.last_mode = ""
+        self._where = ""
+        _SAVERS.add(self)
 
     @property
     def writer(self) -> Writer:
@@ -153,6 +193,8 @@ class AsyncSaver:
         except BaseException:
             held.close()
             raise
+
+        self._where = str(store)
 
         def background() -> None:
             try:

@@ -78,6 +78,50 @@ def test_a_background_failure_is_raised_by_wait_and_commits_nothing(tmp_path, mo
     assert saver.whose(tmp_path) == 1  # the previous checkpoint, untouched
 
 
+EXITS = """
+import os, sys
+import numpy as np
+import globalshard as gs
+path, mode, how = sys.argv[1:4]
+if how != "healthy":
+    os.makedirs(path)
+    open(os.path.join(path, "saves"), "w").write("a file where the save directories go")  # its writes fail
+saver = gs.AsyncSaver(mode)
+w = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)  # 4 MiB: still being written at exit
+saver.save({"w": gs.ShardedTensor.from_offset("w", w, global_shape=w.shape, global_offset=(0, 0))}, path)
+if how == "waits":
+    try:
+        saver.wait()
+    except gs.StorageError:
+        print("raised")
+"""
+
+
+@MODES
+def test_a_script_that_exits_without_wait_commits_its_save_or_says_why_not(tmp_path, mode):
+    # Before: in thread mode a save still writing when the script ended failed at the interpreter's shutdown
+    # ("cannot schedule new futures after interpreter shutdown"), and nothing said so: the last checkpoint
+    # was lost in silence. A failure no wait() raised was silent in both modes.
+    import subprocess
+    import sys
+
+    script = tmp_path / "exits.py"
+    script.write_text(EXITS)
+    said = "failed and was not committed; nothing raised it"
+    for how in ("healthy", "fails", "waits"):
+        path = tmp_path / how
+        done = subprocess.run([sys.executable, str(script), str(path), mode, how], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr
+        if how == "healthy":  # committed at exit, nothing said
+            assert said not in done.stderr, done.stderr
+            assert np.array_equal(gs.read_array(path, "w"), np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024))
+        elif how == "fails":  # said on stderr, naming the path
+            assert said in done.stderr and str(path) in done.stderr, done.stderr
+        else:  # raised by wait(), so not said again
+            assert done.stdout == "raised\n" and said not in done.stderr, done.stderr
+
+
 @MODES
 def test_join_waits_for_a_failed_save_and_leaves_its_error_to_wait(tmp_path, mode):
     assert gs.AsyncSaver(mode).join(timeout=0)  # nothing in flight
