@@ -91,13 +91,13 @@ class AsyncSaver:
     exits (and before destroying its process group); a script that ends
     without it still has its save finished before the interpreter shuts
     down, and a failure that no :meth:`wait` raised is printed at exit (a
-    ``RuntimeWarning``) rather than lost in silence. Over several ranks the save's last collectives run in the
-    background: a load or save begun meanwhile (of any saver, on any
-    communicator) waits for them before its own, which would otherwise pair
-    with theirs. A crash, or a killed writer, during the background part
-    leaves the previous checkpoint as it was (spec section 2.1); the error
-    is raised by the next :meth:`wait` or :meth:`save`, and the next save
-    starts a new writer.
+    ``RuntimeWarning``) rather than lost in silence. Over several ranks the
+    save's last collectives run in the background: a load or save begun
+    meanwhile (of any saver, on any communicator) waits for them before its
+    own, which would otherwise pair with theirs. A crash, or a killed
+    writer, during the background part leaves the previous checkpoint as it
+    was (spec section 2.1); the error is raised by the next :meth:`wait` or
+    :meth:`save`, and the next save starts a new writer.
 
     Args:
         mode: ``"process"`` or ``"thread"``, see above.

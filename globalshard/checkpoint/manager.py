@@ -50,9 +50,10 @@ class CheckpointManager:
     With ``saver=`` (an :class:`~globalshard.AsyncSaver`), :meth:`save`
     returns once the state is in the saver's host memory; the pointer moves
     and pruning runs only once that save has committed, at the manager's
-    next :meth:`save`, :meth:`wait` or :meth:`load_latest`, which raise its
-    error if it failed (then nothing moved and nothing was pruned: the
-    checkpoints before it stay). Call :meth:`wait` before the process exits.
+    next :meth:`save`, :meth:`wait` or :meth:`load_latest`. A save that
+    failed moves and prunes nothing (the checkpoints before it stay), and
+    they raise its error, unless the saver's own ``wait()`` raised it first.
+    Call :meth:`wait` before the process exits.
 
     >>> import numpy as np, tempfile
     >>> from globalshard import ShardedTensor
