@@ -27,8 +27,8 @@ keys, optionally with an axis permutation, so a torch ``Linear.weight``
 """
 
 from globalshard_jax.comm import JaxComm, default_comm
-from globalshard_jax.loading import Restored, load
+from globalshard_jax.loading import Restored, load, metadata
 from globalshard_jax.saving import save
 from globalshard_jax.tree import pytree_keys
 
-__all__ = ["JaxComm", "Restored", "save", "load", "pytree_keys", "default_comm"]
+__all__ = ["JaxComm", "Restored", "save", "load", "metadata", "pytree_keys", "default_comm"]

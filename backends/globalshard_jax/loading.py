@@ -358,21 +358,64 @@ def _whole(path: Any, *, comm: Comm, allow_lossy_cast: bool, kvstore: Any, stats
             stored = checkpoint.read_array(leaf.get("stored", leaf["key"]))
             values[leaf["key"]] = np.transpose(stored, np.argsort(leaf["axes"])) if "axes" in leaf else stored
 
-    def build(node: dict[str, Any]) -> Any:  # in Orbax's conventions for a restore without a target
-        (kind, value), = node.items()
-        if kind == "leaf":
-            return values[value["key"]]
-        if kind == "dict" or (kind == "node" and value):
-            return {k: build(v) for k, v in value.items()}
-        if kind == "list" or (kind == "tuple" and value):
-            return [build(v) for v in value]
-        return () if kind == "tuple" else None  # an empty tuple; None, or a node of nothing (optax's EmptyState)
-
-    return Restored(build(described), trainer_state, [], [])
+    return Restored(_build(described, values), trainer_state, [], [])
 
 
-def _split(checkpoint: gs.Checkpoint) -> dict[str, Any]:
-    """Every stored array whole, in nested dicts by the dots of its key."""
+def _build(node: dict[str, Any], values: dict[str, Any]) -> Any:
+    """A skeleton's pytree with each leaf's value by its key, in Orbax's conventions for a restore
+    without a target."""
+    (kind, value), = node.items()
+    if kind == "leaf":
+        return values[value["key"]]
+    if kind == "dict" or (kind == "node" and value):
+        return {k: _build(v, values) for k, v in value.items()}
+    if kind == "list" or (kind == "tuple" and value):
+        return [_build(v, values) for v in value]
+    return () if kind == "tuple" else None  # an empty tuple; None, or a node of nothing (optax's EmptyState)
+
+
+def metadata(path: Any, *, kvstore: Any = None) -> Any:
+    """The saved pytree with a ``jax.ShapeDtypeStruct`` for each leaf, from
+    metadata.json and the trainer state alone (no array is read), as Orbax's
+    item metadata gives it: in the containers :func:`load` without a target
+    gives, each leaf's global shape and dtype (typed PRNG keys as keys of
+    their implementation; Python numbers as 0-d structs of their stored
+    dtype), and the sharding it was saved with where this job has its
+    devices (else None). A target for another layout is one ``tree.map``
+    away: ``jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype,
+    sharding=s), gj.metadata(path))``. Reads in this process only."""
+    checkpoint = gs.Checkpoint(path, kvstore=kvstore)
+    tensors = checkpoint.metadata.tensors
+
+    def stored(key: str) -> gs.TensorMetadata:
+        if key not in tensors:
+            raise gs.MetadataError(f"{path}: the pytree's leaf {key!r} is not in the checkpoint")
+        return tensors[key]
+
+    described = checkpoint.trainer_state.get(TREE, {}).get("pytree")
+    if described is None:
+        return _split(checkpoint, lambda key: jax.ShapeDtypeStruct(tensors[key].global_shape,
+                                                                   np.dtype(tensors[key].dtype)))
+    values: dict[str, Any] = {}
+    for leaf in _leaves(described):
+        try:
+            sharding = _saved_sharding(leaf, None) if leaf["kind"] in ("jax", "prng_key") else None
+        except gs.MismatchError:
+            sharding = None  # saved over devices this job does not have
+        if leaf["kind"] == "prng_key":
+            values[leaf["key"]] = jax.ShapeDtypeStruct(tuple(leaf["shape"]), _key_dtype(leaf["impl"]),
+                                                       sharding=sharding)
+            continue
+        t = stored(leaf.get("stored", leaf["key"]))
+        shape = tuple(leaf["shape"]) if "shape" in leaf else (
+            tuple(t.global_shape[i] for i in np.argsort(leaf["axes"])) if "axes" in leaf else t.global_shape)
+        dtype = np.dtype(leaf["dtype"]) if "dtype" in leaf else np.dtype(t.dtype)
+        values[leaf["key"]] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    return _build(described, values)
+
+
+def _split(checkpoint: gs.Checkpoint, leaf: Any = None) -> dict[str, Any]:
+    """Every stored array whole (or ``leaf(key)`` of it), in nested dicts by the dots of its key."""
     tree: dict[str, Any] = {}
     for key in sorted(checkpoint.metadata.tensors):
         if gs.is_padding_key(key):
@@ -386,5 +429,5 @@ def _split(checkpoint: gs.Checkpoint) -> dict[str, Any]:
         if parts[-1] in node:
             raise LayoutError(f"{key!r} is an array and also the prefix of other keys; pass a target pytree to "
                               "load it")
-        node[parts[-1]] = checkpoint.read_array(key)
+        node[parts[-1]] = checkpoint.read_array(key) if leaf is None else leaf(key)
     return tree

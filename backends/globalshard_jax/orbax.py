@@ -34,7 +34,7 @@ from orbax.checkpoint import future
 
 import globalshard as gs
 from globalshard_jax.comm import default_comm
-from globalshard_jax.loading import load
+from globalshard_jax.loading import load, metadata
 from globalshard_jax.saving import prepared
 
 __all__ = ["Handler", "Restore", "Save"]
@@ -70,6 +70,11 @@ class Handler(ocp.AsyncCheckpointHandler):
         thread.join()
         if errors:
             raise errors[0]
+
+    def metadata(self, directory: Any) -> Any:
+        """The item's pytree with a ``jax.ShapeDtypeStruct`` per leaf
+        (:func:`globalshard_jax.metadata`), what Orbax's ``item_metadata`` gives."""
+        return metadata(str(directory))
 
     def restore(self, directory: Any, args: Restore | None = None) -> Any:
         args = args if args is not None else Restore()

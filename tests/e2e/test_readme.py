@@ -68,6 +68,7 @@ JAX_CHECK = textwrap.dedent("""
     assert np.array_equal(np.asarray(restored["params"]["w"]), np.arange(32.0).reshape(8, 4))
     assert np.array_equal(np.asarray(tree["params"]["w"]), np.arange(32.0).reshape(8, 4))  # no target
     assert tree["opt_state"]["count"] == 3 and type(tree["opt_state"]["count"]) is int
+    assert shapes["params"]["w"] == jax.ShapeDtypeStruct((8, 4), np.float32, sharding=saved_on)
 """)
 
 

@@ -387,6 +387,11 @@ def test_orbaxs_checkpoint_manager_keeps_steps_of_globalshard_items_as_of_its_ow
     whole = managers["gs"].restore(3, args=ocp.args.Composite(state=gjo.Restore()))
     same_leaves(whole.state, managers["orbax"].restore(3, args=ocp.args.Composite(
         state=ocp.args.StandardRestore())).state)
+    # item_metadata: the same tree, shapes and dtypes as Orbax's (before: None for our items).
+    ours_meta, theirs_meta = (managers[n].item_metadata(3).state for n in ("gs", "orbax"))
+    assert jax.tree.structure(ours_meta) == jax.tree.structure(theirs_meta.tree)
+    for m, t in zip(jax.tree.leaves(ours_meta), jax.tree.leaves(theirs_meta.tree)):
+        assert (m.shape, m.dtype) == (tuple(t.shape), t.dtype), (m, t)
     for manager in managers.values():
         manager.close()
 

@@ -4,6 +4,7 @@ checkpoint loaded into a Flax-style pytree and the reverse; two processes
 through jax.distributed."""
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -429,6 +430,36 @@ def test_without_a_target_the_saved_pytree_comes_back_in_orbaxs_containers(tmp_p
     assert got["layers"][0].sharding.is_equivalent_to(jax.sharding.SingleDeviceSharding(DEVICES[0]), 1)
     # With a target, the trainer state is the caller's too.
     assert gj.load(tmp_path / "ours", {"step": 0}, strict=False)[1] == {"epoch": 2}
+
+
+def test_metadata_describes_what_a_load_without_a_target_gives_without_reading_an_array(tmp_path):
+    tree = _restorable(NamedSharding(mesh("4x2"), P("x", "y")))
+    gj.save(tmp_path / "c", tree, keys={"params.w": ("w_transposed", (1, 0))})
+    got, _ = gj.load(tmp_path / "c")
+    for array_dir in (tmp_path / "c").glob("saves/*/arrays"):  # no array is read: there are none left
+        shutil.rmtree(array_dir)
+    meta = gj.metadata(tmp_path / "c")
+    assert jax.tree.structure(meta) == jax.tree.structure(got)
+    for (path, m), a in zip(jax.tree_util.tree_leaves_with_path(meta), jax.tree.leaves(got)):
+        assert isinstance(m, jax.ShapeDtypeStruct), path
+        if isinstance(a, (int, float, bool)):  # a Python number: a 0-d struct of its stored dtype
+            assert m.shape == () and m.dtype in (np.int64, np.float64, np.bool_), (path, m)
+            continue
+        assert (m.shape, m.dtype) == (a.shape, a.dtype), path  # keys as keys of their implementation
+        if isinstance(a, jax.Array):
+            assert m.sharding.is_equivalent_to(a.sharding, a.ndim), path
+        else:
+            assert m.sharding is None, path
+    # A target for another layout is a tree.map away.
+    other = NamedSharding(mesh("8"), P())
+    like = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=other), meta)
+    assert jax.tree.structure(like) == jax.tree.structure(meta)
+    # A checkpoint gj.save did not write: nested dicts by the keys' dots.
+    w = np.zeros((4, 2), np.float32)
+    gs.save({"w": gs.ShardedTensor.from_offset("layer.w", w, global_shape=(4, 2), global_offset=(0, 0))},
+            tmp_path / "plain")
+    plain = gj.metadata(tmp_path / "plain")
+    assert plain == {"layer": {"w": jax.ShapeDtypeStruct((4, 2), np.float32)}}
 
 
 def test_without_a_target_an_array_on_one_device_comes_back_on_that_device_as_in_orbax(tmp_path):
