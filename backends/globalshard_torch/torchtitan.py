@@ -97,6 +97,15 @@ class CheckpointManager(DcpCheckpointManager):
             saver = self._async_saver = gs.AsyncSaver(mode)  # one staging pool, reused by every save
         return saver
 
+    def _close(self) -> None:
+        # A save still in flight (a run that stops between a save and the next step's wait) finishes here: the
+        # trainer destroys the process group its commit runs over right after close(). Its error, if any, is not
+        # raised by close() but stays for maybe_wait_for_saving, or is reported at exit.
+        saver: gs.AsyncSaver | None = getattr(self, "_async_saver", None)
+        if saver is not None:
+            saver.join()
+        super()._close()
+
     def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode,
                  enable_garbage_collection: bool = False, to_hf: bool = False) -> Any:
         """Save ``state_dict`` as a globalshard checkpoint at ``checkpoint_id``

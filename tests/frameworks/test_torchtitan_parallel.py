@@ -413,7 +413,8 @@ def test_torchtitans_trainer_loop_checkpoints_with_our_manager_as_with_its_own(t
 def test_a_background_save_that_fails_raises_at_the_trainers_wait_and_commits_nothing(tmp_path, async_mode):
     for r in run(2, "torchtitan_checkpointer_jobs:failed", str(tmp_path / "f"), work=str(tmp_path),
                  async_mode=async_mode):
-        assert r == {"returned": True, "error": "StorageError", "found": -1, "committed": False}, r
+        assert r == {"returned": True, "error": "StorageError", "found": -1, "committed": False,
+                     "committed_at_close": True}, r
 
 
 def test_torchtitans_hugging_face_last_save_and_initial_load_go_through_our_checkpointer(tmp_path):

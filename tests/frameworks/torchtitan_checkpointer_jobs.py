@@ -133,8 +133,19 @@ def failed(rank: int, *, work: str, async_mode: str) -> dict[str, Any]:
         error = type(e).__name__
     manager.close()
     dist.barrier()
-    return {"returned": returned, "error": error, "found": manager._find_load_step(),
-            "committed": os.path.exists(os.path.join(step, "metadata.json"))}
+    found = manager._find_load_step()
+    # A healthy async save still in flight when the trainer closes its checkpointer (a run that ran out of data
+    # before its last step): close() lets it finish, before the trainer destroys the process group it uses.
+    config = CheckpointManager.Config(enable=True, folder="closed", interval=1, async_mode=async_mode)
+    closing = config.build(dataloader=t["loader"], model_parts=t["parts"], optimizers=t["optimizers"],
+                           lr_schedulers=t["schedulers"], states={"train_state": t["train_state"]}, sd_adapter=None,
+                           base_folder=os.path.join(work, "ours"))
+    closing.save(1)
+    closing.close()
+    committed_at_close = os.path.exists(os.path.join(work, "ours", "closed", "step-1", "metadata.json"))
+    dist.barrier()
+    return {"returned": returned, "error": error, "found": found,
+            "committed": os.path.exists(os.path.join(step, "metadata.json")), "committed_at_close": committed_at_close}
 
 
 def hugging_face(rank: int, *, work: str) -> dict[str, Any]:
