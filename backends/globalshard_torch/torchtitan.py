@@ -22,11 +22,19 @@ refuse what is missing, as DCP does: keys of the checkpoint no state asks for
 (the optimizer, for a model-only load) are left. Hugging Face saves and loads
 (``last_save_in_hf``, ``initial_load_in_hf``) stay torchtitan's.
 
+A model with frozen parameters (torchtitan's ``LoRAConverter``) stores them
+once: each step references the arrays equal to the step that holds them
+(``Config.reference_unchanged``), and the purge keeps what kept steps
+reference.
+
 Importing this module needs torchtitan.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import re
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +49,14 @@ from globalshard.errors import MissingKeyError
 from globalshard_torch import state_dict as _state_dict
 
 __all__ = ["CheckpointManager"]
+
+logger = logging.getLogger(__name__)
+
+
+def _step_of(name: str) -> int | None:
+    """The step of a ``step-<n>`` folder name; None for another name."""
+    rest = name[len("step-"):] if name.startswith("step-") else ""
+    return int(rest) if rest.isdigit() else None
 
 #: A checkpoint's commit record (spec section 2): a step folder holding it is a committed checkpoint.
 COMMIT_RECORD = "metadata.json"
@@ -81,10 +97,17 @@ class CheckpointManager(DcpCheckpointManager):
 
     @dataclass(kw_only=True, slots=True)
     class Config(DcpCheckpointManager.Config):
-        pass
+        reference_unchanged: bool = True
+        """When the model has parameters that do not require grad (a LoRA
+        fine-tune's frozen base): each step stores the arrays byte-identical to
+        the newest committed step before it (by SHA-256) as references to the
+        step that holds their bytes, so the base is written once per layout;
+        the purge keeps every step a kept one references. False: every step
+        stores everything."""
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
+        self.reference_unchanged = config.reference_unchanged
         if self.enable:
             self.stager = _OwnStaging()
 
@@ -115,7 +138,8 @@ class CheckpointManager(DcpCheckpointManager):
         if to_hf:
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
         saver = self._saver(async_mode)
-        _state_dict.save(state_dict, checkpoint_id, overwrite=True, saver=saver)
+        base, digests = self._base(checkpoint_id)
+        _state_dict.save(state_dict, checkpoint_id, overwrite=True, saver=saver, base=base, digests=digests)
         if saver is None:
             return None
         saving = _Saving(saver)
@@ -124,6 +148,76 @@ class CheckpointManager(DcpCheckpointManager):
             staged.set_result(None)  # the snapshot is in host memory when save returns
             return AsyncSaveResponse(staging_completion=staged, upload_completion=saving)
         return saving
+
+    def _base(self, checkpoint_id: str) -> tuple[str | None, bool | None]:
+        """The base and ``digests`` of a save to ``checkpoint_id`` (see
+        ``Config.reference_unchanged``), every region's SHA-256 recorded:
+        the step that holds most of what the newest committed step below this
+        one references, or that step itself if it references none; (None,
+        None) when the model has no frozen parameter. So every step references
+        one step (the first of a run, or of a layout) rather than a chain of
+        them, each kept for a few small equal tensors. The same on every rank:
+        torchtitan waits for the previous save before the next."""
+        model = self.states.get(MODEL)
+        frozen = self.reference_unchanged and any(
+            not p.requires_grad for part in getattr(model, "model", ()) for p in part.parameters())
+        if not frozen:
+            return None, None
+        parent, name = os.path.split(os.path.normpath(checkpoint_id))
+        here = _step_of(name)
+        steps = [s for s in self._committed_steps(parent) if here is None or s < here]
+        # TODO(limitation): a base is chosen among the steps below this one in the same folder only (an
+        # initial_load_path checkpoint elsewhere is not referenced); regions cut otherwise (a resume on another
+        # layout) or cast (the last step in export_dtype) are written again.
+        if not steps:
+            return None, True
+        previous = filesystem.join(parent, f"step-{max(steps)}")
+        metadata = gs.read_metadata(previous)
+        held = [0] * len(metadata.bases)
+        for t in metadata.tensors.values():
+            for r in t.regions:
+                if r.base is not None:
+                    held[r.base] += r.nbytes
+        if not held:
+            return previous, True
+        anchor = filesystem.join(parent, metadata.bases[held.index(max(held))].root)
+        # A base deleted by hand makes the steps referencing it unreadable (they say so); this step starts anew.
+        return (anchor if filesystem.isfile(filesystem.join(anchor, COMMIT_RECORD)) else None), True
+
+    @staticmethod
+    def _committed_steps(folder: str) -> list[int]:
+        """The steps of ``folder`` holding a committed globalshard checkpoint."""
+        if not filesystem.isdir(folder):
+            return []
+        found = ((_step_of(name), filesystem.join(folder, name)) for name in filesystem.listdir(folder))
+        return [s for s, path in found if s is not None and filesystem.isfile(filesystem.join(path, COMMIT_RECORD))]
+
+    def _purge_stale_checkpoints(self) -> None:
+        """The purge of torchtitan's checkpointer (the steps beyond the newest
+        ``keep_latest_k`` deleted by rank 0's purge thread), keeping every step
+        a kept one references (spec section 2.3), and the steps those reference."""
+        if not self._should_purge():
+            return
+        steps = sorted((int(m.group(1)), name) for name in filesystem.listdir(self.folder)
+                       if (m := re.search(r"step-(\d+)", name)))
+        names = [name for _, name in steps]
+        needed: set[str] = set()
+        pending = names[-self.keep_latest_k:]
+        while pending:
+            name = pending.pop()
+            path = filesystem.join(self.folder, name)
+            if filesystem.isfile(filesystem.join(path, COMMIT_RECORD)):
+                try:
+                    roots = [b.root for b in gs.read_metadata(path).bases]
+                except gs.GlobalShardError as e:  # what it references is unknown: delete nothing this time
+                    logger.warning("not purging %s: %s", self.folder, e)
+                    return
+                pending += [r for r in roots if r not in needed]
+                needed.update(roots)
+        assert self.purge_thread is not None
+        for name in names[:-self.keep_latest_k]:
+            if name not in needed:
+                self.purge_queue.put(filesystem.join(self.folder, name))
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
         """Fill ``state_dict`` from the globalshard checkpoint at ``checkpoint_id``
@@ -153,14 +247,15 @@ class CheckpointManager(DcpCheckpointManager):
             return -1
         steps, dcp = [], []
         for name in filesystem.listdir(folder):
-            if not name.startswith("step-") or not name[len("step-"):].isdigit():
+            step = _step_of(name)
+            if step is None:
                 continue
             path = filesystem.join(folder, name)
             if filesystem.isfile(filesystem.join(path, COMMIT_RECORD)) or \
                     filesystem.isfile(filesystem.join(path, "model.safetensors.index.json")):
-                steps.append(int(name[len("step-"):]))
+                steps.append(step)
             elif filesystem.isfile(filesystem.join(path, ".metadata")):
-                dcp.append(int(name[len("step-"):]))
+                dcp.append(step)
         latest = max(steps, default=-1)
         if dcp and max(dcp) > latest:
             raise ValueError(f"{filesystem.join(folder, f'step-{max(dcp)}')} holds a DCP checkpoint, newer than any "

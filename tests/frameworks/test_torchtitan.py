@@ -168,3 +168,27 @@ def test_our_checkpointer_refuses_to_pass_over_newer_dcp_steps_in_its_folder(tmp
     (folder / "step-5" / ".metadata").write_bytes(b"dcp")
     with pytest.raises(ValueError, match=r"step-5 holds a DCP checkpoint, newer than any globalshard one .*latest: 3"):
         CheckpointManager._find_load_step(SimpleNamespace(folder=str(folder)))
+
+
+def test_our_checkpointers_purge_keeps_the_steps_kept_ones_reference(tmp_path, caplog):
+    # torchtitan's retention (keep_latest_k newest steps) would delete a LoRA run's first step, whose frozen base
+    # the later steps reference (spec section 2.3). A step it cannot read stops the purge rather than guess.
+    import queue
+    from types import SimpleNamespace
+
+    from globalshard_torch.torchtitan import CheckpointManager
+
+    folder = tmp_path / "checkpoint"
+    gt.save({"base": torch.ones(4), "adapter": torch.zeros(2)}, folder / "step-1")
+    for step in (2, 3):
+        gt.save({"base": torch.ones(4), "adapter": torch.full((2,), float(step))}, folder / f"step-{step}",
+                base=folder / "step-1", frozen=["base"])
+    (folder / "step-4").mkdir()  # in flight: not committed yet
+    manager = SimpleNamespace(folder=str(folder), keep_latest_k=2, _should_purge=lambda: True,
+                              purge_thread=object(), purge_queue=queue.Queue())
+    CheckpointManager._purge_stale_checkpoints(manager)
+    assert list(manager.purge_queue.queue) == [str(folder / "step-2")]
+    (folder / "step-3" / "metadata.json").write_text("{")
+    manager.purge_queue = queue.Queue()
+    CheckpointManager._purge_stale_checkpoints(manager)
+    assert manager.purge_queue.empty() and "not purging" in caplog.text

@@ -392,6 +392,8 @@ def test_torchtitans_trainer_loop_checkpoints_with_our_manager_as_with_its_own(t
 
     last = gs.read_metadata(tmp_path / "ours" / "checkpoint" / "step-5").tensors
     assert last and all(t.dtype == "bfloat16" for t in last.values())  # the model only, in export_dtype
+    fourth = gs.read_metadata(tmp_path / "ours" / "checkpoint" / "step-4")  # nothing frozen: nothing hashed
+    assert not fourth.bases and all(r.sha256 is None for t in fourth.tensors.values() for r in t.regions)
     assert not any(k.startswith("optimizer") for k in last)
     # A step folder the trainer left exports to Hugging Face as it is: its optimizer, schedulers, dataloader and
     # train state skipped (before: "4 keys match no rule and no 'skip' pattern": dataloader.*, train_state.*).
@@ -407,6 +409,55 @@ def test_torchtitans_trainer_loop_checkpoints_with_our_manager_as_with_its_own(t
         assert r["model"] == [] and r["optimizer"] == [] and r["schedulers"], r
         assert r["train_state"] == [[4, 16], [4, 16]], r  # 4 steps of 4 one-token samples
         assert r["initial_model"] == [] and r["initial_optimizer_kept"], r  # initial_load_path: the model only
+
+
+def test_a_lora_fine_tune_under_torchtitans_trainer_stores_its_frozen_base_once(tmp_path):
+    # torchtitan's own LoRA (LoRAConverter: adapters on each layer's attention and FFN outputs, everything else
+    # frozen), trained 5 steps at dp_shard=2 with a checkpoint at each (2 kept, the last one model only in bf16):
+    # ours from the writer process, beside torchtitan's own DCP checkpointer.
+    import globalshard as gs
+
+    for who, mode in (("ours", "async_with_pinned_mem"), ("dcp", "disabled")):
+        (r, _) = run(2, "torchtitan_checkpointer_jobs:train", str(tmp_path / f"t_{who}"), work=str(tmp_path),
+                     who=who, async_mode=mode, model="llama3_lora")
+        assert r["saved"] == [True] * 5, r
+        # torchtitan purges after each save but the last: steps 3 and 4, then 5. Ours keeps step-1 as well:
+        # steps 2 to 4 reference its frozen weights (the bf16 last step does not).
+        kept = ["step-3", "step-4", "step-5"]
+        assert r["steps"] == (["step-1"] + kept if who == "ours" else kept), r
+    folder = tmp_path / "ours" / "checkpoint"
+    first, fourth, last = (gs.read_metadata(folder / f"step-{n}") for n in (1, 4, 5))
+    frozen = sorted(k for k in last.tensors if "lora_" not in k)  # the model's keys, less its adapters
+    assert len(frozen) > 20 and len(last.tensors) > len(frozen)
+
+    def referenced(metadata: gs.Metadata) -> list[str]:
+        return sorted(k for k, t in metadata.tensors.items() if all(r.base is not None for r in t.regions))
+
+    def written(metadata: gs.Metadata) -> int:
+        return sum(r.nbytes for t in metadata.tensors.values() for r in t.regions if r.base is None)
+
+    assert referenced(first) == [] and not last.bases and referenced(last) == []
+    assert [b.root for b in fourth.bases] == ["step-1"]
+    assert [k for k in referenced(fourth) if not k.startswith(("optimizer.", "lr_scheduler.", "dataloader."))] == frozen
+    adapters = sum(r.nbytes for k, t in fourth.tensors.items() if "lora_" in k for r in t.regions)  # with AdamW's
+    assert written(fourth) <= 1.1 * adapters < written(first) / 10, (written(fourth), adapters, written(first))
+    # Step 4 loads at TP=2 (its frozen weights from step-1) as torchtitan's own checkpoint of it does, and
+    # starts a new run (initial_load_path) as well; the bytes all verify.
+    # Turned off, every step stores everything again (and records no SHA-256, as a model without frozen
+    # parameters does: test_torchtitans_trainer_loop_...).
+    (r, _) = run(2, "torchtitan_checkpointer_jobs:train", str(tmp_path / "t_plain"), work=str(tmp_path / "plain"),
+                 who="ours", async_mode="disabled", model="llama3_lora", reference_unchanged=False)
+    plain = gs.read_metadata(tmp_path / "plain" / "ours" / "checkpoint" / "step-4")
+    assert r["steps"] == kept and not plain.bases and written(plain) == written(first)
+    assert all(r.sha256 is None for t in plain.tensors.values() for r in t.regions)
+    problems, read = gs.Checkpoint(folder / "step-4").verify()
+    assert problems == [] and read == sum(r.nbytes for t in fourth.tensors.values() for r in t.regions) > \
+        written(fourth), (problems, read)
+    for r in run(2, "torchtitan_checkpointer_jobs:resume", str(tmp_path / "r"), work=str(tmp_path),
+                 model="llama3_lora"):
+        assert r["latest"] == [5, 5] and r["changed"] > 10, r
+        assert r["model"] == [] and r["optimizer"] == [] and r["schedulers"], r
+        assert r["initial_model"] == [] and r["initial_optimizer_kept"], r
 
 
 @pytest.mark.parametrize("async_mode", ["async", "async_with_pinned_mem"])

@@ -38,25 +38,27 @@ class TrainState(Stateful):
 
 def _trainer(who: str, work: str, dp_shard: int, tp: int, seed: int, async_mode: str,
              exclude: tuple[str, ...] = (), initial: str | None = None, folder: str = "checkpoint",
-             pp: int = 1) -> dict[str, Any]:
-    parts, optimizers = build(dp_shard, tp, seed, work, pp=pp)
+             pp: int = 1, model: str = "llama3", **ours: Any) -> dict[str, Any]:
+    parts, optimizers = build(dp_shard, tp, seed, work, pp=pp, model=model)
     schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=10)
     loader = _loader(dist.get_rank() // (tp * pp), max(1, dist.get_world_size() // (tp * pp)), seed)
     train_state = TrainState()
     config = MANAGERS[who].Config(enable=True, folder=folder, interval=1, keep_latest_k=2, async_mode=async_mode,
                                   export_dtype="bfloat16", exclude_from_loading=list(exclude),
-                                  initial_load_path=initial)
+                                  initial_load_path=initial, **ours)
     manager = config.build(dataloader=loader, model_parts=parts, optimizers=optimizers, lr_schedulers=schedulers,
                            states={"train_state": train_state}, sd_adapter=None, base_folder=os.path.join(work, who))
     return {"parts": parts, "optimizers": optimizers, "schedulers": schedulers, "loader": loader,
             "train_state": train_state, "manager": manager}
 
 
-def train(rank: int, *, work: str, who: str, async_mode: str, pp: int = 1) -> dict[str, Any]:
+def train(rank: int, *, work: str, who: str, async_mode: str, pp: int = 1, model: str = "llama3",
+          **ours: Any) -> dict[str, Any]:
     """At dp_shard=2 (or PP=2): a fresh start, then 5 steps with a checkpoint at each, the
     last one model only (in bf16), the 2 newest others kept. Returns the step folders left and
-    each save's return value."""
-    t = _trainer(who, work, 2 // pp, 1, 0, async_mode, pp=pp)
+    each save's return value. ``model="llama3_lora"``: torchtitan's LoRA, its base frozen;
+    ``ours``: our Config's own fields."""
+    t = _trainer(who, work, 2 // pp, 1, 0, async_mode, pp=pp, model=model, **ours)
     manager, batches = t["manager"], iter(t["loader"])
     fresh = manager.load(step=-1)
     saved = []
@@ -64,7 +66,8 @@ def train(rank: int, *, work: str, who: str, async_mode: str, pp: int = 1) -> di
         t["train_state"].step = step
         t["train_state"].ntokens_seen += int(next(batches).numel())
         for p in _parameters(t["parts"]):
-            p.grad = torch.sin(p.detach() * 3.0 + step) * 0.1
+            if p.requires_grad:
+                p.grad = torch.sin(p.detach() * 3.0 + step) * 0.1
         manager.maybe_wait_for_staging()
         t["optimizers"].step()
         t["schedulers"].step()
@@ -76,14 +79,14 @@ def train(rank: int, *, work: str, who: str, async_mode: str, pp: int = 1) -> di
     return {"fresh_start": not fresh, "saved": saved, "steps": sorted(os.listdir(folder))}
 
 
-def resume(rank: int, *, work: str) -> dict[str, Any]:
+def resume(rank: int, *, work: str, model: str = "llama3") -> dict[str, Any]:
     """At TP=2, into models of other values, by each checkpointer from its own folder:
     the latest step each finds, then step 4 loaded (the last holds the model only),
     its dataloader left out (torchtitan's refuses another DP degree). Returns what
     differs between the two loads, tensor for tensor."""
     loaded = {}
     for who in MANAGERS:
-        t = _trainer(who, work, 1, 2, 11, "disabled", exclude=("dataloader",))
+        t = _trainer(who, work, 1, 2, 11, "disabled", exclude=("dataloader",), model=model)
         before = {k: _local(v).clone() for k, v in ModelWrapper(t["parts"]).state_dict().items()}
         assert t["manager"].load(step=4)
         t["latest"] = t["manager"]._find_load_step()
@@ -94,7 +97,7 @@ def resume(rank: int, *, work: str) -> dict[str, Any]:
     # A new run started from that step's weights (initial_load_path, model only, its default): the
     # optimizer's state in the checkpoint is left, the new run's own kept.
     start = _trainer("ours", work, 1, 2, 13, "disabled", initial=os.path.join(work, "ours", "checkpoint", "step-4"),
-                     folder="finetune")
+                     folder="finetune", model=model)
     own = {k: _local(v).clone() for k, v in start["optimizers"].state_dict().items() if torch.is_tensor(v)}
     assert start["manager"].load(step=-1)
 

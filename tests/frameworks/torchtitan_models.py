@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from torchtitan.components.lora import LoRAConverter
 from torchtitan.config.configs import ParallelismConfig
 from torchtitan.models import deepseek_v3, llama3, qwen3
 from torchtitan.models.common.rope import ComplexRoPE
@@ -17,8 +18,10 @@ def spec(name: str, parallelism: ParallelismConfig) -> Any:
     """The model's spec, with the sharding its ``Config.update_from_config`` sets
     for ``parallelism`` (that method also imports torchtitan's whole trainer,
     whose data loading needs packages left out here)."""
-    if name == "llama3":
-        out = llama3.model_registry("debugmodel", attn_backend="flex")
+    if name in ("llama3", "llama3_lora"):  # "llama3_lora": torchtitan's LoRA, on attention's and the FFN's outputs
+        converters = [LoRAConverter.Config(rank=8, alpha=16.0, target_modules=["wo", "w2"])]
+        out = llama3.model_registry("debugmodel", attn_backend="flex",
+                                    converters=converters if name == "llama3_lora" else None)
         set_llama3_sharding_config(out.model, enable_sp=parallelism.enable_sequence_parallel)
         return out
     if name.startswith("deepseek_v3"):  # small, routed as DeepSeek-V3 is (and Hugging Face's form of it): sigmoid,
