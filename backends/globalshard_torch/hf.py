@@ -56,7 +56,9 @@ def load_hf(directory: str, model: nn.Module | Sequence[nn.Module], layout: Para
         Figures: ``{"bytes_read": ..., "tensors": ...}`` for this rank,
         ``"unread"``: the files' tensor names no rank read, and ``"skipped"``:
         this rank's keys that the files lack and the mapping's ``skip``
-        patterns match (a MoE's load-balancing bias), left as they were.
+        patterns match (a MoE's load-balancing bias), or that are adapters
+        its ``lora`` rules merge (a LoRA model starting from the weights
+        they adapt), left as they were.
 
     Raises:
         MismatchError: a key absent from the files, or a global shape that differs,
@@ -84,15 +86,19 @@ def fill_from_safetensors(source: SafetensorsSource, targets: dict[str, gs.Shard
                           comm: Comm | None = None) -> dict[str, Any]:
     """Fill the core's pieces (``data`` in place) from the files ``source`` reads, as
     :func:`load_hf` does: every key checked (present, global shape, exact cast)
-    before anything is read; keys the files lack that the mapping skips are left
-    out (and reported); a piece that may hold padding is zero beyond its regions.
+    before anything is read; keys the files lack that the mapping skips, or
+    that are adapters its ``lora`` rules merge, are left out (and reported); a
+    piece that may hold padding is zero beyond its regions.
     Returns :func:`load_hf`'s figures."""
     directory = source.directory
     problems, skipped = [], set()
     for name, t in list(targets.items()):
         found = source.keys.get(t.key)
-        if found is None and any(s.fullmatch(t.key) for s in source.mapping.skip):
-            skipped.add(t.key)  # the mapping's skip: not part of the Hugging Face model; left as it is
+        if found is None and (any(s.fullmatch(t.key) for s in source.mapping.skip) or
+                              source.mapping.is_adapter(t.key)):
+            # the mapping's skip (not part of the Hugging Face model), or an adapter of a lora rule (the
+            # files hold the tensor it adapts): left as it is
+            skipped.add(t.key)
             del targets[name]
             continue
         if found is None:

@@ -50,7 +50,10 @@ matches is left as it is and reported; any other is an error.
   scale * B @ A`` (``B`` of shape ``[rows, r]``, ``A`` of ``[r, cols]``);
   export writes the merged tensor and reports ``A`` and ``B`` as merged. An
   adapter no rule merges matches no rule: an error naming it, never a
-  silent drop of what training learned.
+  silent drop of what training learned. ``scale`` (default 1) may name a
+  ``params`` entry with no default, asked for only once the checkpoint
+  holds the adapter. Reading files back, a model's adapters are left as
+  they are (and reported as skipped).
 * ``rotary`` (on a name or a split part): the tensor's rows are, per head of
   that many heads, in the interleaved rotary order (pairs ``2i, 2i + 1``, as
   Meta's Llama and torchtitan rotate them); Hugging Face rotates halves

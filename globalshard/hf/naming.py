@@ -46,7 +46,8 @@ class _Renumber:
 class _Lora:
     a: str
     b: str
-    scale: float
+    scale: float | None  # None: the params entry ``scale_name``, not set, needed once an adapter is found
+    scale_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -218,7 +219,10 @@ class NameMapping:
             return None
         if not isinstance(doc, dict) or not isinstance(doc.get("A"), str) or not isinstance(doc.get("B"), str):
             raise ExportError(f"{at}: needs string key patterns 'A' and 'B'")
-        scale = self._param(doc.get("scale", 1), f"{at}.scale")
+        scale = doc.get("scale", 1)
+        if isinstance(scale, str) and scale not in self.params:
+            return _Lora(doc["A"], doc["B"], None, scale)  # asked for only when the checkpoint holds an adapter
+        scale = self._param(scale, f"{at}.scale")
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
             raise ExportError(f"{at}.scale: a number or the name of one in params, got {scale!r}")
         return _Lora(doc["A"], doc["B"], float(scale))
@@ -264,8 +268,14 @@ class NameMapping:
                 if rule.lora is not None:
                     a, b = rule.lora.a.format(**fields), rule.lora.b.format(**fields)
                     if a in shapes and b in shapes:
-                        lora = (a, b, rule.lora.scale)
-                        problems += _lora_problems(key, shape, a, shapes[a], b, shapes[b])
+                        if rule.lora.scale is None:
+                            name = rule.lora.scale_name
+                            problems.append(f"{key!r}: its adapter {a!r}, {b!r} merges scaled by params "
+                                            f"{name!r}, which the checkpoint does not record: set it "
+                                            f"(--param {name}=...)")
+                        else:
+                            lora = (a, b, rule.lora.scale)
+                            problems += _lora_problems(key, shape, a, shapes[a], b, shapes[b])
                     elif a in shapes or b in shapes:
                         problems.append(f"{key!r}: the checkpoint has only one of its adapter's {a!r} and {b!r}")
                 n = len(rule.stacked)
@@ -295,6 +305,13 @@ class NameMapping:
         if problems:
             raise ExportError("the mapping does not fit the checkpoint:\n" + "\n".join(f"  - {p}" for p in problems))
         return pieces, skipped
+
+    def is_adapter(self, key: str) -> bool:
+        """Whether ``key`` names an adapter (a ``lora`` rule's A or B), which
+        reading files back leaves as the model made it: the files hold the
+        tensor it adapts (merged, or a fine-tune's starting weights)."""
+        return any(_compile(p, self.where).fullmatch(key)
+                   for r in self.rules if r.lora is not None for p in (r.lora.a, r.lora.b))
 
     def _merged(self, shapes: Mapping[str, tuple[int, ...]]) -> set[str]:
         """The adapter keys some rule merges into a tensor of the checkpoint."""

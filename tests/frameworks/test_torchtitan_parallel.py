@@ -458,6 +458,15 @@ def test_a_lora_fine_tune_under_torchtitans_trainer_stores_its_frozen_base_once(
         assert r["latest"] == [5, 5] and r["changed"] > 10, r
         assert r["model"] == [] and r["optimizer"] == [] and r["schedulers"], r
         assert r["initial_model"] == [] and r["initial_optimizer_kept"], r
+    # Exported to Hugging Face with its adapters merged (torchtitan_llama3, --param lora_scale=alpha/rank):
+    # transformers' logits are the LoRA model's; read back by load_hf, a fresh LoRA model starts from them.
+    (r, other) = run(2, "torchtitan_checkpointer_jobs:lora_exported", str(tmp_path / "e"), work=str(tmp_path),
+                     hf=str(tmp_path / "hf"))
+    lora = sorted(k for k in fourth.tensors if "lora_" in k and not k.startswith("optimizer."))
+    assert r["merged"] == lora and len(lora) == 4 * 6, r["merged"]  # wo and w2 of 6 layers: A and B
+    assert r["tuned"] < 1e-5 < 100 * 1e-5 < r["dropped"], r  # float32 in another order; without the adapters
+    assert r["started"] < 1e-5 and r["unread"] == [] and r["adapters_kept"] and other["adapters_kept"], r
+    assert r["skipped"] == sorted(k for k in lora), r
 
 
 @pytest.mark.parametrize("async_mode", ["async", "async_with_pinned_mem"])

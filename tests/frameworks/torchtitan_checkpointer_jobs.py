@@ -183,3 +183,48 @@ def hugging_face(rank: int, *, work: str) -> dict[str, Any]:
     ours, theirs = (ModelWrapper(t["parts"]).state_dict() for t in (fresh, trained))
     return {"files": files, "differ": sorted(k for k in theirs if not torch.equal(_local(ours[k]), _local(theirs[k]))),
             "tensors": len(theirs)}
+
+
+def lora_exported(rank: int, *, work: str, hf: str) -> dict[str, Any]:
+    """Step 4 of the LoRA run (``train`` with ``model="llama3_lora"``) exported to Hugging
+    Face by rank 0, its adapters merged (``lora_scale`` = alpha / rank = 16 / 8), and opened
+    by transformers: its logits beside torchtitan's forward of the step's LoRA model (and of
+    the same with its adapters zeroed: what an export that dropped them would give). Then the
+    export read by ``load_hf`` into a fresh LoRA model at dp_shard=2, as a fine-tune starts
+    from Hugging Face weights: its adapters left as torchtitan initialised them."""
+    import transformers
+    from torchtitan_jobs import logits
+
+    import globalshard_torch as gt
+    from globalshard.hf import NameMapping, export
+
+    params = {"heads": 16, "kv_heads": 16, "lora_scale": 2.0}
+    merged = None
+    if rank == 0:
+        out = export(os.path.join(work, "ours", "checkpoint", "step-4"), hf,
+                     mapping=NameMapping.load("torchtitan_llama3", params))
+        merged = out["merged"]
+    dist.barrier()
+    t = _trainer("ours", work, 2, 1, 5, "disabled", folder="unused", model="llama3_lora")
+    sd = ModelWrapper(t["parts"]).state_dict()
+    gt.load(sd, os.path.join(work, "ours", "checkpoint", "step-4"), strict=False)
+    ModelWrapper(t["parts"]).load_state_dict(sd)
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in sd.items()}
+    tuned = logits(t["parts"], "llama3_lora", full)
+    dropped = logits(t["parts"], "llama3_lora", {k: torch.zeros_like(v) if "lora_b" in k else v
+                                                 for k, v in full.items()})
+    (fresh,), _ = build(2, 1, 17, work, model="llama3_lora")
+    adapters = {k: _local(p).clone() for k, p in fresh.named_parameters() if "lora_" in k}
+    got = gt.load_hf(hf, fresh, gt.ParallelLayout(num_layers=len(fresh.layers)), None, mapping="torchtitan_llama3",
+                     params=params)
+    started = logits([fresh], "llama3_lora")
+    kept = all(torch.equal(_local(p), adapters[k]) for k, p in fresh.named_parameters() if "lora_" in k)
+    out = {"merged": merged, "skipped": got["skipped"], "unread": got["unread"], "adapters_kept": kept}
+    if rank == 0:
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
+        with torch.no_grad():
+            theirs = model((torch.arange(2 * 16).reshape(2, 16) * 37) % 2048).logits
+        scale = theirs.abs().max().item()
+        out |= {name: (x - theirs).abs().max().item() / scale
+                for name, x in (("tuned", tuned), ("dropped", dropped), ("started", started))}
+    return out

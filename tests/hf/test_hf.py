@@ -338,6 +338,26 @@ def test_an_adapter_no_rule_merges_is_refused_by_name(tmp_path):
     assert not os.path.exists(tmp_path / "hf" / "model.safetensors.index.json")
 
 
+def test_an_adapter_scale_the_checkpoint_does_not_record_is_asked_for_once_an_adapter_is_there(tmp_path):
+    # torchtitan's LoRA scales by alpha / rank and records neither: a mapping names the param with no default.
+    doc = {"tensors": [{"key": "w", "name": "w.weight",
+                        "lora": {"A": "w.lora_a", "B": "w.lora_b", "scale": "lora_scale"}}]}
+    w = np.arange(12, dtype=np.float32).reshape(4, 3)
+    a, b = np.ones((2, 3), np.float32), np.arange(8, dtype=np.float32).reshape(4, 2)
+    save_global({"w": w}, tmp_path / "plain")
+    assert export(str(tmp_path / "plain"), str(tmp_path / "hf"), mapping=NameMapping(doc))["merged"] == []
+    save_global({"w": w, "w.lora_a": a, "w.lora_b": b}, tmp_path / "tuned")
+    with pytest.raises(ExportError, match=r"'w': its adapter 'w\.lora_a', 'w\.lora_b' merges scaled by params "
+                                          r"'lora_scale', which the checkpoint does not record.*--param lora_scale="):
+        export(str(tmp_path / "tuned"), str(tmp_path / "hf"), mapping=NameMapping(doc))
+    index = export(str(tmp_path / "tuned"), str(tmp_path / "hf"), mapping=NameMapping(doc, params={"lora_scale": 2}))
+    assert index["merged"] == ["w.lora_a", "w.lora_b"]
+    _, got = read_all(tmp_path / "hf")
+    assert np.array_equal(got["w.weight"].numpy(), w + 2 * (b @ a))
+    # Read back, the adapters are left as the model made them: the files hold the tensor they adapt.
+    assert NameMapping(doc).is_adapter("w.lora_b") and not NameMapping(doc).is_adapter("w")
+
+
 def meta_to_hf(w, heads):
     """torchtitan's Llama3StateDictAdapter._permute, written out: per head, pairs to halves."""
     rows = w.shape[0]
