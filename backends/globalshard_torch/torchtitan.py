@@ -58,6 +58,7 @@ def _step_of(name: str) -> int | None:
     rest = name[len("step-"):] if name.startswith("step-") else ""
     return int(rest) if rest.isdigit() else None
 
+
 #: A checkpoint's commit record (spec section 2): a step folder holding it is a committed checkpoint.
 COMMIT_RECORD = "metadata.json"
 
@@ -99,11 +100,11 @@ class CheckpointManager(DcpCheckpointManager):
     class Config(DcpCheckpointManager.Config):
         reference_unchanged: bool = True
         """When the model has parameters that do not require grad (a LoRA
-        fine-tune's frozen base): each step stores the arrays byte-identical to
-        the newest committed step before it (by SHA-256) as references to the
-        step that holds their bytes, so the base is written once per layout;
-        the purge keeps every step a kept one references. False: every step
-        stores everything."""
+        fine-tune's frozen base): each step stores the arrays byte-identical
+        (by SHA-256) to those of a committed step before it as references to
+        the step that holds their bytes, so the base is written once per
+        layout; the purge keeps every step a kept one references. False:
+        every step stores everything."""
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
@@ -172,7 +173,11 @@ class CheckpointManager(DcpCheckpointManager):
         if not steps:
             return None, True
         previous = filesystem.join(parent, f"step-{max(steps)}")
-        metadata = gs.read_metadata(previous)
+        try:
+            metadata = gs.read_metadata(previous)
+        except gs.GlobalShardError as e:  # damaged since it committed: this step stores everything
+            logger.warning("%s references no base: %s", checkpoint_id, e)
+            return None, True
         held = [0] * len(metadata.bases)
         for t in metadata.tensors.values():
             for r in t.regions:

@@ -192,3 +192,38 @@ def test_our_checkpointers_purge_keeps_the_steps_kept_ones_reference(tmp_path, c
     manager.purge_queue = queue.Queue()
     CheckpointManager._purge_stale_checkpoints(manager)
     assert manager.purge_queue.empty() and "not purging" in caplog.text
+
+
+def test_our_checkpointer_bases_a_step_on_the_step_holding_the_bytes(tmp_path, caplog):
+    # The step holding most of what the previous step references (never a chain of steps), or the previous
+    # step itself; nothing when no parameter is frozen; everything written when the previous step is damaged.
+    from types import SimpleNamespace
+
+    from torchtitan.components.checkpointer import MODEL
+
+    from globalshard_torch.torchtitan import CheckpointManager
+
+    folder = tmp_path / "checkpoint"
+    model = torch.nn.Linear(2, 2)
+    model.weight.requires_grad_(False)
+    manager = SimpleNamespace(states={MODEL: ModelWrapper(model)}, reference_unchanged=True,
+                              _committed_steps=CheckpointManager._committed_steps)
+
+    def base(step):
+        return CheckpointManager._base(manager, str(folder / f"step-{step}"))
+
+    assert base(1) == (None, True)  # the first: digests recorded, so that later steps can reference it
+    gt.save({"w": torch.ones(4), "a": torch.zeros(2)}, folder / "step-1", digests=True)
+    assert base(2) == (str(folder / "step-1"), True)
+    gt.save({"w": torch.ones(4), "a": torch.ones(2)}, folder / "step-2", base=folder / "step-1")
+    (folder / "step-3").mkdir()  # not committed
+    assert base(3) == (str(folder / "step-1"), True) == base(4)
+    assert base(2) == (str(folder / "step-1"), True)  # a step saved again: the steps below it
+    manager.reference_unchanged = False
+    assert base(4) == (None, None)
+    manager.reference_unchanged = True
+    model.weight.requires_grad_(True)
+    assert base(4) == (None, None)
+    model.weight.requires_grad_(False)
+    (folder / "step-2" / "metadata.json").write_text("{")
+    assert base(4) == (None, True) and "references no base" in caplog.text
