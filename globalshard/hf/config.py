@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from globalshard.hf.naming import ExportError, HfTensor, NameMapping, _compile, _hf_shapes
+from globalshard.hf.naming import ExportError, HfTensor, NameMapping, _hf_shapes
+from globalshard.hf.patterns import compile_key
 
 
 def hf_config(mapping: NameMapping, pieces: Sequence[HfTensor], out_dtype: Mapping[str, str]) -> dict[str, Any] | None:
@@ -32,7 +33,7 @@ def hf_config(mapping: NameMapping, pieces: Sequence[HfTensor], out_dtype: Mappi
     def named(arg: Any, at: str) -> list[str]:
         if not isinstance(arg, str):
             raise ExportError(f"{where}: {at}: a directive names a Hugging Face tensor, got {arg!r}")
-        pattern = _compile(arg, at)
+        pattern = compile_key(arg, at)
         return sorted(n for n in shapes if pattern.fullmatch(n))
 
     def agreed(values: dict[str, Any], arg: str, at: str) -> Any:
@@ -89,7 +90,7 @@ def hf_config(mapping: NameMapping, pieces: Sequence[HfTensor], out_dtype: Mappi
         if kind == "$count":
             return len(named(arg, at))
         if kind == "$indices":
-            pattern = _compile(arg, at) if isinstance(arg, str) else None
+            pattern = compile_key(arg, at) if isinstance(arg, str) else None
             if pattern is None or pattern.groups != 1:
                 raise ExportError(f"{where}: {at}: $indices names tensors with one {{field}}, got {arg!r}")
             found = {m.group(1) for n in shapes if (m := pattern.fullmatch(n))}

@@ -19,7 +19,8 @@ from globalshard.checkpoint import Checkpoint
 from globalshard.dtypes import canonical_name, numpy_dtype
 from globalshard.geometry import Box
 from globalshard.hf.config import hf_config
-from globalshard.hf.naming import ExportError, HfTensor, NameMapping, _hf_shapes, _to_halves
+from globalshard.hf.naming import ExportError, HfTensor, NameMapping, _hf_shapes
+from globalshard.hf.patterns import to_halves
 from globalshard.hf.safetensors_file import SAFETENSORS_DTYPES
 
 #: Bytes of one tensor read and written at a time by :func:`export`.
@@ -145,7 +146,7 @@ def _windows(ckpt: Checkpoint, p: HfTensor) -> Iterator[tuple[Box, np.ndarray]]:
             merged = buf.astype(np.float64) + scale * (b.astype(np.float64) @ a[:, cols].astype(np.float64))
             buf = merged.astype(buf.dtype)
         if p.rotary is not None:
-            buf = _to_halves(buf, n // unit)
+            buf = to_halves(buf, n // unit)
         yield window, buf
 
 

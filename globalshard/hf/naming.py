@@ -19,6 +19,7 @@ import numpy as np
 from globalshard.geometry import Box
 from globalshard.hf.errors import DamagedFileError, ExportError
 from globalshard.hf.files import MAPPINGS_DIR, param_names, read_mapping, shipped_mappings
+from globalshard.hf.patterns import compile_key, numbered
 from globalshard.layout import is_padding_key
 
 __all__ = ["NameMapping", "HfTensor", "ExportError", "DamagedFileError", "MAPPINGS_DIR", "shipped_mappings"]
@@ -121,7 +122,7 @@ class NameMapping:
             if split is None:
                 if not isinstance(t.get("name"), str):
                     raise ExportError(f"{at}: needs a string 'name' or a 'split'")
-                self.rules.append(_Rule(_compile(t["key"], at), t["key"], t["name"], 0, (), rotary, lora,
+                self.rules.append(_Rule(compile_key(t["key"], at), t["key"], t["name"], 0, (), rotary, lora,
                                         stacked=stacked))
                 continue
             if not isinstance(split, dict) or not isinstance(split.get("parts"), list) or not split["parts"]:
@@ -141,7 +142,7 @@ class NameMapping:
             for j, part in enumerate(parts):
                 if part.rotary is not None and part.rotary % groups:
                     raise ExportError(f"{at}.split.parts[{j}].rotary: {part.rotary} heads in {groups} groups")
-            self.rules.append(_Rule(_compile(t["key"], at), t["key"], None, axis, tuple(parts), rotary, lora,
+            self.rules.append(_Rule(compile_key(t["key"], at), t["key"], None, axis, tuple(parts), rotary, lora,
                                     groups, stacked))
         self.skip = [re.compile(p) for p in doc.get("skip") or []]
         self.renumber = [self._renumbering(r, f"{where}: renumber[{i}]")
@@ -183,7 +184,7 @@ class NameMapping:
         """A ``renumber`` entry: keys under one numbered prefix read as under another, after the
         other's ``offset`` (a params name) entries (torchtitan's ``mtp_layers.{n}.`` as ``layers.{n}.``)."""
         ok = isinstance(doc, dict) and all(isinstance(doc.get(f), str) for f in ("key", "as", "offset"))
-        prefixes = [_compile(doc[f], at) for f in ("key", "as")] if ok else []
+        prefixes = [compile_key(doc[f], at) for f in ("key", "as")] if ok else []
         if not ok or any(p.groups != 1 for p in prefixes):
             raise ExportError(f"{at}: needs 'key' and 'as', prefixes with one {{field}} each, and 'offset', "
                               f"a params name; got {doc!r}")
@@ -195,7 +196,7 @@ class NameMapping:
             m = r.pattern.match(key)
             if m is not None:
                 offset = self._count({"offset": r.offset}, "offset", f"{key!r}: renumber {r.key!r}")
-                return _numbered(r.as_key, int(m.group(1)) + offset) + key[m.end():]
+                return numbered(r.as_key, int(m.group(1)) + offset) + key[m.end():]
         return key
 
     def renumbered_from(self) -> dict[str, int]:
@@ -211,7 +212,7 @@ class NameMapping:
             m = r.as_pattern.match(key)
             offset = self.params.get(r.offset)
             if m is not None and isinstance(offset, int) and m.group(1).isdigit() and int(m.group(1)) >= offset:
-                out.append(_numbered(r.key, int(m.group(1)) - offset) + key[m.end():])
+                out.append(numbered(r.key, int(m.group(1)) - offset) + key[m.end():])
         return out
 
     def _lora(self, doc: Any, at: str) -> _Lora | None:
@@ -310,7 +311,7 @@ class NameMapping:
         """Whether ``key`` names an adapter (a ``lora`` rule's A or B), which
         reading files back leaves as the model made it: the files hold the
         tensor it adapts (merged, or a fine-tune's starting weights)."""
-        return any(_compile(p, self.where).fullmatch(key)
+        return any(compile_key(p, self.where).fullmatch(key)
                    for r in self.rules if r.lora is not None for p in (r.lora.a, r.lora.b))
 
     def _merged(self, shapes: Mapping[str, tuple[int, ...]]) -> set[str]:
@@ -381,35 +382,3 @@ def _rotary_problems(p: HfTensor) -> list[str]:
     if rows % (2 * p.rotary):
         return [f"{p.name!r} ({p.key!r}): {rows} rows are not {p.rotary} heads of an even head size"]
     return []
-
-
-def _to_halves(rows: np.ndarray, heads: int) -> np.ndarray:
-    """Rows of whole heads from the interleaved rotary order to halves."""
-    n = rows.shape[0]
-    return rows.reshape(heads, n // heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
-
-
-def _from_halves(rows: np.ndarray, heads: int) -> np.ndarray:
-    n = rows.shape[0]
-    return rows.reshape(heads, 2, n // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
-
-
-def _numbered(prefix: str, n: int) -> str:
-    """A prefix with one ``{field}``, numbered ``n``."""
-    return re.sub(r"\{\w+\}", str(n), prefix, count=1)
-
-
-def _compile(key: str, where: str) -> re.Pattern[str]:
-    out, last = [], 0
-    for m in re.finditer(r"\{(\w+)\}", key):
-        out.append(re.escape(key[last:m.start()]))
-        field = m.group(1)
-        out.append(rf"(?P<{field}>\d+)" if field == "layer" else
-                   rf"(?P<{field}>.+)" if field == "name" else rf"(?P<{field}>[^.]+)")
-        last = m.end()
-    out.append(re.escape(key[last:]))
-    try:
-        return re.compile("".join(out))
-    except re.error as e:
-        raise ExportError(f"{where}: bad key pattern {key!r}: {e}") from None
-

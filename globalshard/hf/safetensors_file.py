@@ -21,7 +21,8 @@ import numpy as np
 from globalshard.dtypes import numpy_dtype
 from globalshard.errors import MismatchError
 from globalshard.geometry import Box
-from globalshard.hf.naming import DamagedFileError, ExportError, HfTensor, NameMapping, _compile, _from_halves, _Rule
+from globalshard.hf.naming import DamagedFileError, ExportError, HfTensor, NameMapping, _Rule
+from globalshard.hf.patterns import compile_key, from_halves
 
 #: Our dtype names and safetensors' (which has no fnuz float8 types).
 # TODO(limitation): float8_e4m3fnuz, float8_e5m2fnuz and complex128 have no safetensors
@@ -131,7 +132,7 @@ class SafetensorsSource:
         others = self.mapping.renumbered_from()  # from these numbers on, a renumbered prefix's layers
         for rule in self.mapping.rules:
             targets = [rule.name] if rule.name is not None else [p.name for p in rule.parts]
-            first = _compile(targets[0], "mapping")
+            first = compile_key(targets[0], "mapping")
             stacks: dict[str, dict[tuple[int, ...], tuple[str, tuple[int, ...], list[HfTensor]]]] = {}
             for name in sorted(self.entries):
                 m = first.fullmatch(name)
@@ -239,7 +240,7 @@ def _read_rotary(e: _Entry, box: Box, unit: int) -> np.ndarray:
     permuted back."""
     first, last = box.offset[0] // unit, -(-(box.offset[0] + box.shape[0]) // unit)
     rows = _read_rows(e, Box((first * unit, *(0 for _ in e.shape[1:])), ((last - first) * unit, *e.shape[1:])))
-    rows = _from_halves(rows, last - first)
+    rows = from_halves(rows, last - first)
     r0 = box.offset[0] - first * unit
     return rows[(slice(r0, r0 + box.shape[0]), *(slice(o, o + s) for o, s in zip(box.offset[1:], box.shape[1:])))]
 
