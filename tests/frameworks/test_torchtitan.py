@@ -227,3 +227,41 @@ def test_our_checkpointer_bases_a_step_on_the_step_holding_the_bytes(tmp_path, c
     model.weight.requires_grad_(False)
     (folder / "step-2" / "metadata.json").write_text("{")
     assert base(4) == (None, True) and "references no base" in caplog.text
+
+
+def test_a_torchtitan_qwen3_with_lora_exports_merged_with_its_logits(tmp_path):
+    # torchtitan's LoRAConverter on a Qwen3 (wo, w1, w3, w2 of each layer), its adapters as training leaves
+    # them, saved and exported by torchtitan_qwen3: transformers runs the merged model with torchtitan's logits.
+    import transformers
+    from torchtitan.config.configs import ParallelismConfig
+    from torchtitan_jobs import logits
+    from torchtitan_models import spec
+
+    from globalshard.hf import ExportError, NameMapping, export
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = spec("qwen3_tied_lora", ParallelismConfig()).model.build()
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+        for name, p in model.named_parameters():
+            if "lora_b" in name:  # torchtitan starts B at zero; training moves it
+                p.normal_(0.0, 0.02)
+    state = {k: v.clone() for k, v in ModelWrapper(model).state_dict().items()}
+    gt.save(state, tmp_path / "ckpt")
+    params = {"heads": 16, "kv_heads": 8}
+    with pytest.raises(ExportError, match=r"wo\.lora_a\.weight.*--param lora_scale="):
+        export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), mapping=NameMapping.load("torchtitan_qwen3", params))
+    out = export(str(tmp_path / "ckpt"), str(tmp_path / "hf"),
+                 mapping=NameMapping.load("torchtitan_qwen3", params | {"lora_scale": 2.0}))  # alpha 16 / rank 8
+    assert out["merged"] == sorted(k for k in state if "lora_" in k) and len(out["merged"]) == 2 * 4 * 2
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    with torch.no_grad():
+        theirs = hf((torch.arange(2 * 16).reshape(2, 16) * 37) % 2048).logits
+    scale = theirs.abs().max().item()
+    tuned = logits([model], "qwen3_tied_lora", state)
+    dropped = logits([model], "qwen3_tied_lora", {k: torch.zeros_like(v) if "lora_b" in k else v
+                                                  for k, v in state.items()})
+    assert (tuned - theirs).abs().max().item() / scale < 1e-5 < 100 * 1e-5 < \
+        (dropped - theirs).abs().max().item() / scale
