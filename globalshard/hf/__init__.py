@@ -52,7 +52,10 @@ matches is left as it is and reported; any other is an error.
   adapter no rule merges matches no rule: an error naming it, never a
   silent drop of what training learned. ``scale`` (default 1) may name a
   ``params`` entry with no default, asked for only once the checkpoint
-  holds the adapter. Reading files back, a model's adapters are left as
+  holds the adapter. ``rows`` (``{"groups": ..., "sizes": [...], "part":
+  i}``): ``B`` adapts a fused tensor the checkpoint stores split, and this
+  key takes the rows of part ``i`` of ``B`` split as a grouped ``split``
+  would (a fused wqkv's adapter, its weight stored as wq, wk, wv). Reading files back, a model's adapters are left as
   they are (and reported as skipped).
 * ``rotary`` (on a name or a split part): the tensor's rows are, per head of
   that many heads, in the interleaved rotary order (pairs ``2i, 2i + 1``, as

@@ -18,6 +18,7 @@ import numpy as np
 from globalshard.checkpoint import Checkpoint
 from globalshard.dtypes import canonical_name, numpy_dtype
 from globalshard.geometry import Box
+from globalshard.hf.adapters import b_rows
 from globalshard.hf.config import hf_config
 from globalshard.hf.naming import ExportError, HfTensor, NameMapping, _hf_shapes
 from globalshard.hf.patterns import to_halves
@@ -134,14 +135,19 @@ def _windows(ckpt: Checkpoint, p: HfTensor) -> Iterator[tuple[Box, np.ndarray]]:
     row_bytes = math.prod(p.box.shape[1:]) * stored.itemsize
     step = max(1, WINDOW_BYTES // max(1, row_bytes * unit)) * unit
     a = ckpt.read_array(p.lora[0], Box.full(ckpt.metadata.tensors[p.lora[0]].global_shape)) if p.lora else None
+    fused_b, index = None, None  # B of a fused tensor the checkpoint stores split: read whole, its rows picked
+    if p.lora is not None and p.lora[3] is not None:
+        fused_b = ckpt.read_array(p.lora[1], Box.full(ckpt.metadata.tensors[p.lora[1]].global_shape))
+        index = b_rows(p.lora[3], fused_b.shape[0])
     for r0 in range(0, rows, step):
         n = min(step, rows - r0)
         window = Box((p.box.offset[0] + r0, *p.box.offset[1:]), (n, *p.box.shape[1:]))
         buf = _read(ckpt, p, window)
         if p.lora is not None and a is not None:
-            _, b_key, scale = p.lora
+            _, b_key, scale, _ = p.lora
             rank = a.shape[0]
-            b = ckpt.read_array(b_key, Box((window.offset[0], 0), (n, rank)))
+            b = (fused_b[index[window.offset[0]:window.offset[0] + n]] if fused_b is not None and index is not None
+                 else ckpt.read_array(b_key, Box((window.offset[0], 0), (n, rank))))
             cols = slice(window.offset[1], window.offset[1] + window.shape[1])
             merged = buf.astype(np.float64) + scale * (b.astype(np.float64) @ a[:, cols].astype(np.float64))
             buf = merged.astype(buf.dtype)

@@ -79,5 +79,7 @@ def _named(node: Any) -> Iterator[str]:
         for k, v in node.items():
             if isinstance(v, str) and k in ("$param", "size", "groups", "rotary", "scale", "divide", "offset"):
                 yield v
+            elif k == "sizes" and isinstance(v, list):  # a lora's rows
+                yield from (s for s in v if isinstance(s, str))
             else:
                 yield from _named(v)

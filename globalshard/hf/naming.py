@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from globalshard.geometry import Box
+from globalshard.hf.adapters import Lora, Merge, lora_problems
 from globalshard.hf.errors import DamagedFileError, ExportError
 from globalshard.hf.files import MAPPINGS_DIR, param_names, read_mapping, shipped_mappings
 from globalshard.hf.patterns import compile_key, numbered
@@ -44,14 +45,6 @@ class _Renumber:
 
 
 @dataclass(frozen=True)
-class _Lora:
-    a: str
-    b: str
-    scale: float | None  # None: the params entry ``scale_name``, not set, needed once an adapter is found
-    scale_name: str = ""
-
-
-@dataclass(frozen=True)
 class _Rule:
     pattern: re.Pattern[str]
     key: str
@@ -59,7 +52,7 @@ class _Rule:
     axis: int
     parts: tuple[_Part, ...]
     rotary: int | None = None
-    lora: _Lora | None = None
+    lora: Lora | None = None
     groups: int = 1
     stacked: tuple[str, ...] = ()  # fields numbered by the key's leading axes
 
@@ -81,7 +74,7 @@ class HfTensor:
     key: str
     box: Box
     rotary: int | None = None
-    lora: tuple[str, str, float] | None = None
+    lora: Merge | None = None
     at: int = 0
     lead: tuple[int, ...] = ()
 
@@ -215,18 +208,28 @@ class NameMapping:
                 out.append(numbered(r.key, int(m.group(1)) - offset) + key[m.end():])
         return out
 
-    def _lora(self, doc: Any, at: str) -> _Lora | None:
+    def _lora(self, doc: Any, at: str) -> Lora | None:
         if doc is None:
             return None
         if not isinstance(doc, dict) or not isinstance(doc.get("A"), str) or not isinstance(doc.get("B"), str):
             raise ExportError(f"{at}: needs string key patterns 'A' and 'B'")
+        rows = doc.get("rows")
+        if rows is not None:
+            sizes = rows.get("sizes") if isinstance(rows, dict) else None
+            part = rows.get("part") if isinstance(rows, dict) else None
+            if not isinstance(sizes, list) or not sizes or isinstance(part, bool) or not isinstance(part, int) \
+                    or not 0 <= part < len(sizes):
+                raise ExportError(f"{at}.rows: needs a non-empty 'sizes' list and a 'part' index into it")
+            rows = (self._count(rows, "groups", f"{at}.rows", default=1),
+                    tuple(self._count({"size": s}, "size", f"{at}.rows.sizes[{i}]") for i, s in enumerate(sizes)),
+                    part)
         scale = doc.get("scale", 1)
-        if isinstance(scale, str) and scale not in self.params:
-            return _Lora(doc["A"], doc["B"], None, scale)  # asked for only when the checkpoint holds an adapter
+        if isinstance(scale, str) and scale not in self.params:  # asked for only when the checkpoint holds one
+            return Lora(doc["A"], doc["B"], None, scale, rows)
         scale = self._param(scale, f"{at}.scale")
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
             raise ExportError(f"{at}.scale: a number or the name of one in params, got {scale!r}")
-        return _Lora(doc["A"], doc["B"], float(scale))
+        return Lora(doc["A"], doc["B"], float(scale), rows=rows)
 
     @classmethod
     def load(cls, path: str, params: Mapping[str, float] | None = None) -> NameMapping:
@@ -265,7 +268,7 @@ class NameMapping:
                 if m is None:
                     continue
                 fields = m.groupdict()
-                lora = None
+                lora: Merge | None = None
                 if rule.lora is not None:
                     a, b = rule.lora.a.format(**fields), rule.lora.b.format(**fields)
                     if a in shapes and b in shapes:
@@ -275,8 +278,8 @@ class NameMapping:
                                             f"{name!r}, which the checkpoint does not record: set it "
                                             f"(--param {name}=...)")
                         else:
-                            lora = (a, b, rule.lora.scale)
-                            problems += _lora_problems(key, shape, a, shapes[a], b, shapes[b])
+                            lora = (a, b, rule.lora.scale, rule.lora.rows)
+                            problems += lora_problems(key, shape, a, shapes[a], b, shapes[b], rule.lora.rows)
                     elif a in shapes or b in shapes:
                         problems.append(f"{key!r}: the checkpoint has only one of its adapter's {a!r} and {b!r}")
                 n = len(rule.stacked)
@@ -329,7 +332,7 @@ class NameMapping:
 
 
 def _rule_pieces(rule: _Rule, key: str, shape: tuple[int, ...], fields: dict[str, str],
-                 lora: tuple[str, str, float] | None, lead: tuple[int, ...]) -> tuple[list[HfTensor], list[str]]:
+                 lora: Merge | None, lead: tuple[int, ...]) -> tuple[list[HfTensor], list[str]]:
     """The pieces one rule cuts an array of ``shape`` into (the key's, or one
     array of a stacked key's, at ``lead``), and the problems it finds."""
     if rule.name is not None:
@@ -364,15 +367,6 @@ def _hf_shapes(pieces: Sequence[HfTensor]) -> dict[str, tuple[int, ...]]:
         have = out.get(p.name)
         out[p.name] = p.box.shape if have is None else (have[0] + p.box.shape[0], *have[1:])
     return out
-
-
-def _lora_problems(key: str, shape: tuple[int, ...], a: str, a_shape: tuple[int, ...], b: str,
-                   b_shape: tuple[int, ...]) -> list[str]:
-    if len(shape) != 2 or len(a_shape) != 2 or len(b_shape) != 2 or b_shape[0] != shape[0] \
-            or a_shape[1] != shape[1] or a_shape[0] != b_shape[1]:
-        return [f"{key!r} {list(shape)}: its adapter {b!r} {list(b_shape)} @ {a!r} {list(a_shape)} "
-                "does not have its shape"]
-    return []
 
 
 def _rotary_problems(p: HfTensor) -> list[str]:

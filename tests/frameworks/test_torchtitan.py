@@ -230,8 +230,9 @@ def test_our_checkpointer_bases_a_step_on_the_step_holding_the_bytes(tmp_path, c
 
 
 def test_a_torchtitan_qwen3_with_lora_exports_merged_with_its_logits(tmp_path):
-    # torchtitan's LoRAConverter on a Qwen3 (wo, w1, w3, w2 of each layer), its adapters as training leaves
-    # them, saved and exported by torchtitan_qwen3: transformers runs the merged model with torchtitan's logits.
+    # torchtitan's LoRAConverter on a Qwen3 (its fused wqkv, wo, w1, w3, w2 of each layer), its adapters as
+    # training leaves them, saved (wqkv's weight as wq, wk, wv, its adapter fused) and exported by
+    # torchtitan_qwen3: transformers runs the merged model with torchtitan's logits.
     import transformers
     from torchtitan.config.configs import ParallelismConfig
     from torchtitan_jobs import logits
@@ -255,7 +256,7 @@ def test_a_torchtitan_qwen3_with_lora_exports_merged_with_its_logits(tmp_path):
         export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), mapping=NameMapping.load("torchtitan_qwen3", params))
     out = export(str(tmp_path / "ckpt"), str(tmp_path / "hf"),
                  mapping=NameMapping.load("torchtitan_qwen3", params | {"lora_scale": 2.0}))  # alpha 16 / rank 8
-    assert out["merged"] == sorted(k for k in state if "lora_" in k) and len(out["merged"]) == 2 * 4 * 2
+    assert out["merged"] == sorted(k for k in state if "lora_" in k) and len(out["merged"]) == 2 * 5 * 2
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     with torch.no_grad():
         theirs = hf((torch.arange(2 * 16).reshape(2, 16) * 37) % 2048).logits

@@ -43,10 +43,10 @@ def spec(name: str, parallelism: ParallelismConfig) -> Any:
         set_deepseek_v3_sharding_config(out.model, enable_sp=parallelism.enable_sequence_parallel,
                                         enable_ep=parallelism.expert_parallel_degree > 1)
         return out
-    if name.endswith("_lora"):  # another model with torchtitan's LoRA on every linear layer it converts
+    if name.endswith("_lora"):  # another model with torchtitan's LoRA on each layer's linears (fused wqkv too)
         out = spec(name[:-len("_lora")], parallelism)
-        out.model = LoRAConverter.Config(rank=8, alpha=16.0, target_modules=["wo", "w1", "w3", "w2"]).build().convert(
-            out.model)
+        lora = LoRAConverter.Config(rank=8, alpha=16.0, target_modules=["wqkv", "wo", "w1", "w3", "w2"])
+        out.model = lora.build().convert(out.model)
         return out
     if name == "qwen3_tied":  # debugmodel: tied embeddings, fused QKV with 8 KV heads of 16; 2 layers (not 8)
         out = qwen3.model_registry("debugmodel", attn_backend="flex")

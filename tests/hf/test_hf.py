@@ -562,3 +562,36 @@ def test_a_stacked_key_with_fewer_axes_than_its_fields_is_named(tmp_path):
                                         "name": "x.{layer}.{expert}"}]})
     with pytest.raises(ExportError, match=r"'decoder.layers.w': 1 axes, fewer than its stacked fields"):
         export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), mapping=mapping)
+
+
+@settings(max_examples=25, deadline=None)
+@given(kv=st.sampled_from([1, 2, 4]), per_group=st.sampled_from([1, 2, 3]), head_dim=st.sampled_from([2, 4, 6]),
+       rank=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_a_fused_adapter_merges_into_the_split_weights_it_adapts_as_into_the_fused_one(
+        tmp_path_factory, kv, per_group, head_dim, rank, seed):
+    # torchtitan's LoRA on its fused wqkv (q, k, v rows per kv group) keeps one adapter while its state dict
+    # stores the weight as wq, wk, wv: each takes its rows of B (lora "rows"), and the export equals the
+    # fused weight merged, then split per group.
+    tmp = tmp_path_factory.mktemp("fused")
+    heads, cols = kv * per_group, 5
+    rng = np.random.default_rng(seed)
+    fused = rng.standard_normal(((heads + 2 * kv) * head_dim, cols)).astype(np.float32)
+    a = rng.standard_normal((rank, cols)).astype(np.float32)
+    b = rng.standard_normal((fused.shape[0], rank)).astype(np.float32)
+    groups = fused.reshape(kv, per_group + 2, head_dim, cols)
+    split = {"q": groups[:, :per_group].reshape(-1, cols), "k": groups[:, per_group].reshape(-1, cols),
+             "v": groups[:, per_group + 1].reshape(-1, cols)}
+    save_global({f"w{x}": np.ascontiguousarray(w) for x, w in split.items()} | {"lora_a": a, "lora_b": b},
+                tmp / "ckpt")
+    rows = {"groups": "kv_heads", "sizes": ["heads", "kv_heads", "kv_heads"]}
+    doc = {"params": {"heads": heads, "kv_heads": kv},
+           "tensors": [{"key": f"w{x}", "name": f"{x}_proj.weight", "lora": {"A": "lora_a", "B": "lora_b",
+                        "scale": 0.5, "rows": rows | {"part": i}}} for i, x in enumerate("qkv")]}
+    assert export(str(tmp / "ckpt"), str(tmp / "hf"), mapping=NameMapping(doc))["merged"] == ["lora_a", "lora_b"]
+    _, got = read_all(tmp / "hf")
+    merged = (fused.astype(np.float64) + 0.5 * (b.astype(np.float64) @ a.astype(np.float64))).astype(np.float32)
+    merged = merged.reshape(kv, per_group + 2, head_dim, cols)
+    want = {"q": merged[:, :per_group].reshape(-1, cols), "k": merged[:, per_group].reshape(-1, cols),
+            "v": merged[:, per_group + 1].reshape(-1, cols)}
+    for x in "qkv":
+        assert np.array_equal(got[f"{x}_proj.weight"].numpy(), want[x]), x
