@@ -109,6 +109,8 @@ class CheckpointManager(DcpCheckpointManager):
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         self.reference_unchanged = config.reference_unchanged
+        #: The roots each committed step folder references, read once (its metadata.json is parsed whole).
+        self._bases_of: dict[str, list[str]] = {}
         if self.enable:
             self.stager = _OwnStaging()
 
@@ -140,6 +142,7 @@ class CheckpointManager(DcpCheckpointManager):
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
         saver = self._saver(async_mode)
         base, digests = self._base(checkpoint_id)
+        self._bases_of.pop(os.path.basename(os.path.normpath(checkpoint_id)), None)  # saved anew: read again
         _state_dict.save(state_dict, checkpoint_id, overwrite=True, saver=saver, base=base, digests=digests)
         if saver is None:
             return None
@@ -211,18 +214,21 @@ class CheckpointManager(DcpCheckpointManager):
         while pending:
             name = pending.pop()
             path = filesystem.join(self.folder, name)
-            if filesystem.isfile(filesystem.join(path, COMMIT_RECORD)):
+            roots = self._bases_of.get(name)
+            if roots is None and filesystem.isfile(filesystem.join(path, COMMIT_RECORD)):
                 try:
-                    roots = [b.root for b in gs.read_metadata(path).bases]
+                    roots = self._bases_of[name] = [b.root for b in gs.read_metadata(path).bases]
                 except gs.GlobalShardError as e:  # what it references is unknown: delete nothing this time
                     logger.warning("not purging %s: %s", self.folder, e)
                     return
+            if roots is not None:
                 pending += [r for r in roots if r not in needed]
                 needed.update(roots)
         assert self.purge_thread is not None
         for name in names[:-self.keep_latest_k]:
             if name not in needed:
                 self.purge_queue.put(filesystem.join(self.folder, name))
+                self._bases_of.pop(name, None)
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
         """Fill ``state_dict`` from the globalshard checkpoint at ``checkpoint_id``

@@ -184,14 +184,17 @@ def test_our_checkpointers_purge_keeps_the_steps_kept_ones_reference(tmp_path, c
         gt.save({"base": torch.ones(4), "adapter": torch.full((2,), float(step))}, folder / f"step-{step}",
                 base=folder / "step-1", frozen=["base"])
     (folder / "step-4").mkdir()  # in flight: not committed yet
-    manager = SimpleNamespace(folder=str(folder), keep_latest_k=2, _should_purge=lambda: True,
-                              purge_thread=object(), purge_queue=queue.Queue())
-    CheckpointManager._purge_stale_checkpoints(manager)
-    assert list(manager.purge_queue.queue) == [str(folder / "step-2")]
+    def manager():  # as a run's checkpointer: it reads each step's metadata.json once
+        return SimpleNamespace(folder=str(folder), keep_latest_k=2, _should_purge=lambda: True,
+                               purge_thread=object(), purge_queue=queue.Queue(), _bases_of={})
+
+    running = manager()
+    CheckpointManager._purge_stale_checkpoints(running)
+    assert list(running.purge_queue.queue) == [str(folder / "step-2")]
     (folder / "step-3" / "metadata.json").write_text("{")
-    manager.purge_queue = queue.Queue()
-    CheckpointManager._purge_stale_checkpoints(manager)
-    assert manager.purge_queue.empty() and "not purging" in caplog.text
+    running = manager()  # a run started afterwards
+    CheckpointManager._purge_stale_checkpoints(running)
+    assert running.purge_queue.empty() and "not purging" in caplog.text
 
 
 def test_our_checkpointer_bases_a_step_on_the_step_holding_the_bytes(tmp_path, caplog):
