@@ -250,6 +250,7 @@ class NameMapping:
         skipped: list[str] = []
         unmapped: list[str] = []
         problems: list[str] = []
+        unset: dict[str, list[tuple[str, str, str]]] = {}  # a lora scale's unset param -> (key, A, B) merged by it
         merged = self._merged(shapes)
         for key in sorted(shapes):
             shape = shapes[key]
@@ -272,11 +273,8 @@ class NameMapping:
                 if rule.lora is not None:
                     a, b = rule.lora.a.format(**fields), rule.lora.b.format(**fields)
                     if a in shapes and b in shapes:
-                        if rule.lora.scale is None:
-                            name = rule.lora.scale_name
-                            problems.append(f"{key!r}: its adapter {a!r}, {b!r} merges scaled by params "
-                                            f"{name!r}, which the checkpoint does not record: set it "
-                                            f"(--param {name}=...)")
+                        if rule.lora.scale is None:  # reported once per param, below
+                            unset.setdefault(rule.lora.scale_name, []).append((key, a, b))
                         else:
                             lora = (a, b, rule.lora.scale, rule.lora.rows)
                             problems += lora_problems(key, shape, a, shapes[a], b, shapes[b], rule.lora.rows)
@@ -299,6 +297,11 @@ class NameMapping:
                     skipped.append(key)
                 else:
                     unmapped.append(key)
+        for name, merging in unset.items():
+            key, a, b = merging[0]
+            count = f" ({len(merging)} tensors merge an adapter scaled by it)" if len(merging) > 1 else ""
+            problems.append(f"params {name!r} is not set: {key!r} merges its adapter {a!r}, {b!r} scaled by it, "
+                            f"which the checkpoint does not record{count}: set it (--param {name}=...)")
         if unmapped:
             problems.append(f"{len(unmapped)} keys match no rule and no 'skip' pattern: "
                             f"{unmapped[:8]}{' ...' if len(unmapped) > 8 else ''}")

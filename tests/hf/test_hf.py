@@ -347,9 +347,19 @@ def test_an_adapter_scale_the_checkpoint_does_not_record_is_asked_for_once_an_ad
     save_global({"w": w}, tmp_path / "plain")
     assert export(str(tmp_path / "plain"), str(tmp_path / "hf"), mapping=NameMapping(doc))["merged"] == []
     save_global({"w": w, "w.lora_a": a, "w.lora_b": b}, tmp_path / "tuned")
-    with pytest.raises(ExportError, match=r"'w': its adapter 'w\.lora_a', 'w\.lora_b' merges scaled by params "
-                                          r"'lora_scale', which the checkpoint does not record.*--param lora_scale="):
+    with pytest.raises(ExportError, match=r"params 'lora_scale' is not set: 'w' merges its adapter 'w\.lora_a', "
+                                          r"'w\.lora_b' scaled by it, which the checkpoint does not record.*"
+                                          r"--param lora_scale="):
         export(str(tmp_path / "tuned"), str(tmp_path / "hf"), mapping=NameMapping(doc))
+    # Asked for once, however many tensors merge an adapter by it (a model's every layer, a fused wqkv's 3 parts).
+    layers = {"tensors": [{"key": f"l{{i}}.w{p}", "name": f"layers.{{i}}.{p}.weight",
+                           "lora": {"A": "l{i}.lora_a", "B": "l{i}.lora_b", "scale": "lora_scale"}} for p in "qkv"]}
+    save_global({f"l{i}.{name}": v for i in range(3) for name, v in
+                 [("wq", w), ("wk", w), ("wv", w), ("lora_a", a), ("lora_b", b)]}, tmp_path / "layers")
+    with pytest.raises(ExportError) as refused:
+        export(str(tmp_path / "layers"), str(tmp_path / "hf"), mapping=NameMapping(layers))
+    assert str(refused.value).count("lora_scale' is not set") == 1
+    assert "(9 tensors merge an adapter scaled by it)" in str(refused.value) and str(refused.value).count("\n  - ") == 1
     index = export(str(tmp_path / "tuned"), str(tmp_path / "hf"), mapping=NameMapping(doc, params={"lora_scale": 2}))
     assert index["merged"] == ["w.lora_a", "w.lora_b"]
     _, got = read_all(tmp_path / "hf")
