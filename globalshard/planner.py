@@ -615,6 +615,13 @@ def missing_key(key: str, metadata: Metadata) -> str:
     return "no such key in the checkpoint" + (f"; similar keys: {close}" if close else "")
 
 
+
+def _label(names: Sequence[str] | None, index: int, key: str) -> str:
+    """A target in a problem: its name, and the key it loads when that differs."""
+    if not names or names[index] == key:
+        return repr(key)
+    return f"{names[index]!r} (key {key!r})"
+
 class LoadPlanner:
     """Maps each target region onto the stored regions that intersect it.
 
@@ -653,7 +660,7 @@ class LoadPlanner:
             stored = tensors.get(info.key)
             if stored is None or stored.global_shape != info.global_shape or (
                     not allow_lossy_cast and not is_exact_cast(stored.dtype, info.dtype)):
-                label = f"{names[t_idx]!r} (key {info.key!r})" if names else repr(info.key)
+                label = _label(names, t_idx, info.key)
                 if stored is None:
                     problems.append(f"{label}: {missing_key(info.key, metadata)}")
                     missing = True
@@ -695,7 +702,7 @@ class LoadPlanner:
                         packs.setdefault(s.path, {})[s.byte_offset] = PackedRegion(
                             info.key, stored.dtype, s.box, s.nbytes)
                 if not whole and got != want.volume:  # cannot happen with parsed metadata; never fill silently
-                    label = f"{names[t_idx]!r} (key {info.key!r})" if names else repr(info.key)
+                    label = _label(names, t_idx, info.key)
                     problems.append(f"{label}: the checkpoint does not cover global box {want}")
             only = info.regions[0].local_box if len(info.regions) == 1 else None
             if only is not None and only.shape == info.local_shape and not any(only.offset):

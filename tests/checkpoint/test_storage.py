@@ -240,6 +240,10 @@ def test_missing_key_and_shape_mismatch_report_everything_before_writing(tmp_pat
     text = str(info.value)
     assert "'a' (key 'w')" in text and "(4, 4)" in text and "'b' (key 'W')" in text
     assert "similar keys: ['w']" in text
+    # A target named as its key (every torch state dict's) is named once.
+    with pytest.raises(gs.MismatchError) as info:
+        gs.load({"w": shard("w", np.zeros((4, 4), np.float32), (0, 0), (4, 4))}, tmp_path)
+    assert str(info.value).splitlines()[1].startswith("  - 'w': global shape (4, 4) asked for")
 
 
 def test_read_only_target_is_refused(tmp_path):
