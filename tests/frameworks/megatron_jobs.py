@@ -110,6 +110,10 @@ def _distributed_optimizer_on_cpu() -> Iterator[None]:
 SEQ, BATCH = 8, 2
 
 
+#: The process groups there were before Megatron's parallel state made its own.
+_BEFORE_MEGATRON: set[Any] = set()
+
+
 def setup(m: dict[str, Any], tp: int, pp: int, ep: int = 1, vpp: int = 1, first: int | None = None,
           pp_layout: str | None = None, etp: int | None = None) -> gt.ParallelLayout:
     """Megatron-Core's parallel state for a layout, and the same layout for globalshard.
@@ -119,8 +123,15 @@ def setup(m: dict[str, Any], tp: int, pp: int, ep: int = 1, vpp: int = 1, first:
     Megatron's ``num_layers_in_first_pipeline_stage`` (``first``) or its
     ``pipeline_model_parallel_layout`` (``pp_layout``), is told to globalshard
     as Megatron assigns it (``stage_layers``)."""
+    global _BEFORE_MEGATRON
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+        # It forgets its groups but destroys only a few: each other one keeps its gloo threads (about 90 a
+        # layout, 3,000 a rank after this module's scenarios, slowing every step after). Ours stays.
+        for group in set(dist.distributed_c10d._world.pg_map) - _BEFORE_MEGATRON:
+            dist.destroy_process_group(group)
+    gt.default_comm()  # globalshard's communicator: made before Megatron's groups, kept across layouts
+    _BEFORE_MEGATRON = set(dist.distributed_c10d._world.pg_map)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
                                  expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
