@@ -18,6 +18,7 @@ import os
 import socket
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
@@ -238,14 +239,16 @@ _PRELOAD = ["numpy", "torch", "torch.distributed", "torch._dynamo", "torch.distr
             "globalshard", "globalshard_torch", "torch_harness", "gpt_trainer"]
 
 
-def start_method() -> str:
-    """``forkserver`` with torch and the adapter preloaded: a rank is a fork of a
-    clean server process that imported them once for the whole session, not a
-    fresh interpreter importing torch (seconds per rank, 2-8 ranks per job).
-    ``GLOBALSHARD_TEST_START=spawn`` goes back to fresh interpreters."""
+def start_method(preload: Sequence[str] = ()) -> str:
+    """``forkserver`` with torch and the adapter preloaded (and ``preload``): a
+    rank is a fork of a clean server process that imported them once for the
+    whole session, not a fresh interpreter importing torch (seconds per rank,
+    2-8 ranks per job); the list in force when the session's first job starts
+    is the server's. ``GLOBALSHARD_TEST_START=spawn`` goes back to fresh
+    interpreters."""
     method = os.environ.get("GLOBALSHARD_TEST_START", "forkserver")
     if method == "forkserver":
-        mp.set_forkserver_preload(_PRELOAD)
+        mp.set_forkserver_preload([*_PRELOAD, *preload])
     return method
 
 
