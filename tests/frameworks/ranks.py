@@ -15,7 +15,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch_harness import free_port, start_method
 
-
 #: Imported once by the session's fork server, so that each rank of the many short torchtitan and
 #: transformers jobs does not import them again (about 3 of a rank's 5 seconds of imports). Frameworks
 #: only, unpatched: each job's module applies its scoped patches in its own ranks.
