@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -26,7 +27,7 @@ from globalshard.errors import (
     StorageError,
 )
 from globalshard.format.metadata import Metadata, gc_paused, parse_metadata
-from globalshard.format.paths import METADATA_FILE
+from globalshard.format.paths import METADATA_FILE, foreign_files, step_names
 from globalshard.format.trainer_state import parse_trainer_state
 from globalshard.format.zarr import Expect, PackExpect, array_attributes
 from globalshard.geometry import Box, Region
@@ -34,7 +35,7 @@ from globalshard.io import ArrayEngine, IOStats, OpenedPlan, engine_name, open_e
 from globalshard.layout import ShardedTensor
 from globalshard.planner import LoadPlan, LoadPlanner, PackedRegion, ShardInfo, missing_key
 from globalshard.shared import read_shared, require_exchange
-from globalshard.store import Store, open_root
+from globalshard.store import LocalStore, Store, open_root
 
 __all__ = ["Checkpoint", "load", "read_array", "read_metadata", "read_trainer_state"]
 
@@ -46,11 +47,27 @@ def _read_metadata(store: Store) -> Metadata:
     # 80 bytes per stored region); rank 0 could parse once and broadcast.
     data = store.read(METADATA_FILE)
     if data is None:
-        raise CheckpointNotFoundError(
-            f"{store} is not a globalshard checkpoint: it has no {METADATA_FILE} "
-            "(the save did not complete, or this is not the right path)"
-        )
+        raise CheckpointNotFoundError(f"{store} is not a globalshard checkpoint: it has no {METADATA_FILE}"
+                                      f"{_what_is_there(store)}")
     return parse_metadata(data, source=store.describe(METADATA_FILE))
+
+
+def _what_is_there(store: Store) -> str:
+    """Why a root has no metadata.json, as far as the names below it tell (a
+    local root's only: listing a bucket's prefix can take long)."""
+    names: list[str] = []
+    if isinstance(store, LocalStore):
+        if os.path.isfile(store.path):
+            return f"; it is a file: pass the directory that holds the checkpoint's {METADATA_FILE}"
+        with contextlib.suppress(GlobalShardError):
+            names = store.list_dir()
+    foreign = foreign_files(names)
+    if foreign is not None:
+        return f"; {foreign}"
+    below = [n for n in step_names(names) if store.read(f"{n}/{METADATA_FILE}") is not None]
+    if below:
+        return f"; it holds checkpoints ({', '.join(below)}): pass one of them"
+    return " (the save did not complete, or this is not the right path)"
 
 
 def _read_trainer_state(store: Store, metadata: Metadata) -> dict[str, Any]:

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["LOCK_FILE", "METADATA_FILE", "SAVES_DIR", "TMP_PREFIX", "TRAINER_STATE_FILE", "array_dir",
-           "array_dirs", "arrays_prefix", "is_ours", "is_save_id", "is_temporary", "new_save_id", "pack_path",
-           "save_dir", "temporary_name"]
+           "array_dirs", "arrays_prefix", "foreign_files", "is_ours", "is_save_id", "is_temporary",
+           "new_save_id", "pack_path", "save_dir", "step_names", "temporary_name"]
 
 METADATA_FILE = "metadata.json"
 TRAINER_STATE_FILE = "trainer_state.json"
@@ -98,3 +98,38 @@ def array_dirs(keys: Sequence[str]) -> dict[str, str]:
             for k in group:
                 dirs[k] += "~" + hashlib.sha256(k.encode("utf-8")).hexdigest()[:8]
     return dirs
+
+
+def foreign_files(names: Sequence[str]) -> str | None:
+    """What the names directly below a root without metadata.json say it
+    holds, when they are another library's checkpoint files; else None.
+
+    >>> foreign_files([".metadata", "__0_0.distcp"])
+    'it holds a torch.distributed.checkpoint (DCP) checkpoint (.metadata), which globalshard does not read'
+    """
+    found = set(names)
+    if ".metadata" in found:
+        return "it holds a torch.distributed.checkpoint (DCP) checkpoint (.metadata), which globalshard does not read"
+    if found & {"_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt"}:
+        return "it holds an Orbax checkpoint, which globalshard does not read"
+    if any(n.endswith(".safetensors") for n in found):
+        return ("it holds safetensors files: Hugging Face weights, read into a model by load_hf (or the "
+                "framework's own from_pretrained)")
+    if any(n.startswith("mp_rank_") for n in found):
+        return "it holds Megatron's torch.save checkpoint (mp_rank_*), which globalshard does not read"
+    return None
+
+
+def step_names(names: Sequence[str], limit: int = 8) -> list[str]:
+    """The names that may be step checkpoints (a number in them: ``step-100``,
+    ``iter_0000100``), the highest number first, at most ``limit``.
+
+    >>> step_names(["step-5", "logs", "step-20", "latest"])
+    ['step-20', 'step-5']
+    """
+    numbered = []
+    for name in names:
+        digits = "".join(c if c.isdigit() else " " for c in name).split()
+        if digits and not name.startswith(TMP_PREFIX):
+            numbered.append((int(digits[-1]), name))
+    return [name for _, name in sorted(numbered, reverse=True)[:limit]]

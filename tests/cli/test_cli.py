@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from repo import SPEC
 
 import globalshard as gs
@@ -39,6 +40,34 @@ def test_verify_passes_then_catches_damage(tmp_path):
 def test_not_a_checkpoint(tmp_path):
     out = run("inspect", str(tmp_path))
     assert out.returncode == 1 and "no metadata.json" in out.stderr
+    assert "the save did not complete, or this is not the right path" in out.stderr
+
+
+def test_a_path_that_is_not_a_checkpoint_is_told_what_it_holds(tmp_path):
+    # A run's folder of step checkpoints (torchtitan's checkpoint/, a manager's directory): the steps to pass.
+    run_dir = tmp_path / "checkpoint"
+    for step in (5, 20):
+        gs.save({"w": gs.ShardedTensor.from_offset("w", np.ones(2, np.float32), global_shape=(2,),
+                                                   global_offset=(0,))}, run_dir / f"step-{step}")
+    (run_dir / "step-30").mkdir()  # a save that never committed: not offered
+    (run_dir / "logs").mkdir()
+    out = run("verify", str(run_dir))
+    assert out.returncode == 1 and "it holds checkpoints (step-20, step-5): pass one of them" in out.stderr
+    out = run("inspect", str(run_dir / "step-20" / "metadata.json"))
+    assert out.returncode == 1 and "it is a file: pass the directory" in out.stderr
+    # Another library's checkpoint, by its own writer.
+    from safetensors.numpy import save_file
+
+    (tmp_path / "hf").mkdir()
+    save_file({"w": np.ones(2, np.float32)}, str(tmp_path / "hf" / "model.safetensors"))
+    out = run("inspect", str(tmp_path / "hf"))
+    assert out.returncode == 1 and "safetensors files" in out.stderr and "load_hf" in out.stderr
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    out = run("inspect", str(tmp_path / "dcp"))
+    assert out.returncode == 1 and "torch.distributed.checkpoint (DCP) checkpoint" in out.stderr
 
 
 def test_every_verb_speaks_json():
