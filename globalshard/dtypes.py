@@ -84,7 +84,7 @@ def numpy_dtype(name: str) -> np.dtype[Any]:
     try:
         return _NUMPY_DTYPES[name]
     except KeyError:
-        raise _UnsupportedDType(f"unknown dtype name {name!r}") from None
+        raise _UnsupportedDType(f"unknown dtype name {name!r}; known: {', '.join(SUPPORTED_DTYPES)}") from None
 
 
 @dataclass(frozen=True, slots=True)

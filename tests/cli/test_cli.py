@@ -189,9 +189,12 @@ def test_kvstore_option(tmp_path):
     assert run("verify", "run1", "--kvstore", spec).returncode == 0
 
 
-def test_usage_errors_exit_2():
+def test_usage_errors_exit_2(tmp_path):
     assert run("inspect").returncode == 2
     assert run("frobnicate", EXAMPLE).returncode == 2
+    out = run("export", EXAMPLE, str(tmp_path / "out"), "--dtype", "fp8")
+    assert out.returncode == 2 and "unknown dtype name 'fp8'; known: " in out.stderr and "float8_e4m3fn" in out.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_inspect_names_the_bases_and_their_bytes(tmp_path, capsys):
