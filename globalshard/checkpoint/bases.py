@@ -26,8 +26,8 @@ from globalshard.format.paths import METADATA_FILE
 from globalshard.io.base import ArrayItem, PackItem, wait_ready
 from globalshard.store import Store, open_root
 
-__all__ = ["Base", "BaseRegion", "check_bases", "digest_of", "frozen_references", "open_base", "skip_unchanged",
-           "with_references"]
+__all__ = ["Base", "BaseRegion", "Frozen", "check_bases", "digest_of", "frozen_references", "open_base",
+           "skip_unchanged", "with_references"]
 
 #: (key, offset, shape) of a stored region.
 RegionKey = tuple[str, tuple[int, ...], tuple[int, ...]]
@@ -47,11 +47,28 @@ class BaseRegion:
 @dataclass(frozen=True, slots=True)
 class Base:
     """The base of a save: its root beside the save's, and every region it
-    holds or references, by (key, offset, shape), where the bytes lie."""
+    holds or references, by (key, offset, shape), where the bytes lie; and
+    by key, its dtype, global shape and regions in the base's order."""
 
     root: str
     save_id: str
     regions: Mapping[RegionKey, BaseRegion]
+    tensors: Mapping[str, tuple[str, tuple[int, ...], tuple[BaseRegion, ...]]] = dataclasses.field(
+        default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Frozen:
+    """What a save's frozen keys reference: its planned regions cut as the
+    base's, each with the base's region, by (key, offset); and the keys the
+    base stores cut otherwise, recorded with the base's regions whole."""
+
+    regions: Mapping[tuple[str, tuple[int, ...]], BaseRegion] = dataclasses.field(default_factory=dict)
+    whole: Mapping[str, tuple[BaseRegion, ...]] = dataclasses.field(default_factory=dict)
+
+    def skips(self, key: str, offset: tuple[int, ...]) -> bool:
+        """Whether the planned region of ``key`` at ``offset`` is not written."""
+        return key in self.whole or (key, offset) in self.regions
 
 
 def _metadata_of(store: Store, what: str) -> Metadata:
@@ -86,6 +103,7 @@ def open_base(store: Store, base: Any, kvstore: Any = None) -> Base:
         raise StorageError(f"the base {base_store} is a version 1 checkpoint, whose arrays name no save")
     holders = {b: _check_holder(store, ref, f"the base {name}") for b, ref in enumerate(metadata.bases)}
     regions: dict[RegionKey, BaseRegion] = {}
+    tensors = {}
     for key, t in metadata.tensors.items():
         for r in t.regions:
             if r.base is None:
@@ -94,7 +112,9 @@ def open_base(store: Store, base: Any, kvstore: Any = None) -> Base:
                 ref = holders[r.base]
                 regions[(key, r.box.offset, r.box.shape)] = BaseRegion(
                     ref.root, ref.save_id, dataclasses.replace(r, base=None), t.dtype)
-    return Base(name, metadata.save_id, regions)
+        tensors[key] = (t.dtype, t.global_shape,
+                        tuple(regions[(key, r.box.offset, r.box.shape)] for r in t.regions))
+    return Base(name, metadata.save_id, regions, tensors)
 
 
 def _check_holder(store: Store, ref: BaseRef, what: str) -> BaseRef:
@@ -109,39 +129,48 @@ def _matches(key: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(key, p) for p in patterns)
 
 
-def frozen_references(metadata: Metadata, base: Base, frozen: Iterable[str]) -> dict[tuple[str, tuple[int, ...]],
-                                                                                       BaseRegion]:
-    """The regions of a planned save that keys matching ``frozen`` (exact keys or
-    ``fnmatch`` patterns) make references to ``base``, by (key, offset).
-
-    Packed regions are stored as planned. Pure: every rank finds the same.
+def frozen_references(metadata: Metadata, base: Base, frozen: Iterable[str]) -> Frozen:
+    """What the keys of a planned save matching ``frozen`` (exact keys or
+    ``fnmatch`` patterns) reference in ``base``: each region cut as one of
+    the base's, that region (packed regions are stored as planned); a key
+    the base stores cut otherwise (a save under another layout), the base's
+    regions whole, when it has the same dtype and global shape and no region
+    of it is packed here. Pure: every rank finds the same.
 
     Raises:
-        LayoutError: a pattern matches no key, or a frozen region has no region
-            of the same key, dtype and box in the base.
+        LayoutError: a pattern matches no key, or a frozen key is not in the
+            base with its dtype and global shape (or is packed here, cut
+            otherwise there).
     """
     patterns = [frozen] if isinstance(frozen, str) else list(frozen)
     problems = [f"frozen {p!r} matches no key of the state" for p in patterns
                 if not any(fnmatch.fnmatchcase(k, p) for k in metadata.tensors)]
-    out: dict[tuple[str, tuple[int, ...]], BaseRegion] = {}
+    regions: dict[tuple[str, tuple[int, ...]], BaseRegion] = {}
+    whole: dict[str, tuple[BaseRegion, ...]] = {}
     for key in sorted(metadata.tensors):
         if not _matches(key, patterns):
             continue
         t = metadata.tensors[key]
-        for r in t.regions:
-            if r.byte_offset is not None:
-                # TODO(limitation): packed regions (save(pack_below=)) are written as planned,
-                # never referenced: their pack's member list is fixed when the save is planned.
-                continue
-            found = base.regions.get((key, r.box.offset, r.box.shape))
-            if found is None or found.dtype != t.dtype:
-                problems.append(f"frozen {key!r} {r.box} ({t.dtype}) is no region of the base {base.root}: a frozen "
-                                "key must be stored there with the same dtype and the same cut")
-            else:
-                out[(key, r.box.offset)] = found
+        # TODO(limitation): packed regions (save(pack_below=)) are written as planned,
+        # never referenced: their pack's member list is fixed when the save is planned.
+        own = [r for r in t.regions if r.byte_offset is None]
+        found = [base.regions.get((key, r.box.offset, r.box.shape)) for r in own]
+        if all(f is not None and f.dtype == t.dtype for f in found):
+            regions.update({(key, r.box.offset): f for r, f in zip(own, found) if f is not None})
+            continue
+        dtype, shape, theirs = base.tensors.get(key, (None, None, ()))
+        if (dtype, shape) != (t.dtype, t.global_shape):
+            stored = "not stored" if dtype is None else f"stored as {dtype} {shape}"
+            problems.append(f"frozen {key!r} ({t.dtype} {t.global_shape}) is {stored} in the base {base.root}: a "
+                            "frozen key must be stored there with the same dtype and global shape")
+        elif len(own) < len(t.regions):
+            problems.append(f"frozen {key!r} is cut otherwise in the base {base.root}, and packed in this save "
+                            "(pack_below): save it unpacked, or cut as the base")
+        else:
+            whole[key] = theirs
     if problems:
         raise LayoutError(format_problems("cannot save with these frozen keys", problems))
-    return out
+    return Frozen(regions, whole)
 
 
 def digest_of(data: np.ndarray) -> str:
@@ -173,11 +202,12 @@ def skip_unchanged(items: Sequence[ArrayItem | PackItem], requests: Mapping[str,
     return write, outcomes
 
 
-def with_references(metadata: Metadata, base: Base | None, frozen: Mapping[tuple[str, tuple[int, ...]], BaseRegion],
-                    outcomes: Iterable[list[Any]]) -> Metadata:
+def with_references(metadata: Metadata, base: Base | None, frozen: Frozen, outcomes: Iterable[list[Any]]
+                    ) -> Metadata:
     """The metadata a save commits: frozen regions and regions found equal to
     the base's as references (``$.bases`` listing the roots they lie in, in
-    the order first used), the others with the SHA-256 hashed for them."""
+    the order first used), a frozen key the base cuts otherwise as the base's
+    regions, the others with the SHA-256 hashed for them."""
     hashed = {(k, tuple(o)): (d, same) for k, o, d, same in outcomes}
     if base is None and not hashed:
         return metadata
@@ -186,8 +216,14 @@ def with_references(metadata: Metadata, base: Base | None, frozen: Mapping[tuple
     for key in sorted(metadata.tensors):
         t = metadata.tensors[key]
         regions = []
+        if key in frozen.whole:  # the base's cut, every region referenced where its bytes lie
+            for b in frozen.whole[key]:
+                index = roots.setdefault((b.root, b.save_id), len(roots))
+                regions.append(dataclasses.replace(b.region, base=index))
+            tensors[key] = TensorMetadata(t.dtype, t.global_shape, tuple(regions))
+            continue
         for r in t.regions:
-            found = frozen.get((key, r.box.offset))
+            found = frozen.regions.get((key, r.box.offset))
             digest, same = hashed.get((key, r.box.offset), (None, False))
             if found is None and same and base is not None:
                 found = base.regions[(key, r.box.offset, r.box.shape)]

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from globalshard.checkpoint import cleanup
-from globalshard.checkpoint.bases import Base, BaseRegion, frozen_references, open_base, skip_unchanged, with_references
+from globalshard.checkpoint.bases import Base, Frozen, frozen_references, open_base, skip_unchanged, with_references
 from globalshard.checkpoint.commit import remember_commit, what_is_there
 from globalshard.checkpoint.plan_cache import PLANS, PlanCache
 from globalshard.comm import Comm, SingleProcessComm, distinct_values, run_collectively
@@ -112,7 +112,9 @@ def save(
         frozen: keys (or ``fnmatch`` patterns) whose values equal the base's,
             as the caller knows (a frozen pretrained model under LoRA): their
             regions are referenced without being read, copied or hashed. Each
-            must be stored in the base with the same dtype and cut. Needs ``base``.
+            must be stored in the base with the same dtype and global shape;
+            one the base cuts otherwise (a save under another layout) is
+            recorded with the base's cut. Needs ``base``.
         digests: record each region's SHA-256, so that later saves can name
             this checkpoint as a base and find equal regions by hashing.
             Default: when ``base`` is given. Hashing reads every byte once
@@ -183,11 +185,11 @@ class PlannedSave:
     metadata: Callable[[], Metadata]
     items: list[ArrayItem | PackItem]
     coordinator: _Coordinator
-    #: The base the save references (spec section 5.2), the frozen regions
-    #: referenced by (key, offset), and the arrays to hash: path -> (key,
-    #: offset, the base's SHA-256 of the same region or None).
+    #: The base the save references (spec section 5.2), what its frozen keys
+    #: reference, and the arrays to hash: path -> (key, offset, the base's
+    #: SHA-256 of the same region or None).
     base: Base | None = None
-    frozen: Mapping[tuple[str, tuple[int, ...]], BaseRegion] = dataclasses.field(default_factory=dict)
+    frozen: Frozen = dataclasses.field(default_factory=Frozen)
     requests: Mapping[str, tuple[str, tuple[int, ...], str | None]] = dataclasses.field(default_factory=dict)
     #: The engine's name (:func:`~globalshard.io.engine_name`), for a writer process to open its own.
     io: str = "localio"
@@ -272,7 +274,7 @@ def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]]
     the_base = bases[0] if bases else None
     # References (spec section 5.2): frozen keys are decided here, alike on every rank
     # (their values are not read); the rest by hashing, where the writing happens.
-    frozen_refs = frozen_references(shape_of, the_base, frozen) if the_base is not None and frozen else {}
+    frozen_refs = frozen_references(shape_of, the_base, frozen) if the_base is not None and frozen else Frozen()
     hashing = digests if digests is not None else the_base is not None
     requests: dict[str, tuple[str, tuple[int, ...], str | None]] = {}
     items: list[ArrayItem | PackItem] = []
@@ -284,7 +286,7 @@ def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]]
         if w.byte_offset is not None:
             packs.setdefault(w.path, []).append((w, local.view(tensor.data), ready))
             continue
-        if (w.key, w.box.offset) in frozen_refs:
+        if frozen_refs.skips(w.key, w.box.offset):
             continue
         theirs = the_base.regions.get((w.key, w.box.offset, w.box.shape)) if the_base is not None else None
         theirs_sha = theirs.region.sha256 if theirs is not None and theirs.dtype == tensor.dtype else None

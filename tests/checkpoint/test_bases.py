@@ -3,6 +3,7 @@ regions whose SHA-256 equals the base's are stored as references, loads,
 verify, read_array and the reference reader follow them, and a base deleted
 or replaced makes its dependants fail loudly, never load zeros."""
 
+import itertools
 import json
 import os
 import shutil
@@ -156,11 +157,23 @@ def test_bad_bases_and_frozen_keys_are_refused_before_anything_is_written(tmp_pa
         gs.save(state, tmp_path / "run" / "x", base=tmp_path / "run" / "nothing")
     with pytest.raises(gs.LayoutError, match="'nope.*' matches no key"):
         gs.save(state, tmp_path / "run" / "x", base=tmp_path / "run" / "s0", frozen=["nope.*"])
-    halves = {f"{k}@{r}": gs.ShardedTensor.from_offset(k, v[r * 32:(r + 1) * 32], global_shape=v.shape,
-                                                       global_offset=(r * 32, 0))
-              for k, v in base.items() if v.ndim == 2 for r in range(2)}
-    with pytest.raises(gs.LayoutError, match="frozen 'base.layers.0.w' .* is no region of the base s0"):
-        gs.save(halves, tmp_path / "run" / "x", base=tmp_path / "run" / "s0", frozen=["base.layers.*"])
+    wider = {k: gs.ShardedTensor.from_offset(k, np.zeros((64, 33), np.float32), global_shape=(64, 33),
+                                             global_offset=(0, 0)) for k in base if k.startswith("base.layers")}
+    with pytest.raises(gs.LayoutError, match=r"frozen 'base.layers.0.w' \(float32 \(64, 33\)\) is stored as "
+                                             r"float32 \(64, 32\) in the base s0"):
+        gs.save(wider, tmp_path / "run" / "x", base=tmp_path / "run" / "s0", frozen=["base.layers.*"])
+    doubles = whole({"base.norm": np.ones(32, np.float64)})
+    with pytest.raises(gs.LayoutError, match=r"frozen 'base.norm' \(float64 \(32,\)\) is stored as float32"):
+        gs.save(doubles, tmp_path / "run" / "x", base=tmp_path / "run" / "s0", frozen=["base.*"])
+    with pytest.raises(gs.LayoutError, match=r"frozen 'extra' \(float32 \(2,\)\) is not stored in the base s0"):
+        gs.save(whole({"extra": np.ones(2, np.float32)}), tmp_path / "run" / "x", base=tmp_path / "run" / "s0",
+                frozen=["extra"])
+    w = base["base.layers.0.w"]  # rows 0-59 stored as an array, 60-63 (512 bytes) packed
+    uneven = {f"w@{a}": gs.ShardedTensor.from_offset("base.layers.0.w", w[a:b], global_shape=w.shape,
+                                                     global_offset=(a, 0)) for a, b in ((0, 60), (60, 64))}
+    with pytest.raises(gs.LayoutError, match="frozen 'base.layers.0.w' is cut otherwise in the base s0, and packed"):
+        gs.save(uneven, tmp_path / "run" / "x", base=tmp_path / "run" / "s0", frozen=["base.layers.*"],
+                pack_below=1024)
     assert not (tmp_path / "run" / "x" / "metadata.json").exists()
     assert not (tmp_path / "elsewhere" / "x" / "metadata.json").exists()
 
@@ -195,6 +208,46 @@ def test_a_dependant_loads_into_any_layout_and_its_overwrite_never_deletes_the_b
     assert np.array_equal(gs.read_array(tmp_path / "s0", "frozen"), frozen_w)
 
 
+def test_a_frozen_key_saved_under_another_layout_takes_the_bases_cut(tmp_path):
+    # A LoRA fine-tune saved at TP=2 (the base split in rows), resumed at TP=4 cut along columns: its
+    # frozen weights are recorded as the base's halves, referenced, and nothing of them is written again.
+    rng = np.random.default_rng(11)
+    frozen_w = rng.standard_normal((8, 8)).astype(np.float32)
+    adapter = rng.standard_normal((8, 2)).astype(np.float32)
+
+    def rows(key, v, rank, n):
+        return gs.ShardedTensor.from_offset(key, v[rank * 8 // n:(rank + 1) * 8 // n].copy(), global_shape=v.shape,
+                                            global_offset=(rank * 8 // n, 0))
+
+    def cols(key, v, rank, n):
+        return gs.ShardedTensor.from_offset(key, v[:, rank * 8 // n:(rank + 1) * 8 // n].copy(),
+                                            global_shape=v.shape, global_offset=(0, rank * 8 // n))
+
+    def state(rank, n, cut, a):
+        return {"w": cut("w", frozen_w, rank, n), "lora": rows("lora", a, rank, n)}
+
+    assert run_ranks(2, lambda comm: gs.save(state(comm.rank, 2, rows, adapter), tmp_path / "s0", comm=comm)) == \
+        [None, None]
+    stats = [gs.IOStats() for _ in range(4)]
+    assert run_ranks(4, lambda comm: gs.save(state(comm.rank, 4, cols, adapter * 2), tmp_path / "s1", comm=comm,
+                                             base=tmp_path / "s0", frozen=["w"], stats=stats[comm.rank])) == \
+        [None] * 4
+    md, base_md = gs.read_metadata(tmp_path / "s1"), gs.read_metadata(tmp_path / "s0")
+    assert [(r.box, r.path, r.base) for r in md.tensors["w"].regions] == \
+        [(r.box, r.path, 0) for r in base_md.tensors["w"].regions]  # the base's two row halves
+    assert sum(s.bytes_written for s in stats) == adapter.nbytes  # the adapter only
+    for k, want in (("w", frozen_w), ("lora", adapter * 2)):
+        assert np.array_equal(gs.read_array(tmp_path / "s1", k), want), k
+        assert np.array_equal(reference_reader.Checkpoint(tmp_path / "s1").read(k), want), k
+    assert gs.Checkpoint(tmp_path / "s1").verify()[0] == []
+    # A third save, back at TP=2 rows, finds its cut in s1's record and references s0 where the bytes lie.
+    assert run_ranks(2, lambda comm: gs.save(state(comm.rank, 2, rows, adapter), tmp_path / "s2", comm=comm,
+                                             base=tmp_path / "s1", frozen=["w"])) == [None, None]
+    assert {r.base for r in gs.read_metadata(tmp_path / "s2").tensors["w"].regions} == {0}
+    assert gs.read_metadata(tmp_path / "s2").bases[0].root == "s0"
+    assert np.array_equal(gs.read_array(tmp_path / "s2", "w"), frozen_w)
+
+
 def test_bases_on_a_kvstore_are_sibling_prefixes():
     base, adapters = lora(8)
     root = "memory://bases-kv/run/"
@@ -219,6 +272,17 @@ def test_an_async_save_does_not_copy_frozen_regions_into_its_pool(tmp_path, mode
     assert saver.last_mode == mode
     for k, v in {**base, **adapters}.items():
         assert np.array_equal(gs.read_array(tmp_path / "s1", k), v)
+    # Cut otherwise (row halves): the base's cut, through the writer too.
+    halves = {f"{k}@{r}": gs.ShardedTensor.from_offset(k, v[r * 32:(r + 1) * 32], global_shape=v.shape,
+                                                       global_offset=(r * 32, 0))
+              for k, v in base.items() if v.ndim == 2 for r in range(2)}
+    saver.save({**halves, **whole(adapters)}, tmp_path / "s2", base=tmp_path / "s0", frozen=["base.*"])
+    saver.wait()
+    layers = [k for k in base if k != "base.norm"]
+    assert {k: [r.base for r in t.regions] for k, t in gs.read_metadata(tmp_path / "s2").tensors.items()} == \
+        {**{k: [0] for k in layers}, **{k: [None] for k in adapters}}
+    for k in [*layers, *adapters]:
+        assert np.array_equal(gs.read_array(tmp_path / "s2", k), {**base, **adapters}[k])
 
 
 def test_the_manager_keeps_every_base_a_kept_checkpoint_references(tmp_path):
@@ -257,6 +321,40 @@ def test_property_a_dependant_holds_the_new_values_and_references_only_unchanged
             referenced = md.tensors[k].regions[0].base is not None
             assert referenced == (not changed[i]), (k, changed, frozen)
             assert np.array_equal(gs.read_array(os.path.join(root, "b"), k), new[k])
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+cuts = st.lists(st.integers(1, 11), min_size=0, max_size=3, unique=True).map(lambda c: [0, *sorted(c), 12])
+
+
+@settings(max_examples=25)
+@given(cuts, cuts, st.booleans())
+def test_property_a_frozen_key_under_any_other_cut_reads_back_and_writes_nothing(base_cut, new_cut, by_columns):
+    import tempfile
+
+    value = np.arange(12 * 12, dtype=np.float32).reshape(12, 12)
+
+    def pieces(cut):
+        out = {}
+        for a, b in itertools.pairwise(cut):
+            box = (slice(None), slice(a, b)) if by_columns else (slice(a, b),)
+            offset = (0, a) if by_columns else (a, 0)
+            out[f"w@{a}"] = gs.ShardedTensor.from_offset("w", value[box].copy(), global_shape=value.shape,
+                                                         global_offset=offset)
+        return out
+
+    root = tempfile.mkdtemp()
+    try:
+        gs.save(pieces(base_cut), os.path.join(root, "a"))
+        stats = gs.IOStats()
+        gs.save(pieces(new_cut), os.path.join(root, "b"), base=os.path.join(root, "a"), frozen=["w"], stats=stats)
+        assert stats.bytes_written == 0
+        regions = gs.read_metadata(os.path.join(root, "b")).tensors["w"].regions
+        theirs = gs.read_metadata(os.path.join(root, "a")).tensors["w"].regions
+        assert [r.box for r in regions] == [r.box for r in theirs]
+        assert all(r.base == 0 for r in regions)
+        assert np.array_equal(gs.read_array(os.path.join(root, "b"), "w"), value)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

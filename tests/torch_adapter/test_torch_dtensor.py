@@ -4,6 +4,8 @@ place themselves: no rules. Moments stay DTensors with the parameter's placement
 import pytest
 from torch_harness import dtensor_single_process_load, run, values_of
 
+import globalshard as gs
+
 SAVE_1D = {"w_uneven": ["S0"], "w_cols": ["S1"], "bias": ["R"]}          # 5 rows over 2 ranks: 3 + 2
 SAVE_2D = {"w_uneven": ["S0", "S1"], "w_cols": ["R", "S0"], "bias": ["R", "R"]}
 LOAD_1D = {"w_uneven": ["S1"], "w_cols": ["R"], "bias": ["S0"]}
@@ -48,3 +50,20 @@ def test_partial_placements_are_refused_by_name(tmp_path):
 def test_any_placement_on_a_1d_or_2d_mesh_loads_into_any_other(tmp_path):
     # Replicate, Shard on either dim, both mesh dims on one tensor dim, FSDP2's _StridedShard; uneven shapes.
     assert values_of(run(4, "placement_jobs:properties", str(tmp_path / "r"), path=str(tmp_path))) == [30] * 4
+
+
+def test_a_lora_fine_tune_resumed_on_another_mesh_references_its_frozen_base(tmp_path):
+    # Saved at 2 ranks with the weight in row halves, then at 4 ranks in column quarters with frozen=:
+    # the weight is recorded with the base's cut, referenced, and only the adapter is written.
+    from lora_jobs import BASE
+
+    run_dir = tmp_path / "run"
+    assert sum(values_of(run(2, "lora_jobs:save", str(tmp_path / "a"), path=str(run_dir / "step-1"), base=None,
+                             dim=0, scale=1.0))) > BASE.numel() * 4
+    written = values_of(run(4, "lora_jobs:save", str(tmp_path / "b"), path=str(run_dir / "step-2"),
+                            base=str(run_dir / "step-1"), dim=1, scale=2.0))
+    assert sum(written) == 2 * 8 * 4  # the adapter, once
+    regions = gs.read_metadata(run_dir / "step-2").tensors["model.layer.weight"].regions
+    assert [(r.box.offset, r.box.shape, r.base) for r in regions] == [((0, 0), (8, 8), 0), ((8, 0), (8, 8), 0)]
+    for out in values_of(run(2, "lora_jobs:load", str(tmp_path / "c"), path=str(run_dir / "step-2"))):
+        assert out["weight"] == BASE.tolist() and out["lora_a"] == [[2.0] * 8] * 2 and out["step"] == 2
