@@ -35,7 +35,7 @@ from globalshard.io import ArrayEngine, IOStats, OpenedPlan, engine_name, open_e
 from globalshard.layout import ShardedTensor
 from globalshard.planner import LoadPlan, LoadPlanner, PackedRegion, ShardInfo, missing_key
 from globalshard.shared import read_shared, require_exchange
-from globalshard.store import LocalStore, Store, open_root
+from globalshard.store import Store, open_root
 
 __all__ = ["Checkpoint", "load", "read_array", "read_metadata", "read_trainer_state"]
 
@@ -53,12 +53,12 @@ def _read_metadata(store: Store) -> Metadata:
 
 
 def _what_is_there(store: Store) -> str:
-    """Why a root has no metadata.json, as far as the names below it tell (a
-    local root's only: listing a bucket's prefix can take long)."""
+    """Why a root has no metadata.json, as far as the names below it tell
+    (where listing them is cheap: a bucket's prefix lists every key under it)."""
+    if os.path.basename(str(store).rstrip("/")) == METADATA_FILE:
+        return f"; it names the file itself: pass the directory that holds the checkpoint's {METADATA_FILE}"
     names: list[str] = []
-    if isinstance(store, LocalStore):
-        if os.path.isfile(store.path):
-            return f"; it is a file: pass the directory that holds the checkpoint's {METADATA_FILE}"
+    if store.lists_cheaply:
         with contextlib.suppress(GlobalShardError):
             names = store.list_dir()
     foreign = foreign_files(names)

@@ -43,6 +43,9 @@ class Store(Protocol):
     #: in-memory kvstore): an asynchronous save's writer process then writes
     #: it, opening it from :func:`globalshard.store.portable`'s description.
     process_shared: bool
+    #: Whether :meth:`list_dir` of the root is cheap (a directory), not a
+    #: listing of every key under a prefix (a bucket): errors list it for hints.
+    lists_cheaply: bool
 
     def files(self, prefix: str) -> list[str]:
         """Every file below ``prefix`` (names relative to the root, sorted); none

@@ -21,6 +21,7 @@ class KvStore:
     whose ``path``, if any, ends with ``/``)."""
 
     locks = False
+    lists_cheaply = False
 
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = spec

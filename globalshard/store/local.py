@@ -30,6 +30,7 @@ class LocalStore:
 
     locks = True
     process_shared = True
+    lists_cheaply = True
 
     def __init__(self, path: str | os.PathLike[str], spec: dict[str, Any] | None = None) -> None:
         self.path = os.path.abspath(os.fspath(path))

@@ -25,6 +25,7 @@ class StoreTests:
 
     def test_it_is_a_store(self, store: Store) -> None:
         assert isinstance(store, Store)
+        assert all(isinstance(getattr(store, flag), bool) for flag in ("locks", "process_shared", "lists_cheaply"))
 
     def test_a_process_shared_store_reaches_the_same_root_from_another_process(self, store: Store) -> None:
         import json

@@ -54,7 +54,7 @@ def test_a_path_that_is_not_a_checkpoint_is_told_what_it_holds(tmp_path):
     out = run("verify", str(run_dir))
     assert out.returncode == 1 and "it holds checkpoints (step-20, step-5): pass one of them" in out.stderr
     out = run("inspect", str(run_dir / "step-20" / "metadata.json"))
-    assert out.returncode == 1 and "it is a file: pass the directory" in out.stderr
+    assert out.returncode == 1 and "it names the file itself: pass the directory" in out.stderr
     # Another library's checkpoint, by its own writer.
     from safetensors.numpy import save_file
 
