@@ -89,9 +89,19 @@ def _inspect(args: argparse.Namespace) -> int:
         text.append(f"{key:{width}}  {t.dtype:14} {t.global_shape!s:20} {len(t.regions):7d} {mib:9.3f}")
     for b in bases:
         text.append(f"base {b['root']} (save {b['save_id']}): {b['bytes'] / 2**20:.2f} MiB of the regions")
-    text.append(f"trainer_state.json: {sorted(trainer) if trainer else 'none'}")
+    text.append(f"trainer_state.json: {_keys(trainer) if trainer else 'none'}")
     _emit(args, doc, text)
     return EXIT_OK
+
+
+def _keys(state: dict[str, Any], shown: int = 8) -> str:
+    """A trainer state's keys, and those of each dict one level down (the torch
+    adapter keeps a state dict's values under ``state_dict_values``)."""
+    def some(keys: list[str]) -> str:
+        return ", ".join(keys[:shown]) + (f", ... ({len(keys)})" if len(keys) > shown else "")
+
+    return some([f"{k} {{{some(sorted(map(str, v)))}}}" if isinstance(v, dict) and v else k for k, v in
+                 sorted(state.items())])
 
 
 def _verify(args: argparse.Namespace) -> int:

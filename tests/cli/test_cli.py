@@ -24,6 +24,17 @@ def test_inspect_lists_tensors():
     assert "6 tensors, 15 stored regions" in out.stdout
 
 
+def test_inspect_shows_the_trainer_states_keys_one_level_down(tmp_path):
+    # As the torch adapter stores a state dict's JSON values: under state_dict_values.
+    w = gs.ShardedTensor.from_offset("w", np.ones(2, np.float32), global_shape=(2,), global_offset=(0,))
+    gs.save({"w": w}, tmp_path / "c", trainer_state={"state_dict_values": {"step": 3, "lr_scheduler": {}},
+                                                      "epochs": list(range(20)),
+                                                      "many": {f"k{i:02d}": i for i in range(10)}})
+    out = run("inspect", str(tmp_path / "c"))
+    assert out.stdout.splitlines()[-1] == ("trainer_state.json: epochs, many {k00, k01, k02, k03, k04, k05, k06, "
+                                           "k07, ... (10)}, state_dict_values {lr_scheduler, step}")
+
+
 def test_verify_passes_then_catches_damage(tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(EXAMPLE, ckpt)
