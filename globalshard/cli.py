@@ -3,6 +3,7 @@
     globalshard inspect PATH                 tensors, dtypes, shapes, regions, trainer state keys
     globalshard verify PATH [--workers N]    read every stored byte, checksums verified
     globalshard diff A B [--atol X]          keys, dtypes, shapes and values that differ
+    globalshard copy PATH OUT [--overwrite]  a standalone copy: arrays referenced in bases copied in
     globalshard export PATH OUT --format safetensors [--dtype bf16] [--max-shard-size 5GB]
                        [--map NAME|FILE] [--param heads=32]
 
@@ -29,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from globalshard.checkpoint import Checkpoint
+from globalshard.checkpoint import Checkpoint, copy
 from globalshard.dtypes import numpy_dtype
 from globalshard.errors import GlobalShardError
 from globalshard.geometry import Box
@@ -191,6 +192,21 @@ def _json_float(x: float) -> float | str:
     return "nan" if math.isnan(x) else x
 
 
+def _copy(args: argparse.Namespace) -> int:
+    source = _open(args.path, args).metadata
+    start = time.perf_counter()
+    copied = copy(args.path, args.out, kvstore=args.kvstore, overwrite=args.overwrite)
+    seconds = time.perf_counter() - start
+    from_bases = sum(r.nbytes for t in source.tensors.values() for r in t.regions if r.base is not None)
+    doc = {"path": args.path, "out": args.out, "save_id": copied.save_id, "bytes": copied.stored_bytes(),
+           "bytes_from_bases": from_bases, "bases": [b.root for b in source.bases], "seconds": round(seconds, 3)}
+    text = [f"{args.out}: {copied.stored_bytes() / 2**20:.2f} MiB in {seconds:.1f} s, "
+            f"{from_bases / 2**20:.2f} MiB of it from "
+            f"{', '.join(b.root for b in source.bases) if source.bases else 'no base'}; it stands alone"]
+    _emit(args, doc, text)
+    return EXIT_OK
+
+
 def _export(args: argparse.Namespace) -> int:
     from globalshard.hf import ExportError, NameMapping, export, parse_size
 
@@ -274,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("a")
     p.add_argument("b")
     p.add_argument("--atol", type=float, default=0.0, help="values within this are not a difference")
+    p = sub.add_parser("copy", parents=[common], help="copy a checkpoint with the arrays its bases hold for it")
+    p.add_argument("path")
+    p.add_argument("out", help="the copy's path (a new checkpoint root)")
+    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint at OUT")
     p = sub.add_parser("export", parents=[common], help="write the tensors as Hugging Face safetensors")
     p.add_argument("path")
     p.add_argument("out", help="output directory")
@@ -285,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--map", help=f"a mapping file, or a shipped one by name ({', '.join(shipped_mappings())})")
     p.add_argument("--param", action="append", help="NAME=NUMBER for the mapping (repeatable)")
     args = parser.parse_args(argv)
-    command = {"inspect": _inspect, "verify": _verify, "diff": _diff, "export": _export}[args.command]
+    command = {"inspect": _inspect, "verify": _verify, "diff": _diff, "copy": _copy, "export": _export}[args.command]
     try:
         return command(args)
     except GlobalShardError as e:

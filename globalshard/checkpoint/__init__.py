@@ -4,9 +4,10 @@ committed, cleaned up, loaded and managed, written once against
 
 from globalshard.checkpoint.async_save import AsyncSaver
 from globalshard.checkpoint.cleanup import wait_for_cleanup
+from globalshard.checkpoint.copying import copy
 from globalshard.checkpoint.loading import Checkpoint, load, read_array, read_metadata, read_trainer_state
 from globalshard.checkpoint.manager import CheckpointManager
 from globalshard.checkpoint.saving import save
 
-__all__ = ["AsyncSaver", "Checkpoint", "CheckpointManager", "load", "read_array", "read_metadata",
+__all__ = ["AsyncSaver", "Checkpoint", "CheckpointManager", "copy", "load", "read_array", "read_metadata",
            "read_trainer_state", "save", "wait_for_cleanup"]

@@ -200,6 +200,29 @@ def test_kvstore_option(tmp_path):
     assert run("verify", "run1", "--kvstore", spec).returncode == 0
 
 
+def test_copy_makes_a_checkpoint_that_stands_without_its_base(tmp_path):
+    w = np.arange(8, dtype=np.float32)
+
+    def state(a):
+        return {k: gs.ShardedTensor.from_offset(k, v, global_shape=v.shape, global_offset=(0,))
+                for k, v in {"w": w, "a": a}.items()}
+
+    gs.save(state(np.zeros(2, np.float32)), tmp_path / "run" / "step-1")
+    gs.save(state(np.ones(2, np.float32)), tmp_path / "run" / "step-2", base=tmp_path / "run" / "step-1",
+            frozen=["w"])
+    out = run("copy", str(tmp_path / "run" / "step-2"), str(tmp_path / "alone"), "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["bytes"] == 40 and doc["bytes_from_bases"] == 32 and doc["bases"] == ["step-1"]
+    shutil.rmtree(tmp_path / "run")
+    assert run("verify", str(tmp_path / "alone")).returncode == 0
+    assert np.array_equal(gs.read_array(tmp_path / "alone", "w"), w)
+    again = run("copy", str(tmp_path / "alone"), str(tmp_path / "alone2"))
+    assert again.returncode == 0 and "0.00 MiB of it from no base; it stands alone" in again.stdout
+    refused = run("copy", str(tmp_path / "alone"), str(tmp_path / "alone2"))
+    assert refused.returncode == 1 and "already holds a checkpoint" in refused.stderr
+
+
 def test_usage_errors_exit_2(tmp_path):
     assert run("inspect").returncode == 2
     assert run("frobnicate", EXAMPLE).returncode == 2

@@ -453,6 +453,11 @@ def test_a_lora_fine_tune_under_torchtitans_trainer_stores_its_frozen_base_once(
     problems, read = gs.Checkpoint(folder / "step-4").verify()
     assert problems == [] and read == sum(r.nbytes for t in fourth.tensors.values() for r in t.regions) > \
         written(fourth), (problems, read)
+    # Moved alone (gs.copy, as `globalshard copy`), step 4 holds the same values with no base.
+    moved = gs.copy(folder / "step-4", tmp_path / "moved" / "step-4")
+    assert not moved.bases and sorted(moved.tensors) == sorted(fourth.tensors)
+    for key in moved.tensors:
+        assert np.array_equal(gs.read_array(tmp_path / "moved" / "step-4", key), gs.read_array(folder / "step-4", key))
     for r in run(2, "torchtitan_checkpointer_jobs:resume", str(tmp_path / "r"), work=str(tmp_path),
                  model="llama3_lora"):
         assert r["latest"] == [5, 5] and r["changed"] > 10, r
