@@ -104,7 +104,8 @@ def _copy_arrays(src: Store, dst: Store, metadata: Metadata, holders: dict[int, 
                 else:  # a pack, once for all its members
                     moved[where], packs = pack_path(save_id, 0, packs), packs + 1
                 holder = holders[r.base] if r.base is not None else src
-                _copy_array(holder, r.path, dst, moved[where], save_id)
+                ours = array_attributes(key, r.box.offset, save_id) if r.byte_offset is None else None
+                _copy_array(holder, r.path, dst, moved[where], save_id, ours)
                 origins[moved[where]] = holder.describe(r.path)
             regions.append(StoredRegion(r.box, moved[where], r.nbytes, r.byte_offset, None, r.sha256))
         tensors[key] = TensorMetadata(t.dtype, t.global_shape, tuple(regions))
@@ -139,9 +140,10 @@ def _verify(store: Store, metadata: Metadata, origins: dict[str, str]) -> None:
             raise StorageError(f"the pack copied from {origins[path]} does not read back whole: {e}") from None
 
 
-def _copy_array(src: Store, path: str, dst: Store, to: str, save_id: str) -> None:
+def _copy_array(src: Store, path: str, dst: Store, to: str, save_id: str, ours: dict[str, Any] | None) -> None:
     """Copy the array at ``path`` of ``src`` to ``to`` in ``dst``, its chunks as
-    they are, its attributes naming ``save_id``."""
+    they are, its attributes ``ours`` (a region's array, of any version) or,
+    for a pack, its own naming ``save_id``."""
     files = src.files(path)
     if f"{path}/{ZARR_JSON}" not in files:
         raise StorageError(f"{src.describe(path)}: no {ZARR_JSON}, so no array to copy")
@@ -153,10 +155,13 @@ def _copy_array(src: Store, path: str, dst: Store, to: str, save_id: str) -> Non
             raise StorageError(f"{src.describe(name)} disappeared while it was being copied")
         if name == f"{path}/{ZARR_JSON}":
             doc = json.loads(data)
-            ours = doc.get("attributes", {}).get("globalshard")
-            if not isinstance(ours, dict):
-                raise StorageError(f"{src.describe(name)}: no 'globalshard' attributes")
-            ours["save_id"] = save_id
+            attributes = doc.setdefault("attributes", {})
+            if ours is not None:  # version 1 arrays had none: the copy is a version 2 checkpoint
+                attributes["globalshard"] = ours
+            elif isinstance(attributes.get("globalshard"), dict):  # a pack keeps its members
+                attributes["globalshard"]["save_id"] = save_id
+            else:
+                raise StorageError(f"{src.describe(name)}: a pack without its 'globalshard' attributes")
             data = json.dumps(doc, indent=1).encode("utf-8")
         dst.write(to + name[len(path):], data)
 
