@@ -97,6 +97,15 @@ def test_a_copy_between_kvstore_prefixes():
     assert np.array_equal(gs.read_array("alone", "w", kvstore=root), base["w"])
 
 
+def test_a_copy_from_a_directory_to_a_bucket_url_and_back(tmp_path):
+    values = lora_run(tmp_path / "run")
+    gs.copy(tmp_path / "run" / "step-1", "memory://copies-url/eval/step-1/")
+    gs.copy("memory://copies-url/eval/step-1/", tmp_path / "back")
+    for k, v in values.items():
+        assert np.array_equal(gs.read_array("memory://copies-url/eval/step-1/", k), v), k
+        assert np.array_equal(gs.read_array(tmp_path / "back", k), v), k
+
+
 @settings(max_examples=20, deadline=None)
 @given(st.integers(0, 2**31), st.lists(st.booleans(), min_size=3, max_size=3), st.sampled_from([0, 32, 1024]))
 def test_property_a_copy_reads_back_every_value_of_its_source(seed, frozen, pack_below):
