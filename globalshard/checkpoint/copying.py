@@ -19,6 +19,7 @@ from globalshard.errors import GlobalShardError, MetadataError, StorageError
 from globalshard.format.metadata import Metadata, StoredRegion, TensorMetadata
 from globalshard.format.paths import (
     METADATA_FILE,
+    SAVES_DIR,
     TRAINER_STATE_FILE,
     array_dirs,
     arrays_prefix,
@@ -26,6 +27,7 @@ from globalshard.format.paths import (
     pack_path,
     save_dir,
 )
+from globalshard.format.trainer_state import parse_trainer_state
 from globalshard.format.zarr import PackExpect, array_attributes
 from globalshard.io import open_engine
 from globalshard.store import Store, open_root
@@ -46,8 +48,11 @@ def copy(source: Any, destination: Any, *, kvstore: Any = None, overwrite: bool 
     Raises:
         CheckpointNotFoundError: ``source`` holds no checkpoint.
         StorageError: a base of ``source`` is gone or was replaced (named),
-            ``destination`` is ``source``, or a file cannot be read or written;
+            ``destination`` is ``source`` or one of its bases, an array does
+            not read back whole, or a file cannot be read or written;
             nothing is committed then.
+        MetadataError: the trainer state is missing or does not match its
+            record (size, SHA-256).
         CheckpointExistsError: ``destination`` holds a checkpoint or other
             files, unless ``overwrite``.
     """
@@ -55,6 +60,8 @@ def copy(source: Any, destination: Any, *, kvstore: Any = None, overwrite: bool 
     if repr(src) == repr(dst):
         raise StorageError(f"cannot copy {src} onto itself")
     metadata = read_metadata(source, kvstore=kvstore)
+    if src.sibling_name(dst) in {b.root for b in metadata.bases}:
+        raise StorageError(f"{dst} is a base of {src}: replacing it would leave {src} unreadable; copy elsewhere")
     needed: dict[int, list[tuple[str, StoredRegion]]] = {}
     for key, t in metadata.tensors.items():
         for r in t.regions:
@@ -63,6 +70,9 @@ def copy(source: Any, destination: Any, *, kvstore: Any = None, overwrite: bool 
     holders = check_bases(src, metadata, needed)  # each base still holds the save referenced, and the regions
     save_id = new_save_id()
     with dst.lock():
+        link = dst.linked_component(SAVES_DIR)
+        if link is not None:
+            raise StorageError(f"{dst.describe(link)} is a symbolic link; a copy writes nothing through links")
         previous, stamp = what_is_there(dst, overwrite)
         try:
             copied, origins = _copy_arrays(src, dst, metadata, holders, save_id)
@@ -72,6 +82,7 @@ def copy(source: Any, destination: Any, *, kvstore: Any = None, overwrite: bool 
                 if data is None:
                     raise MetadataError(f"{src.describe(METADATA_FILE)} records a trainer state at "
                                         f"{metadata.trainer_state.path}, but it is missing")
+                parse_trainer_state(data, metadata.trainer_state)  # its size and SHA-256, as a load checks them
                 ref = dataclasses.replace(metadata.trainer_state, path=f"{save_dir(save_id)}/{TRAINER_STATE_FILE}")
                 dst.write(ref.path, data)
                 copied = dataclasses.replace(copied, trainer_state=ref)

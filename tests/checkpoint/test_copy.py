@@ -58,8 +58,16 @@ def test_a_copy_refuses_what_it_cannot_copy_whole_and_commits_nothing(tmp_path):
     lora_run(tmp_path / "run")
     with pytest.raises(gs.StorageError, match="onto itself"):
         gs.copy(tmp_path / "run" / "step-1", tmp_path / "run" / "step-1", overwrite=True)
+    with pytest.raises(gs.StorageError, match="is a base of .*step-1.*unreadable"):
+        gs.copy(tmp_path / "run" / "step-1", tmp_path / "run" / "step-0", overwrite=True)
+    gs.copy(tmp_path / "run" / "step-1", tmp_path / "run" / "step-2")
     with pytest.raises(gs.CheckpointExistsError, match="already holds a checkpoint"):
-        gs.copy(tmp_path / "run" / "step-1", tmp_path / "run" / "step-0")
+        gs.copy(tmp_path / "run" / "step-1", tmp_path / "run" / "step-2")
+    trainer = tmp_path / "run" / "step-2" / gs.read_metadata(tmp_path / "run" / "step-2").trainer_state.path
+    trainer.write_text(trainer.read_text().replace("1", "2"))  # edited since it was saved
+    with pytest.raises(gs.MetadataError, match="does not match the size and SHA-256"):
+        gs.copy(tmp_path / "run" / "step-2", tmp_path / "run" / "step-3")
+    assert not (tmp_path / "run" / "step-3" / "metadata.json").exists()
     with pytest.raises(gs.CheckpointNotFoundError):
         gs.copy(tmp_path / "run" / "nothing", tmp_path / "out")
     # A chunk of the base gone: the copy fails, and leaves nothing that looks like a checkpoint.
