@@ -1,4 +1,4 @@
-"""The ``globalshard`` command: look at, check, compare and export checkpoints.
+"""The ``globalshard`` command: look at, check, compare, copy and export checkpoints.
 
     globalshard inspect PATH                 tensors, dtypes, shapes, regions, trainer state keys
     globalshard verify PATH [--workers N]    read every stored byte, checksums verified
