@@ -195,7 +195,8 @@ def _json_float(x: float) -> float | str:
 def _copy(args: argparse.Namespace) -> int:
     source = _open(args.path, args).metadata
     start = time.perf_counter()
-    copied = copy(args.path, args.out, kvstore=args.kvstore, overwrite=args.overwrite)
+    with _progress(sum(r.nbytes for t in source.tensors.values() for r in t.regions), "copy", args) as bar:
+        copied = copy(args.path, args.out, kvstore=args.kvstore, overwrite=args.overwrite, progress=bar.update)
     seconds = time.perf_counter() - start
     from_bases = sum(r.nbytes for t in source.tensors.values() for r in t.regions if r.base is not None)
     doc = {"path": args.path, "out": args.out, "save_id": copied.save_id, "bytes": copied.stored_bytes(),

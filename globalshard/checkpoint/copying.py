@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from typing import Any
 
 from globalshard.checkpoint import cleanup
@@ -37,13 +38,15 @@ __all__ = ["copy"]
 ZARR_JSON = "zarr.json"
 
 
-def copy(source: Any, destination: Any, *, kvstore: Any = None, overwrite: bool = False) -> Metadata:
+def copy(source: Any, destination: Any, *, kvstore: Any = None, overwrite: bool = False,
+         progress: Callable[[int], None] | None = None) -> Metadata:
     """Copy the checkpoint at ``source`` to ``destination`` (paths, URLs or
     kvstore specs, as for :func:`~globalshard.save`; with ``kvstore``, both
     inside it), whole: the arrays it references in its bases are copied too,
     so the copy stands alone (no ``bases``), as one new save committed
     atomically. One process; the trainer state comes along unchanged.
-    Returns the copy's metadata.
+    ``progress``, if given, is called with each region's bytes once copied
+    (their sum: the regions' ``nbytes``). Returns the copy's metadata.
 
     Raises:
         CheckpointNotFoundError: ``source`` holds no checkpoint.
@@ -75,7 +78,7 @@ def copy(source: Any, destination: Any, *, kvstore: Any = None, overwrite: bool 
             raise StorageError(f"{dst.describe(link)} is a symbolic link; a copy writes nothing through links")
         previous, stamp = what_is_there(dst, overwrite)
         try:
-            copied, origins = _copy_arrays(src, dst, metadata, holders, save_id)
+            copied, origins = _copy_arrays(src, dst, metadata, holders, save_id, progress or (lambda n: None))
             _verify(dst, copied, origins)  # every chunk there and checksummed: a damaged source is not committed
             if metadata.trainer_state is not None:  # its bytes unchanged: its size and SHA-256 hold
                 data = src.read(metadata.trainer_state.path)
@@ -94,11 +97,11 @@ def copy(source: Any, destination: Any, *, kvstore: Any = None, overwrite: bool 
     return copied
 
 
-def _copy_arrays(src: Store, dst: Store, metadata: Metadata, holders: dict[int, Store], save_id: str
-                 ) -> tuple[Metadata, dict[str, str]]:
+def _copy_arrays(src: Store, dst: Store, metadata: Metadata, holders: dict[int, Store], save_id: str,
+                 progress: Callable[[int], None]) -> tuple[Metadata, dict[str, str]]:
     """Copy every array (and pack) the regions name into ``save_id``'s
-    directory of ``dst``; the metadata naming the copies, and where each
-    copy came from."""
+    directory of ``dst`` (``progress`` told each region's bytes once copied);
+    the metadata naming the copies, and where each copy came from."""
     dirs = array_dirs(list(metadata.tensors))
     moved: dict[tuple[int | None, str], str] = {}  # (base or None, path) -> the copy's path
     packs = 0
@@ -118,6 +121,7 @@ def _copy_arrays(src: Store, dst: Store, metadata: Metadata, holders: dict[int, 
                 ours = array_attributes(key, r.box.offset, save_id) if r.byte_offset is None else None
                 _copy_array(holder, r.path, dst, moved[where], save_id, ours)
                 origins[moved[where]] = holder.describe(r.path)
+            progress(r.nbytes)
             regions.append(StoredRegion(r.box, moved[where], r.nbytes, r.byte_offset, None, r.sha256))
         tensors[key] = TensorMetadata(t.dtype, t.global_shape, tuple(regions))
     return Metadata(tensors, save_id=save_id), origins

@@ -38,7 +38,9 @@ def lora_run(root):
 
 def test_a_copy_stands_alone_once_its_base_is_gone(tmp_path):
     values = lora_run(tmp_path / "run")
-    copied = gs.copy(tmp_path / "run" / "step-1", tmp_path / "eval" / "step-1")
+    told: list[int] = []
+    copied = gs.copy(tmp_path / "run" / "step-1", tmp_path / "eval" / "step-1", progress=told.append)
+    assert sum(told) == sum(v.nbytes for v in values.values()) and len(told) == len(values)
     assert copied.bases == () and all(r.base is None for t in copied.tensors.values() for r in t.regions)
     assert copied.stored_bytes() == sum(v.nbytes for v in values.values())
     shutil.rmtree(tmp_path / "run")
