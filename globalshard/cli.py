@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from globalshard.checkpoint import Checkpoint, copy
+from globalshard.checkpoint import Checkpoint, copy, read_metadata
 from globalshard.dtypes import numpy_dtype
 from globalshard.errors import GlobalShardError
 from globalshard.geometry import Box
@@ -193,7 +193,7 @@ def _json_float(x: float) -> float | str:
 
 
 def _copy(args: argparse.Namespace) -> int:
-    source = _open(args.path, args).metadata
+    source = read_metadata(args.path, kvstore=args.kvstore)  # its trainer state is read by the copy
     start = time.perf_counter()
     with _progress(sum(r.nbytes for t in source.tensors.values() for r in t.regions), "copy", args) as bar:
         copied = copy(args.path, args.out, kvstore=args.kvstore, overwrite=args.overwrite, progress=bar.update)

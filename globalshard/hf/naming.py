@@ -101,6 +101,7 @@ class NameMapping:
             raise ExportError(f"{where}: no rule or config of this mapping reads params {unknown}; "
                               f"it reads {sorted(takes)}")
         self.where = where
+        self._adapters: list[re.Pattern[str]] | None = None
         self.rules: list[_Rule] = []
         for i, t in enumerate(doc.get("tensors") or []):
             at = f"{where}: tensors[{i}]"
@@ -317,8 +318,10 @@ class NameMapping:
         """Whether ``key`` names an adapter (a ``lora`` rule's A or B), which
         reading files back leaves as the model made it: the files hold the
         tensor it adapts (merged, or a fine-tune's starting weights)."""
-        return any(compile_key(p, self.where).fullmatch(key)
-                   for r in self.rules if r.lora is not None for p in (r.lora.a, r.lora.b))
+        if self._adapters is None:  # compiled once: asked for each key a model has and the files lack
+            self._adapters = [compile_key(p, self.where) for r in self.rules if r.lora is not None
+                              for p in (r.lora.a, r.lora.b)]
+        return any(p.fullmatch(key) for p in self._adapters)
 
     def _merged(self, shapes: Mapping[str, tuple[int, ...]]) -> set[str]:
         """The adapter keys some rule merges into a tensor of the checkpoint."""
