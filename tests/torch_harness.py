@@ -13,6 +13,7 @@ slice of the global array the saving job held.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import socket
@@ -789,11 +790,14 @@ def tp_by_dp_job(rank: int, *, path: str, dcp_path: str, dump: str) -> None:
 
 def stages_job(rank: int, *, path: str) -> None:
     """World 2 as two pipeline stages hold a DCP-style state: each rank its own
-    layers (plain tensors), JSON values and bytes, beside keys both hold (equal)."""
+    layers (plain tensors), JSON values, bytes and streams (at a position of
+    their own), beside keys both hold (equal)."""
     own = {"weight": torch.full((2, 3), float(rank + 1)), "lr": 0.1 * (rank + 1), "seed": bytes([rank, 7])}
+    stream = io.BytesIO(bytes([rank, 5, 5]))
+    stream.seek(rank + 1)
     gt.save({"model": {f"layers.{rank}.weight": own["weight"], "step": torch.tensor(5)},
              "optim": {f"layers.{rank}.lr": own["lr"], "rng": b"\x09\x07"},
-             "stage": {f"{rank}": own["seed"]}, "epoch": 2}, path)
+             "stage": {f"{rank}": own["seed"]}, "extra": {f"{rank}": stream}, "epoch": 2}, path)
 
 
 def overlapping_meshes_job(rank: int, *, path: str) -> str:

@@ -22,7 +22,10 @@ nested dict, as ``model.state_dict()`` or
   and restored by ``load_state_dict`` after the load;
 * JSON values (numbers, strings, booleans, None, lists, dicts of them), which
   go into the trainer state (each key from the lowest rank holding it), and
-  ``bytes``, stored as uint8 arrays.
+  ``bytes`` and ``io.BytesIO`` (what Transformer Engine modules put in a
+  model's state dict as ``_extra_state``, and what DCP saves as a stream),
+  stored as uint8 arrays: a BytesIO comes back as one, at the position it
+  was saved at, as DCP gives it back.
 
 Keys are the dotted paths of the leaves, as DCP flattens them
 (``{"model": {"w": t}}`` -> ``model.w``), after removing the wrapper prefixes
@@ -39,6 +42,7 @@ its key: nothing is dropped, and nothing is pickled.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any, NamedTuple
@@ -68,6 +72,7 @@ class LoadedKeys(NamedTuple):
 
 _VALUES = "state_dict_values"  # trainer-state member holding the JSON leaves, by key
 _BYTES = "state_dict_bytes"  # the keys stored as uint8 arrays from bytes
+_STREAMS = "state_dict_bytes_io"  # of those, the keys saved from an io.BytesIO: key -> its position
 
 
 def _holds_tensors(value: Any) -> bool:
@@ -266,6 +271,7 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
     shards: dict[str, gs.ShardedTensor] = {}
     values: dict[str, Any] = {}
     byte_keys: list[str] = []
+    streams: dict[str, int] = {}  # the keys of io.BytesIO leaves -> their positions
     shared: dict[str, str] = {}  # key -> kind, for the keys other ranks may hold copies of
     holders: dict[str, int] = {"": comm.rank}  # kind -> this rank's holder of it
 
@@ -286,10 +292,13 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
                         shared[key] = kind
             elif _is_stateful(value):
                 _walk(_plain(value.state_dict()), visit, key)
-            elif isinstance(value, (bytes, bytearray)):
-                shards[key] = _replica_shard(key, np.frombuffer(bytes(value), np.uint8).copy(), True)
+            elif isinstance(value, (bytes, bytearray, io.BytesIO)):
+                data = value.getvalue() if isinstance(value, io.BytesIO) else bytes(value)
+                shards[key] = _replica_shard(key, np.frombuffer(data, np.uint8).copy(), True)
                 shared[key] = ""
                 byte_keys.append(key)
+                if isinstance(value, io.BytesIO):
+                    streams[key] = value.tell()
             elif (why := _refusal(value)) is not None:
                 problems.append(f"{key}: {why}")
             else:
@@ -297,13 +306,14 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
                     values[key] = jsonable(value, key)
                 except gs.TrainerStateError as e:
                     problems.append(f"{key}: {type(value).__name__} cannot be saved ({e}); a state dict holds "
-                                    "tensors, Stateful objects, bytes and JSON values")
+                                    "tensors, Stateful objects, bytes (or io.BytesIO) and JSON values")
 
         _walk(state_dict, visit)
         staging.ready()
         if problems:
             raise LayoutError(format_problems("cannot save the state dict", problems))
-        held.update(shared=sorted(shared.items()), values=values, bytes=sorted(byte_keys))
+        held.update(shared=sorted(shared.items()), values=values, bytes=sorted(byte_keys),
+                    **({"streams": streams} if streams else {}))
         return {"digest": json_digest(held), "holders": holders}
 
     held: dict[str, Any] = {}  # what this rank holds that other ranks may hold too, as it is sent
@@ -326,7 +336,14 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
         for key, value in parts[digest]["values"].items():
             merged.setdefault(key, value)
     all_bytes = sorted({key for part in parts.values() for key in part["bytes"]})
-    staging.save(shards, path, saver, trainer_state={_VALUES: merged, _BYTES: all_bytes}, comm=comm,
+    recorded: dict[str, Any] = {_VALUES: merged, _BYTES: all_bytes}
+    positions: dict[str, int] = {}
+    for digest in dict.fromkeys(kept):  # the lowest rank's, as for the bytes themselves
+        for key, position in parts[digest].get("streams", {}).items():
+            positions.setdefault(key, position)
+    if positions:  # written only when there is one: a checkpoint without streams is as it was
+        recorded[_STREAMS] = dict(sorted(positions.items()))
+    staging.save(shards, path, saver, trainer_state=recorded, comm=comm,
                  overwrite=overwrite, kvstore=kvstore, stats=stats, pack_below=pack_below, base=base,
                  frozen=frozen, digests=digests)
 
@@ -340,6 +357,18 @@ def _like(template: Any, value: Any) -> Any:
     if isinstance(template, dict) and isinstance(value, dict):
         return {k: _like(template[k], v) if k in template else v for k, v in value.items()}
     return value
+
+
+def _filled(stream: Any, data: bytes, position: int) -> io.BytesIO:
+    """``stream`` (a BytesIO of the state dict, else a new one) holding
+    ``data``, at ``position``: where the saved stream was."""
+    if not isinstance(stream, io.BytesIO):
+        stream = io.BytesIO()
+    stream.seek(0)
+    stream.truncate()
+    stream.write(data)
+    stream.seek(position)
+    return stream
 
 
 def _plain(state: Any) -> Any:
@@ -439,9 +468,12 @@ def load(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, all
     checkpoint.load(targets, comm=comm, allow_lossy_cast=allow_lossy_cast, stats=stats, shared_reads=shared_reads)
     staging.finish_load()
     saved = checkpoint.trainer_state
+    streams = saved.get(_STREAMS, {})
     for key, container, index in fills:
         if key in targets:
-            container[index] = targets[key].data.tobytes()
+            data = targets[key].data.tobytes()
+            # As DCP gives them back: the type saved (a BytesIO: the state dict's own, filled, if it holds one).
+            container[index] = _filled(container[index], data, streams[key]) if key in streams else data
         else:
             container[index] = _like(container[index], from_jsonable(saved[_VALUES][key]))
     for obj, inner in statefuls:

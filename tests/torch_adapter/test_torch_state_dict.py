@@ -1,5 +1,6 @@
 """DCP-style entry points: globalshard_torch.save / load over nested state dicts."""
 
+import io
 import json
 import math
 
@@ -106,6 +107,71 @@ def test_an_async_save_holds_the_values_of_when_it_returned_as_dcp_async_save(tm
     for n, p in model2.named_parameters():
         assert torch.equal(p, held[n]) and torch.equal(opt2.state[p]["exp_avg"], moments[n]), n
     assert loader2.index == 40 and state2["step"] == 12
+
+
+def _streams():
+    written = io.BytesIO()
+    torch.save({"amax": torch.arange(3.0)}, written)  # left at its end, as torch.save leaves it
+    middle = io.BytesIO(b"abcdef")
+    middle.seek(2)
+    return {"written": written, "middle": middle, "empty": io.BytesIO(), "nested": {"s": io.BytesIO(b"\x00\xff")},
+            "raw": b"\x01\x02"}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_bytesio_leaves_come_back_as_dcp_gives_them(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    gt.save(_streams(), tmp_path / "gs")
+    dcp.save(_streams(), checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    ours, theirs = [{"written": io.BytesIO(b"old"), "middle": io.BytesIO(), "empty": io.BytesIO(b"x"),
+                     "nested": {"s": None}, "raw": io.BytesIO()} for _ in range(2)]
+    written = ours["written"]
+    gt.load(ours, tmp_path / "gs")
+    dcp.load(theirs, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+
+    def seen(state):
+        return {k: (type(v).__name__, v.getvalue(), v.tell()) if isinstance(v, io.BytesIO) else v
+                for k, v in [*state.items(), ("nested.s", state["nested"]["s"])] if k != "nested"}
+
+    assert seen(ours) == seen(theirs)
+    assert seen(ours)["middle"] == ("BytesIO", b"abcdef", 2) and ours["raw"] == b"\x01\x02"
+    assert ours["written"] is written  # the state dict's own stream, filled
+    written.seek(0)
+    assert torch.equal(torch.load(written, weights_only=True)["amax"], torch.arange(3.0))
+
+
+class ScaledLinear(nn.Linear):
+    """As a Transformer Engine module: its extra state (an FP8 amax) is an io.BytesIO
+    of torch.save, so it sits in ``model.state_dict()`` as ``_extra_state``."""
+
+    def __init__(self):
+        super().__init__(2, 2)
+        self.amax = torch.zeros(4)
+
+    def get_extra_state(self):
+        state = io.BytesIO()
+        torch.save(self.amax, state)
+        return state
+
+    def set_extra_state(self, state):
+        state.seek(0)
+        self.amax = torch.load(state, weights_only=True)
+
+
+def test_a_model_state_dict_holding_bytesio_extra_state_round_trips(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(ScaledLinear(), ScaledLinear())
+    model[1].amax = torch.tensor([1.0, 2.5, -3.0, 4.0])
+    sd = model.state_dict()
+    assert isinstance(sd["1._extra_state"], io.BytesIO)
+    gt.save({"model": sd}, tmp_path / "c")
+    assert "model.1._extra_state" in gs.read_metadata(tmp_path / "c").tensors  # raw bytes, never pickled JSON
+    fresh = nn.Sequential(ScaledLinear(), ScaledLinear())
+    target = fresh.state_dict()
+    gt.load({"model": target}, tmp_path / "c")
+    fresh.load_state_dict(target)
+    assert torch.equal(fresh[1].amax, model[1].amax) and torch.equal(fresh[1].weight, model[1].weight)
 
 
 def test_wrapper_prefixes_are_normalised(tmp_path):
@@ -257,13 +323,17 @@ def test_what_only_some_ranks_hold_is_saved_from_them(tmp_path):
     values_of(run(2, "stages_job", str(tmp_path / "s"), path=ckpt))
     state = {"model": {"layers.0.weight": torch.zeros(2, 3), "layers.1.weight": torch.zeros(2, 3),
                        "step": torch.tensor(0)},
-             "optim": {"layers.0.lr": 0.0, "layers.1.lr": 0.0, "rng": b""}, "stage": {"0": b"", "1": b""}, "epoch": 0}
+             "optim": {"layers.0.lr": 0.0, "layers.1.lr": 0.0, "rng": b""}, "stage": {"0": b"", "1": b""},
+             "extra": {"0": io.BytesIO(), "1": None}, "epoch": 0}
+    stream = state["extra"]["0"]
     assert gt.load(state, ckpt) == gt.LoadedKeys([], [])
     assert torch.equal(state["model"]["layers.0.weight"], torch.full((2, 3), 1.0))
     assert torch.equal(state["model"]["layers.1.weight"], torch.full((2, 3), 2.0))
     assert state["model"]["step"].item() == 5 and state["epoch"] == 2
     assert state["optim"] == {"layers.0.lr": 0.1, "layers.1.lr": 0.2, "rng": bytes([9, 7])}
     assert state["stage"] == {"0": bytes([0, 7]), "1": bytes([1, 7])}
+    assert state["extra"]["0"] is stream  # filled in place
+    assert [(s.getvalue(), s.tell()) for s in state["extra"].values()] == [(bytes([0, 5, 5]), 1), (bytes([1, 5, 5]), 2)]
 
 
 def test_a_rank_on_two_meshes_of_the_same_dims_is_named(tmp_path):
