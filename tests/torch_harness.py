@@ -800,6 +800,30 @@ def stages_job(rank: int, *, path: str) -> None:
              "stage": {f"{rank}": own["seed"]}, "extra": {f"{rank}": stream}, "epoch": 2}, path)
 
 
+def replica_groups_job(rank: int, *, root: str) -> dict[str, Any]:
+    """World 4 as a (2, 2) HSDP mesh: each row of the mesh (ranks 0-1, 2-3) saves
+    its own checkpoint with its row's process group as ``comm=`` (DCP's
+    ``process_group``), its weight sharded on rows over the row; then row 0
+    loads row 1's checkpoint cut on columns, and row 1 row 0's, each over its
+    group again."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    row, group = rank // 2, mesh["shard"].get_group()
+    full = torch.arange(32.0).reshape(8, 4) + 100 * row
+    state = {"w": distribute_tensor(full, mesh["shard"], [Shard(0)]), "row": row, "blob": bytes([row])}
+    gt.save(state, f"{root}/row{row}", comm=group)
+    again = gt.resolve_comm(group)
+    gt.save(state, f"{root}/row{row}", comm=group, overwrite=True)  # the group's communicator, reused
+    dist.barrier()  # both rows saved before either reads the other's
+    target = {"w": distribute_tensor(torch.zeros(8, 4), mesh["shard"], [Shard(1)]), "row": None, "blob": b""}
+    gt.load(target, f"{root}/row{1 - row}", comm=group)
+    expected = torch.arange(32.0).reshape(8, 4) + 100 * (1 - row)
+    return {"equal": bool(torch.equal(target["w"].full_tensor(), expected)), "row": target["row"],
+            "blob": list(target["blob"]), "reused": gt.resolve_comm(group) is again}
+
+
 def overlapping_meshes_job(rank: int, *, path: str) -> str:
     """World 3; two meshes both named ("tp",) of 2 ranks, [0, 1] and [1, 2]: rank 1 is on both."""
     from torch.distributed.device_mesh import DeviceMesh

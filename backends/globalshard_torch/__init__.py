@@ -20,7 +20,7 @@ Megatron-style models: save on one topology and load on another with one call ea
 """
 
 from globalshard_torch.checkpoint import CheckpointManager, LoadResult, TieredManager, load_checkpoint, save_checkpoint
-from globalshard_torch.comm import TorchComm, default_comm
+from globalshard_torch.comm import TorchComm, default_comm, resolve_comm
 from globalshard_torch.hf import load_hf
 from globalshard_torch.model import Entry, model_entries
 from globalshard_torch.parallel import ParallelLayout
@@ -73,6 +73,7 @@ __all__ = [
     "TorchComm",
     "VocabParallel",
     "default_comm",
+    "resolve_comm",
     "jsonable",
     "load",
     "megatron_param_ranges",

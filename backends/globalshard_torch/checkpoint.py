@@ -34,10 +34,10 @@ from torch import nn
 
 import globalshard as gs
 from globalshard import planner as gs_planner
-from globalshard.comm import Comm, SingleProcessComm, run_collectively
+from globalshard.comm import Comm, run_collectively
 from globalshard.errors import LayoutError, MetadataError, MismatchError, format_problems
 from globalshard_torch import extra_state
-from globalshard_torch.comm import default_comm
+from globalshard_torch.comm import default_comm, resolve_comm
 from globalshard_torch.extra_state import finish as extra_state_finish
 from globalshard_torch.extra_state import restore_targets as extra_state_restore
 from globalshard_torch.model import Entry, model_entries, outside_mesh
@@ -160,7 +160,7 @@ def save_checkpoint(
     to a base checkpoint's stored as references to it; ``frozen`` names
     checkpoint keys, such as a LoRA fine-tune's pretrained weights).
     """
-    comm = comm if comm is not None else (default_comm() or SingleProcessComm())
+    comm = resolve_comm(comm)
     user = dict(trainer_state or {})
     clash = [k for k in _RESERVED if k in user]
     if clash:
@@ -291,7 +291,7 @@ def load_checkpoint(
         the core's errors (MismatchError, CastError, MetadataError, ...) and
         LayoutError when the model or optimizer does not fit the checkpoint.
     """
-    comm = comm if comm is not None else (default_comm() or SingleProcessComm())
+    comm = resolve_comm(comm)
     staging = HostStaging()
     targets: dict[str, gs.ShardedTensor] = {}
     new_state: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
@@ -719,7 +719,7 @@ class CheckpointManager(gs.CheckpointManager):
     """
 
     def comm(self) -> Comm | None:
-        return self._comm if self._comm is not None else default_comm()
+        return resolve_comm(self._comm) if self._comm is not None else default_comm()
 
     def save(self, step: int, **kwargs: Any) -> Any:  # type: ignore[override]
         """:func:`save_checkpoint` into ``iter_<step>``, then move the pointer and
@@ -764,7 +764,7 @@ class TieredManager(gs.TieredManager):
     """
 
     def comm(self) -> Comm | None:
-        return self._comm if self._comm is not None else default_comm()
+        return resolve_comm(self._comm) if self._comm is not None else default_comm()
 
     def save(self, step: int, **kwargs: Any) -> Any:  # type: ignore[override]
         """:func:`save_checkpoint` as step ``step`` of the tiers (see the class)."""

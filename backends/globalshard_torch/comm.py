@@ -18,9 +18,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from globalshard.comm import wait_for_background
+from globalshard.comm import SingleProcessComm, wait_for_background
 
-__all__ = ["TorchComm", "default_comm"]
+__all__ = ["TorchComm", "default_comm", "resolve_comm"]
 
 
 class TorchComm:
@@ -30,12 +30,22 @@ class TorchComm:
         timeout: how long a collective waits for the other ranks.
         ranks: the ranks of the group (default: all); every rank of the world
             must construct it, as for ``torch.distributed.new_group``.
+        group: instead of ``ranks``, the ranks of an existing process group
+            (DCP's ``process_group``, of any backend): constructed on those
+            ranks only, which make a gloo group of their own.
     """
 
-    def __init__(self, timeout: timedelta = timedelta(minutes=10), ranks: list[int] | None = None) -> None:
+    def __init__(self, timeout: timedelta = timedelta(minutes=10), ranks: list[int] | None = None, *,
+                 group: dist.ProcessGroup | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized")
-        self._group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        if group is not None and ranks is not None:
+            raise ValueError("TorchComm takes ranks or group, not both")
+        if group is None:
+            self._group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        else:  # a group of our own all the same: a background save's exchanges never meet the caller's on it
+            self._group = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo", timeout=timeout,
+                                         use_local_synchronization=True)
         self.rank = dist.get_rank(self._group)
         self.world_size = dist.get_world_size(self._group)
 
@@ -83,6 +93,28 @@ def _bytes(array: np.ndarray) -> torch.Tensor:
 
 
 _DEFAULT: list[TorchComm] = []
+
+
+#: The communicator over each process group passed as ``comm=``, made once (a group's gloo twin lives as long).
+_OF_GROUP: dict[int, tuple[dist.ProcessGroup, TorchComm]] = {}
+
+
+def resolve_comm(comm: Any) -> Any:
+    """The communicator a torch entry point uses for ``comm``: a
+    :class:`globalshard.Comm` as it is; a ``torch.distributed.ProcessGroup``
+    (DCP's ``process_group``) as a :class:`TorchComm` over it, made on the
+    first call and reused; None as the whole world (one process without
+    torch.distributed)."""
+    if comm is None:
+        return default_comm() or SingleProcessComm()
+    if comm is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group gives the ranks outside the group
+        raise ValueError("comm= is a process group this rank is not in; call with it on its ranks only")
+    if isinstance(comm, dist.ProcessGroup):
+        made = _OF_GROUP.get(id(comm))
+        if made is None or made[0] is not comm:
+            made = _OF_GROUP[id(comm)] = (comm, TorchComm(group=comm))
+        return made[1]
+    return comm
 
 
 def default_comm() -> TorchComm | None:

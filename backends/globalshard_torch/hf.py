@@ -16,11 +16,11 @@ import numpy as np
 from torch import nn
 
 import globalshard as gs
-from globalshard.comm import Comm, SingleProcessComm
+from globalshard.comm import Comm
 from globalshard.dtypes import canonical_name, is_exact_cast
 from globalshard.errors import CastError, MismatchError, format_problems
 from globalshard.hf import NameMapping, SafetensorsSource
-from globalshard_torch.comm import default_comm
+from globalshard_torch.comm import resolve_comm
 from globalshard_torch.model import model_entries
 from globalshard_torch.parallel import ParallelLayout
 from globalshard_torch.rules import ShardingRules
@@ -113,7 +113,7 @@ def fill_from_safetensors(source: SafetensorsSource, targets: dict[str, gs.Shard
                             f"{canonical_name(t.data.dtype)} (pass allow_lossy_cast=True)")
     if problems:
         raise MismatchError(format_problems("the safetensors do not fit the model", problems))
-    comm = comm if comm is not None else (default_comm() or SingleProcessComm())
+    comm = resolve_comm(comm)
     asked = sorted({p.name for t in targets.values() for p in source.keys[t.key][2]})
     read = {name for names in comm.all_gather(asked) for name in names}
     unread = sorted(set(source.entries) - read)

@@ -66,11 +66,11 @@ from megatron.core.dist_checkpointing.strategies.base import (
 )
 
 import globalshard as gs
-from globalshard.comm import Comm, SingleProcessComm
+from globalshard.comm import Comm
 from globalshard.errors import LayoutError
 from globalshard.geometry import Box, Region
 from globalshard.hf import NameMapping, SafetensorsSource
-from globalshard_torch.comm import default_comm
+from globalshard_torch.comm import resolve_comm
 from globalshard_torch.tensors import HostStaging, numpy_view, torch_dtype
 
 __all__ = ["ARRAYS", "BACKEND", "VERSION", "LoadStrategy", "SaveStrategy", "arrays_path", "load_hf"]
@@ -175,7 +175,7 @@ class SaveStrategy(AsyncSaveShardedStrategy):
         return staging, pieces
 
     def _options(self) -> dict[str, Any]:
-        comm = self.comm if self.comm is not None else (default_comm() or SingleProcessComm())
+        comm = resolve_comm(self.comm)
         # dist_checkpointing.save writes over what a directory holds (an earlier, failed save's
         # leftovers); the globalshard checkpoint there stays loadable until this one commits.
         return dict(comm=comm, overwrite=True, pack_below=self.pack_below)
@@ -276,7 +276,7 @@ class LoadStrategy(LoadShardedStrategy):
 
     def _load(self, sharded_state_dict: Any, path: str) -> dict[str, Any]:
         tensors = _tensors(sharded_state_dict)
-        comm = self.comm if self.comm is not None else (default_comm() or SingleProcessComm())
+        comm = resolve_comm(self.comm)
         checkpoint = gs.Checkpoint.open(path, comm=comm)  # its metadata sizes padded targets, then it loads
         stored = checkpoint.metadata.tensors
         staging = HostStaging()

@@ -51,10 +51,10 @@ import numpy as np
 import torch
 
 import globalshard as gs
-from globalshard.comm import Comm, SingleProcessComm, distinct_values, json_digest, run_collectively
+from globalshard.comm import Comm, distinct_values, json_digest, run_collectively
 from globalshard.errors import LayoutError, MismatchError, format_problems
 from globalshard.planner import asked_mask, missing_key, unread_keys
-from globalshard_torch.comm import default_comm
+from globalshard_torch.comm import resolve_comm
 from globalshard_torch.model import _dtensor_placement, _is_dtensor, outside_mesh, unwrapped_name
 from globalshard_torch.state import from_jsonable, jsonable
 from globalshard_torch.tensors import HostStaging, numpy_view
@@ -266,7 +266,7 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
             shards that do not fit together; the core's errors otherwise.
     """
     _check_root(state_dict)
-    comm = comm if comm is not None else (default_comm() or SingleProcessComm())
+    comm = resolve_comm(comm)
     staging = HostStaging.for_save(saver)
     shards: dict[str, gs.ShardedTensor] = {}
     values: dict[str, Any] = {}
@@ -404,7 +404,7 @@ def load(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, all
         core's errors.
     """
     _check_root(state_dict)
-    comm = comm if comm is not None else (default_comm() or SingleProcessComm())
+    comm = resolve_comm(comm)
     staging = HostStaging()
     targets: dict[str, gs.ShardedTensor] = {}
     fills: list[tuple[str, MutableMapping[Any, Any] | list[Any], Any]] = []  # JSON and bytes leaves to replace

@@ -336,6 +336,24 @@ def test_what_only_some_ranks_hold_is_saved_from_them(tmp_path):
     assert [(s.getvalue(), s.tell()) for s in state["extra"].values()] == [(bytes([0, 5, 5]), 1), (bytes([1, 5, 5]), 2)]
 
 
+def test_a_process_group_as_comm_saves_and_loads_over_its_ranks_only(tmp_path):
+    # DCP's process_group: two replica groups of an HSDP mesh each save a checkpoint of their own,
+    # concurrently, and load the other's under another placement.
+    outcomes = values_of(run(4, "replica_groups_job", str(tmp_path / "s"), root=str(tmp_path)))
+    assert outcomes == [{"equal": True, "row": 1 - r // 2, "blob": [1 - r // 2], "reused": True} for r in range(4)]
+    for row in range(2):
+        stored = gs.read_metadata(tmp_path / f"row{row}").tensors["w"]
+        assert [r.box.offset for r in stored.regions] == [(0, 0), (4, 0)]  # each row's 2 ranks wrote a half
+        assert np.array_equal(gs.read_array(tmp_path / f"row{row}", "w"), np.arange(32.0).reshape(8, 4) + 100 * row)
+
+
+def test_a_process_group_the_rank_is_not_in_is_refused():
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match="not in"):
+        gt.resolve_comm(dist.GroupMember.NON_GROUP_MEMBER)
+
+
 def test_a_rank_on_two_meshes_of_the_same_dims_is_named(tmp_path):
     outcomes = values_of(run(3, "overlapping_meshes_job", str(tmp_path / "s"), path=str(tmp_path / "c")))
     assert outcomes[1].startswith("LayoutError") and "b: on a mesh of dims and shape" in outcomes[1], outcomes[1]
