@@ -5,6 +5,7 @@ globalshard strategy (run by test_megatron_strategy.py), beside its default
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from megatron_jobs import (
     BATCH,
@@ -342,6 +343,55 @@ def properties(rank: int, *, path: str) -> int:
         assert state.keys() == expected.keys()
         for k, t in expected.items():
             assert torch.equal(state[k], t.data), (k, shape, prepend, saved, loaded)
+        runs.append(1)
+
+    check()
+    return len(runs)
+
+
+def _uneven(key: str, whole: torch.Tensor, sizes: list[int], fill: bool) -> dict[str, Any]:
+    """``whole`` (1-D) cut into consecutive pieces of ``sizes`` (zeros included), each a
+    ShardedTensor built directly, without axis fragmentations, as Megatron's
+    test_uneven_1d_sharding builds them; those of a holder in a list under one name, as
+    its test_uneven_1d_sharding_multiple_shards holds several per rank."""
+    out: dict[str, Any] = {}
+    at = 0
+    for n, size in enumerate(sizes):
+        local = whole[at:at + size].clone() if fill else torch.zeros(size, dtype=whole.dtype)
+        out.setdefault(f"{key}/{n % 3}", []).append(
+            ShardedTensor(key, local, local.dtype, tuple(local.shape), tuple(whole.shape), (at,), None))
+        at += size
+    return out
+
+
+def uneven(rank: int, *, path: str) -> int:
+    """In one process (hypothesis), Megatron's test_uneven_1d_sharding cases and any
+    others: a 1-D array cut into pieces of any sizes (empty ones too), saved with the
+    globalshard strategy, loaded cut into other pieces: each equals its slice. Returns
+    the number of examples run."""
+    runs = []
+    split = st.integers(1, 30).flatmap(lambda n: st.tuples(st.just(n), st.lists(st.integers(0, n), max_size=7)))
+
+    def sizes(n: int, cuts: list[int]) -> list[int]:
+        edges = [0, *sorted(cuts), n]
+        return [b - a for a, b in itertools.pairwise(edges)]
+
+    @settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(split, st.lists(st.integers(0, 24), max_size=7))
+    @example((15, [15] * 7), [0, 0, 0, 3, 6, 9, 12])  # Megatron's: [15] + [0] * 7 -> [0] * 3 + [3] * 5
+    @example((30, [5, 10, 15, 20, 25, 30, 30]), [5, 5, 10, 10, 15, 20, 23])  # [5] * 6 + [0] * 2 -> [5, 0, 5, 0, ...]
+    def check(saved: tuple[int, list[int]], cuts: list[int]) -> None:
+        n, first = saved
+        whole = torch.arange(n, dtype=torch.float32) + 100 * len(runs)
+        where = tempfile.mkdtemp(dir=path)
+        dist_checkpointing.save(_uneven("a", whole, sizes(n, first), True), where, sharded_strategy=gm.SaveStrategy())
+        loaded = sizes(n, [min(c, n) for c in cuts])
+        state = dist_checkpointing.load(_uneven("a", whole, loaded, False), where)
+        expected = _uneven("a", whole, loaded, True)
+        assert state.keys() == expected.keys()
+        for name, pieces in expected.items():
+            for got, want in zip(state[name], pieces, strict=True):
+                assert torch.equal(got, want.data), (n, first, loaded)
         runs.append(1)
 
     check()

@@ -212,3 +212,10 @@ def test_megatrons_own_serialization_tests_pass_with_the_globalshard_strategy(tm
 def test_any_two_cuts_of_a_global_array_round_trip_through_dist_checkpointing(tmp_path):
     (examples,) = run(1, "megatron_strategy_jobs:properties", str(tmp_path / "ranks"), path=str(tmp_path))
     assert examples == 25
+
+
+def test_uneven_pieces_empty_ones_included_round_trip_through_dist_checkpointing(tmp_path):
+    # Megatron's test_uneven_1d_sharding (and _multiple_shards): pieces of any sizes, empty ones
+    # too, several per holder, saved one way and loaded another.
+    (examples,) = run(1, "megatron_strategy_jobs:uneven", str(tmp_path / "ranks"), path=str(tmp_path))
+    assert examples == 27  # 25 drawn, Megatron's 2 with empty pieces
