@@ -20,6 +20,7 @@ from globalshard.checkpoint import (
     read_array,
     read_metadata,
     read_trainer_state,
+    region_digests,
     save,
     wait_for_cleanup,
 )
@@ -93,6 +94,7 @@ __all__ = [
     "read_array",
     "read_metadata",
     "read_trainer_state",
+    "region_digests",
     "save",
     "shards_from_flat_range",
     "wait_for_cleanup",

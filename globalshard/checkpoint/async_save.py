@@ -16,8 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from globalshard.checkpoint.bases import Digests, hash_checked
+from globalshard.checkpoint.finishing import InProcess, finish_save
 from globalshard.checkpoint.messages import can_send
-from globalshard.checkpoint.saving import InProcess, PlannedSave, entries_of, finish_save, plan_save
+from globalshard.checkpoint.saving import PlannedSave, entries_of, plan_save
 from globalshard.checkpoint.staging import StagingPool, parallel_copy
 from globalshard.checkpoint.writer import Writer, describe_items, shared_writer
 from globalshard.comm import Comm, SingleProcessComm, start_in_background
@@ -147,7 +149,7 @@ class AsyncSaver:
              comm: Comm | None = None, overwrite: bool = False, kvstore: Any = None,
              stats: IOStats | None = None, staged: Mapping[str, Callable[[], None]] | None = None,
              pack_below: int = 0, base: Any = None, frozen: Iterable[str] = (),
-             digests: bool | None = None, io: str | None = None) -> None:
+             digests: bool | None = None, io: str | None = None, unchanged: Digests | None = None) -> None:
         """As :func:`~globalshard.save`, returning after the host snapshot (see the class).
 
         Args:
@@ -163,6 +165,8 @@ class AsyncSaver:
             frozen: as for :func:`~globalshard.save`: those regions are not
                 copied into the snapshot either.
             digests: as for :func:`~globalshard.save`.
+            unchanged: as for :func:`~globalshard.save`: hashed from the
+                snapshot in the background, before anything is written.
             io: as for :func:`~globalshard.save` (the writer process opens that engine).
             staged: names of ``state`` whose ``data`` is already a private
                 host copy that is still being filled (a device-to-host copy in
@@ -183,7 +187,7 @@ class AsyncSaver:
         try:
             planned = plan_save(store, comm, entries, trainer_state, overwrite, held, staged,
                                 pack_below=pack_below, base=base, frozen=frozen, digests=digests, kvstore=kvstore,
-                                io=io)
+                                io=io, unchanged=unchanged)
             ops = self._operations(store)
             copied = time.perf_counter()
             planned.items, later = self._snapshot(planned.items, copy_staged=isinstance(ops, _InWriter))
@@ -291,6 +295,13 @@ class _InWriter(InProcess):
         self.writer, self.pools = writer, pools
         #: Staged arrays the writer finds in the pool once copied there: (ready, source, slot).
         self.later: list[tuple[Callable[[], None], np.ndarray, np.ndarray]] = []
+
+    def hash(self, planned: PlannedSave) -> list[list[Any]]:
+        """As :meth:`InProcess.hash`, in this process (the snapshot is shared
+        memory): an array whose copy into the pool is still to be made is
+        hashed from where it is staged."""
+        sources = {id(ready): source for ready, source, _ in self.later}
+        return hash_checked(planned.items, planned.checks, lambda item: sources.get(id(item.ready), item.data))
 
     def write(self, planned: PlannedSave, stats: IOStats | None) -> list[list[Any]]:
         index: dict[int, int] = {}

@@ -5,16 +5,20 @@ reader makes before it reads from a base.
 A save with ``base=`` references a region of the base instead of writing it
 when the caller names its key ``frozen`` (its values are then not even read)
 or when its SHA-256 equals the one the base records for the same key, dtype
-and box. References always name the checkpoint that stores the bytes: a
-region the base itself references is referenced where it lies.
+and box; and a key as a frozen one is (the base's cut, whatever the save's)
+when the caller gave ``unchanged=`` digests of it, as a job that loaded it
+from the base held it, and every region the save stores of it still has
+them. References always name the checkpoint that stores the bytes: a region
+the base itself references is referenced where it lies.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import glob
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,10 +28,15 @@ from globalshard.errors import LayoutError, MetadataError, StorageError, format_
 from globalshard.format.metadata import BaseRef, Metadata, StoredRegion, TensorMetadata, parse_metadata
 from globalshard.format.paths import METADATA_FILE
 from globalshard.io.base import ArrayItem, PackItem, wait_ready
+from globalshard.layout import ShardedTensor
 from globalshard.store import Store, open_root
 
 __all__ = ["Base", "BaseRegion", "Frozen", "check_bases", "digest_of", "frozen_references", "open_base",
-           "skip_unchanged", "with_references"]
+           "hash_checked", "region_digests", "settle_unchanged", "skip_unchanged", "still_unchanged",
+           "unchanged_references", "with_references"]
+
+#: Per key, the SHA-256 of each of its regions by the region's global offset (:func:`region_digests`).
+Digests = Mapping[str, Mapping[tuple[int, ...], str]]
 
 #: (key, offset, shape) of a stored region.
 RegionKey = tuple[str, tuple[int, ...], tuple[int, ...]]
@@ -178,6 +187,76 @@ def digest_of(data: np.ndarray) -> str:
     little = data.dtype.newbyteorder("<") if data.dtype.byteorder not in ("|", "<") else data.dtype
     arr = np.ascontiguousarray(data, dtype=little)
     return hashlib.sha256(arr.reshape(-1).view(np.uint8).data).hexdigest()
+
+
+def region_digests(state: Any) -> dict[str, dict[tuple[int, ...], str]]:
+    """The SHA-256 (spec section 3) of every region of ``state``'s shards (a
+    dict or ShardedStateDict of :class:`ShardedTensor`), by key and by the
+    region's global offset: what a later ``save(..., unchanged=)`` compares
+    the regions it stores with (gathered from every rank, where ranks hold
+    different regions).
+
+    >>> import numpy as np
+    >>> w = ShardedTensor.from_offset("w", np.zeros((2, 2), np.float32), global_shape=(4, 2), global_offset=(2, 0))
+    >>> list(region_digests({"w": w})["w"])
+    [(2, 0)]
+    """
+    out: dict[str, dict[tuple[int, ...], str]] = {}
+    for name, t in state.items():
+        if not isinstance(t, ShardedTensor):
+            raise LayoutError(f"state entry {name!r} is not a ShardedTensor: {type(t).__name__}")
+        for r in t.regions:
+            out.setdefault(t.key, {})[r.global_box.offset] = digest_of(r.local_box.view(t.data))
+    return out
+
+
+def still_unchanged(metadata: Metadata, expected: Digests, hashed: Iterable[Sequence[Any]]) -> list[str]:
+    """The keys of ``expected`` whose every region in ``metadata`` (a planned
+    save's; none packed) its writer hashed (``hashed``: ``[key, offset,
+    sha256]`` from every rank) to the SHA-256 ``expected`` gives for it."""
+    seen = {(k, tuple(o)): d for k, o, d in hashed}
+    out = []
+    for key in sorted(expected):
+        t = metadata.tensors.get(key)
+        if t is not None and t.regions and all(
+                r.byte_offset is None and (d := seen.get((key, r.box.offset))) is not None
+                and d == expected[key].get(r.box.offset) for r in t.regions):
+            out.append(key)
+    return out
+
+
+def unchanged_references(metadata: Metadata, base: Base, keys: Sequence[str]) -> Frozen:
+    """What the ``keys`` of a planned save found unchanged reference in ``base``,
+    as frozen keys do (:func:`frozen_references`), of those the base stores
+    with the same dtype and global shape (the others are written)."""
+    fit = [k for k in keys if base.tensors.get(k, (None, None))[:2] ==
+           (metadata.tensors[k].dtype, metadata.tensors[k].global_shape)]
+    return frozen_references(metadata, base, [glob.escape(k) for k in fit]) if fit else Frozen()
+
+
+def hash_checked(items: Sequence[ArrayItem | PackItem], checks: Mapping[str, tuple[str, tuple[int, ...]]],
+                 values: Callable[[ArrayItem], np.ndarray]) -> list[list[Any]]:
+    """``[key, offset, sha256]`` of the arrays among ``items`` that ``checks``
+    names (path -> (key, offset)), each hashed from ``values(item)`` once its
+    copy has landed (a failed copy is left for the write to report)."""
+    out: list[list[Any]] = []
+    for item in items:
+        check = checks.get(item.path) if isinstance(item, ArrayItem) else None
+        if check is not None and isinstance(item, ArrayItem) and wait_ready(item.ready) is None:
+            key, offset = check
+            out.append([key, list(offset), digest_of(values(item))])
+    return out
+
+
+def settle_unchanged(metadata: Metadata, base: Base, frozen: Frozen, expected: Digests,
+                     checks: Mapping[str, tuple[str, tuple[int, ...]]], hashed: Iterable[Sequence[Any]]
+                     ) -> tuple[Frozen, set[str]]:
+    """A planned save's frozen references with the keys of ``expected`` that
+    every rank found unchanged (``hashed``, gathered from every rank) added,
+    and the paths of its arrays (``checks``: this rank's) no longer to write."""
+    found = unchanged_references(metadata, base, still_unchanged(metadata, expected, hashed))
+    merged = Frozen({**frozen.regions, **found.regions}, {**frozen.whole, **found.whole})
+    return merged, {path for path, (key, offset) in checks.items() if found.skips(key, offset)}
 
 
 def skip_unchanged(items: Sequence[ArrayItem | PackItem], requests: Mapping[str, Any]

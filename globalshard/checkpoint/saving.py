@@ -14,13 +14,20 @@ from typing import Any
 import numpy as np
 
 from globalshard.checkpoint import cleanup
-from globalshard.checkpoint.bases import Base, Frozen, frozen_references, open_base, skip_unchanged, with_references
-from globalshard.checkpoint.commit import remember_commit, what_is_there
+from globalshard.checkpoint.bases import (
+    Base,
+    Digests,
+    Frozen,
+    frozen_references,
+    open_base,
+)
+from globalshard.checkpoint.commit import what_is_there
+from globalshard.checkpoint.finishing import finish_save
 from globalshard.checkpoint.plan_cache import PLANS, PlanCache
-from globalshard.comm import Comm, SingleProcessComm, distinct_values, run_collectively
+from globalshard.comm import Comm, SingleProcessComm, distinct_values, json_digest, run_collectively
 from globalshard.errors import LayoutError, StorageError
 from globalshard.format.metadata import Metadata, gc_paused
-from globalshard.format.paths import METADATA_FILE, SAVES_DIR, TRAINER_STATE_FILE, new_save_id, save_dir
+from globalshard.format.paths import SAVES_DIR, TRAINER_STATE_FILE, new_save_id, save_dir
 from globalshard.format.trainer_state import TrainerStateRef, dump_trainer_state
 from globalshard.format.zarr import array_attributes, pack_attributes
 from globalshard.io import ArrayEngine, ArrayItem, IOStats, PackItem, engine_name, open_engine
@@ -68,6 +75,7 @@ def save(
     frozen: Iterable[str] = (),
     digests: bool | None = None,
     io: str | None = None,
+    unchanged: Digests | None = None,
 ) -> None:
     """Save this rank's shards as (part of) one checkpoint.
 
@@ -119,6 +127,15 @@ def save(
             this checkpoint as a base and find equal regions by hashing.
             Default: when ``base`` is given. Hashing reads every byte once
             more, where the writing happens (the writer process of an async save).
+        unchanged: keys whose values may equal ``base``'s, each with the
+            SHA-256 of each of its regions by global offset as they were
+            known to hold those values (:func:`region_digests` of the state
+            loaded from the base, gathered from every rank). A key every
+            region of which this save stores with the same SHA-256 is stored
+            as a ``frozen`` key is (the base's cut, when it stores the key
+            so); the others as usual. Hashed from the snapshot where the
+            writing happens, before anything is written (an async save
+            returns first). Every rank must pass the same. Needs ``base``.
         io: the array engine for a local directory, ``"localio"`` (the
             default) or ``"tensorstore"``; None: ``GLOBALSHARD_IO``, read now.
             Object stores always use TensorStore.
@@ -139,7 +156,8 @@ def save(
     # The cyclic GC is paused (see gc_paused): a save makes objects per tensor, none in a cycle.
     with gc_paused():
         _save(state, path, trainer_state, comm, overwrite, kvstore, stats, pack_below,
-              {"base": base, "frozen": frozen, "digests": digests, "kvstore": kvstore, "io": io})
+              {"base": base, "frozen": frozen, "digests": digests, "kvstore": kvstore, "io": io,
+               "unchanged": unchanged})
 
 
 def _save(state: Mapping[str, ShardedTensor], path: Any, trainer_state: dict[str, Any] | None, comm: Comm | None,
@@ -191,6 +209,10 @@ class PlannedSave:
     base: Base | None = None
     frozen: Frozen = dataclasses.field(default_factory=Frozen)
     requests: Mapping[str, tuple[str, tuple[int, ...], str | None]] = dataclasses.field(default_factory=dict)
+    #: ``unchanged=``: the SHA-256 each region of those keys had; and the arrays
+    #: of those keys this rank writes (path -> (key, offset)), hashed before any is.
+    unchanged: Digests = dataclasses.field(default_factory=dict)
+    checks: Mapping[str, tuple[str, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
     #: The engine's name (:func:`~globalshard.io.engine_name`), for a writer process to open its own.
     io: str = "localio"
 
@@ -199,7 +221,7 @@ def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]]
                trainer_state: dict[str, Any] | None, overwrite: bool, held: contextlib.ExitStack,
                staged: Mapping[str, Callable[[], None]] | None = None, *, pack_below: int = 0,
                base: Any = None, frozen: Iterable[str] = (), digests: bool | None = None,
-               kvstore: Any = None, io: str | None = None) -> PlannedSave:
+               kvstore: Any = None, io: str | None = None, unchanged: Digests | None = None) -> PlannedSave:
     """Describe, validate and plan collectively; rank 0 takes the lock into
     ``held`` and finds what the save replaces; every rank reads ``base``.
     Nothing on storage changes."""
@@ -208,6 +230,11 @@ def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]]
     frozen = [frozen] if isinstance(frozen, str) else list(frozen)
     if frozen and base is None:
         raise LayoutError(f"frozen keys {frozen[:5]} need base=: the checkpoint their values are in")
+    if unchanged and base is None:
+        raise LayoutError(f"unchanged keys {sorted(unchanged)[:5]} need base=: the checkpoint their values are in")
+    expected = {k: {tuple(o): d for o, d in m.items()} for k, m in (unchanged or {}).items()}
+    unchanged_digest = json_digest(sorted([k, sorted([list(o), d] for o, d in m.items())]
+                                          for k, m in expected.items())) if expected else ""
     bases: list[Base] = []
     infos = [ShardInfo.of(t) for _, t in entries]
     coordinator = _Coordinator()
@@ -218,7 +245,7 @@ def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]]
     def describe() -> dict[str, Any]:
         # Everything checkable is checked before anything on storage changes.
         out: dict[str, Any] = {"digest": digest, "replicas": replicas, "pack_below": pack_below,
-                               "plans": list(held_plans)}
+                               "plans": list(held_plans), "unchanged": unchanged_digest}
         if base is not None:  # on every rank: each decides for the regions it writes
             bases.append(open_base(store, base, kvstore))
         if comm.rank == 0:
@@ -247,6 +274,9 @@ def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]]
     packing = {g["pack_below"] for g in gathered}
     if len(packing) > 1:  # the plan must be the same on every rank
         raise LayoutError(f"ranks passed different pack_below values: {sorted(packing)}; pass the same on every rank")
+    if len({g["unchanged"] for g in gathered}) > 1:  # every rank takes part in hashing them, or none
+        raise LayoutError("ranks passed different unchanged= digests; pass the same (gathered from every rank) "
+                          "on every rank")
     rank_digests = [g["digest"] for g in gathered]
     mine: Sequence[WriteItem] | None = None
     if comm.world_size > 1:
@@ -277,6 +307,7 @@ def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]]
     frozen_refs = frozen_references(shape_of, the_base, frozen) if the_base is not None and frozen else Frozen()
     hashing = digests if digests is not None else the_base is not None
     requests: dict[str, tuple[str, tuple[int, ...], str | None]] = {}
+    checks: dict[str, tuple[str, tuple[int, ...]]] = {}
     items: list[ArrayItem | PackItem] = []
     packs: dict[str, list[tuple[WriteItem, np.ndarray, Callable[[], None] | None]]] = {}
     for w in mine:
@@ -292,6 +323,8 @@ def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]]
         theirs_sha = theirs.region.sha256 if theirs is not None and theirs.dtype == tensor.dtype else None
         if hashing or theirs_sha is not None:
             requests[w.path] = (w.key, w.box.offset, theirs_sha)
+        if w.key in expected:
+            checks[w.path] = (w.key, w.box.offset)
         cut = tuple(a for a, (n, g) in enumerate(zip(w.box.shape, tensor.global_shape)) if n < g)
         items.append(ArrayItem(w.path, tensor.dtype, local.view(tensor.data),
                                array_attributes(w.key, w.box.offset, save_id), cut, ready))
@@ -302,78 +335,7 @@ def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]]
         items.append(PackItem(path, end, tuple((w.byte_offset or 0, data, ready) for w, data, ready in members),
                               attributes))
     return PlannedSave(store, open_engine(store, io), comm, save_id, metadata, items, coordinator, the_base,
-                       frozen_refs, requests, io)
-
-
-class InProcess:
-    """The I/O that finishes a save, done by this process (its engine's threads).
-    ``unbuffered``: local shards are written around the page cache, as an
-    asynchronous save's background part writes them (see
-    :mod:`~globalshard.io.localio.unbuffered`)."""
-
-    def __init__(self, *, unbuffered: bool = False) -> None:
-        self.unbuffered = unbuffered
-
-    def write(self, planned: PlannedSave, stats: IOStats | None) -> list[list[Any]]:
-        """Write this rank's arrays, but those whose SHA-256 equals the base's, and
-        the trainer state if this rank holds it; returns the hashes
-        (:func:`~globalshard.checkpoint.bases.skip_unchanged`)."""
-        items, outcomes = skip_unchanged(planned.items, planned.requests) if planned.requests else \
-            (planned.items, [])
-        planned.engine.write(items, stats, unbuffered=self.unbuffered)
-        if planned.coordinator.trainer_blob is not None:
-            data, ref = planned.coordinator.trainer_blob
-            planned.store.write(ref.path, data)
-        return outcomes
-
-    def commit(self, store: Store, metadata: Metadata, stamp: Any) -> bytes:
-        """Commit ``metadata`` (spec section 2.1); returns the bytes written."""
-        data = metadata.dumps().encode("utf-8")
-        store.commit(METADATA_FILE, data, stamp)
-        return data
-
-    def cleanup(self, store: Store, previous: Metadata | None, save_id: str) -> None:
-        """Delete what the commit replaced, and leftovers (spec 2.1, 2.2)."""
-        cleanup.remove_superseded(store, previous, save_id)
-
-    def remove(self, store: Store, name: str) -> None:
-        """Delete ``name`` (a failed save's directory), logging a failure."""
-        cleanup.remove_quietly(store, name)
-
-
-def finish_save(planned: PlannedSave, stats: IOStats | None, held: contextlib.ExitStack,
-                ops: InProcess | None = None) -> None:
-    """Write, commit (rank 0, conditionally) and clean up, collectively; a large
-    replaced checkpoint is deleted in the background, which takes over the lock
-    in ``held``. ``ops`` does the I/O (by default this process: :class:`InProcess`)."""
-    store, comm, save_id, coordinator = planned.store, planned.comm, planned.save_id, planned.coordinator
-    io = ops if ops is not None else InProcess()
-
-    hashed: list[list[Any]] = []
-
-    def commit() -> None:
-        if comm.rank == 0:
-            ref = coordinator.trainer_blob[1] if coordinator.trainer_blob is not None else None
-            metadata = with_references(planned.metadata(), planned.base, planned.frozen, hashed)
-            metadata = dataclasses.replace(metadata, trainer_state=ref)
-            remember_commit(store, io.commit(store, metadata, coordinator.stamp), metadata)
-
-    try:
-        _, outcomes = run_collectively(comm, "save: writing", lambda: io.write(planned, stats))
-        hashed.extend(o for rank in outcomes for o in rank or [])
-        run_collectively(comm, "save: commit", commit)
-    except BaseException:
-        if comm.rank == 0:  # every rank has stopped writing: the collective above returned
-            io.remove(store, save_dir(save_id))
-        raise
-    if comm.rank == 0:
-        previous = coordinator.previous
-        if previous is not None and previous.stored_bytes() >= cleanup.BACKGROUND_DELETE_BYTES:
-            cleanup.delete_in_background(f"the checkpoint replaced at {store}",
-                                         lambda: io.cleanup(store, previous, save_id), holding=held.pop_all())
-        else:
-            io.cleanup(store, previous, save_id)
-    comm.barrier()
+                       frozen_refs, requests, expected if the_base is not None else {}, checks, io)
 
 
 def _same(metadata: Metadata) -> Metadata:

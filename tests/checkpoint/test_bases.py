@@ -373,3 +373,131 @@ def test_export_follows_references(tmp_path):
     assert set(exported) == set(base) | set(adapters)
     for k, v in {**base, **adapters}.items():
         assert np.array_equal(exported[k], v), k
+
+
+def _gathered(per_rank):
+    """region_digests of each rank's state, merged (as ranks exchange them)."""
+    out = {}
+    for digests in per_rank:
+        for key, regions in digests.items():
+            out.setdefault(key, {}).update(regions)
+    return out
+
+
+def _rows(key, v, rank, n):
+    h = v.shape[0] // n
+    return gs.ShardedTensor.from_offset(key, v[rank * h:(rank + 1) * h].copy(), global_shape=v.shape,
+                                        global_offset=(rank * h, 0))
+
+
+def _cols(key, v, rank, n):
+    h = v.shape[1] // n
+    return gs.ShardedTensor.from_offset(key, v[:, rank * h:(rank + 1) * h].copy(), global_shape=v.shape,
+                                        global_offset=(0, rank * h))
+
+
+@pytest.mark.parametrize("mode", ["sync", "thread", "process"])
+def test_keys_unchanged_since_a_load_under_another_layout_take_the_bases_cut(tmp_path, mode):
+    # A fine-tune saved at 2 ranks (row halves), loaded at 4 cut along columns: the digests of what the
+    # load filled are the caller's word of what the base holds; a later save references every key still
+    # so (the base's cut, nothing written) and writes the one that changed, whole, in its own cut.
+    rng = np.random.default_rng(12)
+    frozen_w, other = (rng.standard_normal((8, 8)).astype(np.float32) for _ in range(2))
+    adapter = rng.standard_normal((8, 4)).astype(np.float32)
+
+    def state(rank, n, cut, w, o, a):
+        return {"w": cut("w", w, rank, n), "o": cut("o", o, rank, n), "lora": _rows("lora", a, rank, n)}
+
+    run_ranks(2, lambda comm: gs.save(state(comm.rank, 2, _rows, frozen_w, other, adapter), tmp_path / "s0",
+                                      comm=comm))
+    loaded = [state(r, 4, _cols, frozen_w, other, adapter) for r in range(4)]  # what a load at 4 ranks fills
+    known = _gathered(gs.region_digests(s) for s in loaded)
+    changed = other.copy()
+    changed[1, 6] += 1.0  # one element of one rank's piece: that key is written
+    stats = [gs.IOStats() for _ in range(4)]
+    savers = [gs.AsyncSaver(mode) if mode != "sync" else None for _ in range(4)]
+
+    def save(comm):
+        s = state(comm.rank, 4, _cols, frozen_w, changed, adapter * 2)
+        options = dict(comm=comm, base=tmp_path / "s0", unchanged=known, stats=stats[comm.rank])
+        if savers[comm.rank] is None:
+            gs.save(s, tmp_path / "s1", **options)
+        else:
+            savers[comm.rank].save(s, tmp_path / "s1", **options)
+            savers[comm.rank].wait()
+
+    run_ranks(4, save)
+    if mode != "sync":
+        assert {s.last_mode for s in savers} == {mode}
+    md, base_md = gs.read_metadata(tmp_path / "s1"), gs.read_metadata(tmp_path / "s0")
+    assert [(r.box, r.path, r.base) for r in md.tensors["w"].regions] == \
+        [(r.box, r.path, 0) for r in base_md.tensors["w"].regions]  # the base's row halves
+    assert [(r.box.offset, r.base) for r in md.tensors["o"].regions] == [((0, 2 * i), None) for i in range(4)]
+    assert sum(s.bytes_written for s in stats) == changed.nbytes + adapter.nbytes
+    for k, want in (("w", frozen_w), ("o", changed), ("lora", adapter * 2)):
+        assert np.array_equal(gs.read_array(tmp_path / "s1", k), want), k
+        assert np.array_equal(reference_reader.Checkpoint(tmp_path / "s1").read(k), want), k
+    assert gs.Checkpoint(tmp_path / "s1").verify()[0] == []
+
+
+def test_unchanged_keys_need_a_base_and_are_written_when_the_base_stores_them_otherwise(tmp_path):
+    value = np.arange(16, dtype=np.float32).reshape(4, 4)
+    gs.save(whole({"w": value}), tmp_path / "s0")
+    known = gs.region_digests(whole({"w": value.astype(np.float64), "x": value}))
+    with pytest.raises(gs.LayoutError, match="need base="):
+        gs.save(whole({"w": value}), tmp_path / "s1", unchanged=known)
+    # float64 here, float32 in the base; "x" not in the base: both stored as usual, nothing refused.
+    gs.save(whole({"w": value.astype(np.float64), "x": value}), tmp_path / "s1", base=tmp_path / "s0",
+            unchanged=known)
+    md = gs.read_metadata(tmp_path / "s1")
+    assert [r.base for t in md.tensors.values() for r in t.regions] == [None, None]
+    assert np.array_equal(gs.read_array(tmp_path / "s1", "w"), value)
+    # Ranks passing different digests would not hash together: refused on every rank, nothing committed.
+    halves = [{"w": _rows("w", value, r, 2)} for r in range(2)]
+
+    def differing(comm):
+        try:
+            gs.save(halves[comm.rank], tmp_path / "s2", comm=comm, base=tmp_path / "s0",
+                    unchanged=gs.region_digests(halves[comm.rank]))
+        except gs.LayoutError as e:
+            return str(e)
+
+    assert all("different unchanged=" in m for m in run_ranks(2, differing))
+    assert not (tmp_path / "s2" / "metadata.json").exists()
+
+
+@settings(max_examples=25)
+@given(cuts, cuts, st.booleans(), st.one_of(st.none(), st.integers(0, 143)))
+def test_property_an_unchanged_key_is_referenced_and_a_changed_one_written_under_any_cut(base_cut, new_cut,
+                                                                                        by_columns, touched):
+    import tempfile
+
+    value = np.arange(12 * 12, dtype=np.float32).reshape(12, 12)
+
+    def pieces(cut, v):
+        out = {}
+        for a, b in itertools.pairwise(cut):
+            box = (slice(None), slice(a, b)) if by_columns else (slice(a, b),)
+            offset = (0, a) if by_columns else (a, 0)
+            out[f"w@{a}"] = gs.ShardedTensor.from_offset("w", v[box].copy(), global_shape=v.shape,
+                                                         global_offset=offset)
+        return out
+
+    now = value.copy()
+    if touched is not None:
+        now.reshape(-1)[touched] = -1.0
+    root = tempfile.mkdtemp()
+    try:
+        gs.save(pieces(base_cut, value), os.path.join(root, "a"))
+        stats = gs.IOStats()
+        gs.save(pieces(new_cut, now), os.path.join(root, "b"), base=os.path.join(root, "a"), stats=stats,
+                unchanged=gs.region_digests(pieces(new_cut, value)))
+        regions = gs.read_metadata(os.path.join(root, "b")).tensors["w"].regions
+        if touched is None:
+            theirs = gs.read_metadata(os.path.join(root, "a")).tensors["w"].regions
+            assert [(r.box, r.base) for r in regions] == [(r.box, 0) for r in theirs] and stats.bytes_written == 0
+        else:
+            assert all(r.base is None for r in regions) and stats.bytes_written == value.nbytes
+        assert np.array_equal(gs.read_array(os.path.join(root, "b"), "w"), now)  # never the stale values
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
