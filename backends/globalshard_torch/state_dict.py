@@ -249,9 +249,10 @@ def replica_keys(rank: int, digests: Sequence[str], holders: Sequence[Mapping[st
 
 def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, overwrite: bool = False,
          kvstore: Any = None, stats: gs.IOStats | None = None, pack_below: int = 0, base: Any = None,
-         frozen: Sequence[str] = (), digests: bool | None = None, saver: gs.AsyncSaver | None = None) -> None:
+         frozen: Sequence[str] = (), digests: bool | None = None, saver: gs.AsyncSaver | None = None,
+         unchanged: Mapping[str, Mapping[tuple[int, ...], str]] | None = None) -> None:
     """Save a nested state dict (see the module docstring). Call on every rank.
-    ``pack_below``, ``base``, ``frozen``, ``digests``: as for :func:`globalshard.save`
+    ``pack_below``, ``base``, ``frozen``, ``digests``, ``unchanged``: as for :func:`globalshard.save`
     (small regions stored in a few packs; regions equal to a base checkpoint's
     stored as references to it). ``saver`` (a :class:`globalshard.AsyncSaver`),
     as DCP's ``async_save``: the call returns once this rank's tensors are
@@ -345,7 +346,7 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
         recorded[_STREAMS] = dict(sorted(positions.items()))
     staging.save(shards, path, saver, trainer_state=recorded, comm=comm,
                  overwrite=overwrite, kvstore=kvstore, stats=stats, pack_below=pack_below, base=base,
-                 frozen=frozen, digests=digests)
+                 frozen=frozen, digests=digests, unchanged=unchanged)
 
 
 def _like(template: Any, value: Any) -> Any:
@@ -378,6 +379,19 @@ def _plain(state: Any) -> Any:
     if isinstance(state, tuple) and _holds_tensors(state):
         return [_plain(v) for v in state]
     return state
+
+
+def region_digests(state_dict: Mapping[str, Any], keys: Any) -> dict[str, dict[tuple[int, ...], str]]:
+    """:func:`globalshard.region_digests` of the tensors of a flat state dict
+    whose keys are in ``keys``, as :func:`save` would store them (this rank's
+    pieces): what a later ``save(..., unchanged=)`` compares with."""
+    staging, shards = HostStaging(), {}
+    for name, value in state_dict.items():
+        key = unwrapped_name(str(name))
+        if key in keys and torch.is_tensor(value):
+            shards.update(_named(key, _tensor_shards(key, value.detach(), staging, for_save=True)))
+    staging.ready()  # device tensors' copies landed (a HostStaging without a pool overlaps none)
+    return gs.region_digests(shards)
 
 
 def load(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, allow_lossy_cast: bool = False,

@@ -24,8 +24,8 @@ refuse what is missing, as DCP does: keys of the checkpoint no state asks for
 
 A model with frozen parameters (torchtitan's ``LoRAConverter``) stores them
 once: each step references the arrays equal to the step that holds them
-(``Config.reference_unchanged``), and the purge keeps what kept steps
-reference.
+(``Config.reference_unchanged``), after a resume on another layout too, and
+the purge keeps what kept steps reference.
 
 Importing this module needs torchtitan.
 """
@@ -47,6 +47,7 @@ from torchtitan.tools import filesystem
 import globalshard as gs
 from globalshard.errors import MissingKeyError
 from globalshard_torch import state_dict as _state_dict
+from globalshard_torch.comm import resolve_comm
 
 __all__ = ["CheckpointManager"]
 
@@ -84,6 +85,21 @@ class _Saving(Future):
         return super().result(timeout)
 
 
+@dataclass(frozen=True)
+class _Loaded:
+    """What the last load filled the model with: the step folder ``root``
+    (beside the one loaded, or itself) with save ``save_id`` in ``parent``
+    stores these keys whole, and ``digests`` are the SHA-256 of their
+    regions as the load filled them, from every rank
+    (:func:`globalshard.region_digests`): a later save references those still
+    so (``save(..., unchanged=)``), whatever layout each was saved under."""
+
+    parent: str
+    root: str
+    save_id: str
+    digests: dict[str, dict[tuple[int, ...], str]]
+
+
 class _OwnStaging:
     """Stands in for torchtitan's DCP stager, which ``_save`` makes for
     ``async_with_pinned_mem`` (and which needs an accelerator): the
@@ -102,15 +118,21 @@ class CheckpointManager(DcpCheckpointManager):
         """When the model has parameters that do not require grad (a LoRA
         fine-tune's frozen base): each step stores the arrays byte-identical
         (by SHA-256) to those of a committed step before it as references to
-        the step that holds their bytes, so the base is written once per
-        layout; the purge keeps every step a kept one references. False:
-        every step stores everything."""
+        the step that holds their bytes, and after a load (a resume on
+        another layout too) the weights still as the load filled them as
+        references to the step it read them from, with that step's cut; so
+        the base is written once. The purge keeps every step a kept one
+        references. False: every step stores everything."""
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         self.reference_unchanged = config.reference_unchanged
         #: The roots each committed step folder references, read once (its metadata.json is parsed whole).
         self._bases_of: dict[str, list[str]] = {}
+        self._loaded: _Loaded | None = None
+        #: The step folder of the last save begun, and the root it may reference: until its background part
+        #: commits, its metadata.json (or an earlier version's) does not say so, and the purge must keep it.
+        self._saving: tuple[str, str | None] = ("", None)
         if self.enable:
             self.stager = _OwnStaging()
 
@@ -142,8 +164,14 @@ class CheckpointManager(DcpCheckpointManager):
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
         saver = self._saver(async_mode)
         base, digests = self._base(checkpoint_id)
-        self._bases_of.pop(os.path.basename(os.path.normpath(checkpoint_id)), None)  # saved anew: read again
-        _state_dict.save(state_dict, checkpoint_id, overwrite=True, saver=saver, base=base, digests=digests)
+        unchanged = None
+        if digests and (loaded := self._as_loaded(checkpoint_id)) is not None:
+            base, unchanged = loaded  # what is still as loaded references the step the load read it from
+        name = os.path.basename(os.path.normpath(checkpoint_id))
+        self._bases_of.pop(name, None)  # saved anew: read again
+        self._saving = (name, None if base is None else os.path.basename(os.path.normpath(base)))
+        _state_dict.save(state_dict, checkpoint_id, overwrite=True, saver=saver, base=base, digests=digests,
+                         unchanged=unchanged)
         if saver is None:
             return None
         saving = _Saving(saver)
@@ -162,17 +190,14 @@ class CheckpointManager(DcpCheckpointManager):
         one step (the first of a run, or of a layout) rather than a chain of
         them, each kept for a few small equal tensors. The same on every rank:
         torchtitan waits for the previous save before the next."""
-        model = self.states.get(MODEL)
-        frozen = self.reference_unchanged and any(
-            not p.requires_grad for part in getattr(model, "model", ()) for p in part.parameters())
-        if not frozen:
+        if not self._has_frozen():
             return None, None
         parent, name = os.path.split(os.path.normpath(checkpoint_id))
         here = _step_of(name)
         steps = [s for s in self._committed_steps(parent) if here is None or s < here]
         # TODO(limitation): a base is chosen among the steps below this one in the same folder only (an
-        # initial_load_path checkpoint elsewhere is not referenced); regions cut otherwise (a resume on another
-        # layout) or cast (the last step in export_dtype) are written again.
+        # initial_load_path checkpoint elsewhere is not referenced); regions cast (the last step in export_dtype)
+        # are written again. (After a load, on another layout too: _as_loaded.)
         if not steps:
             return None, True
         previous = filesystem.join(parent, f"step-{max(steps)}")
@@ -192,6 +217,23 @@ class CheckpointManager(DcpCheckpointManager):
         # A base deleted by hand makes the steps referencing it unreadable (they say so); this step starts anew.
         return (anchor if filesystem.isfile(filesystem.join(anchor, COMMIT_RECORD)) else None), True
 
+    def _as_loaded(self, checkpoint_id: str) -> tuple[str, dict[str, dict[tuple[int, ...], str]]] | None:
+        """The base and ``unchanged`` digests of a save to ``checkpoint_id``
+        after a load (:class:`_Loaded`): the step the load read the model's
+        stored keys from, when it is beside this one and still holds that
+        save; else None."""
+        loaded = self._loaded
+        if loaded is None or loaded.parent != os.path.dirname(os.path.normpath(checkpoint_id)) or \
+                os.path.basename(os.path.normpath(checkpoint_id)) == loaded.root:
+            return None
+        root = filesystem.join(loaded.parent, loaded.root)
+        try:  # the same file on every rank: the same answer
+            if gs.read_metadata(root).save_id != loaded.save_id:
+                return None  # saved again since
+        except gs.GlobalShardError:
+            return None
+        return root, loaded.digests
+
     @staticmethod
     def _committed_steps(folder: str) -> list[int]:
         """The steps of ``folder`` holding a committed globalshard checkpoint."""
@@ -203,7 +245,9 @@ class CheckpointManager(DcpCheckpointManager):
     def _purge_stale_checkpoints(self) -> None:
         """The purge of torchtitan's checkpointer (the steps beyond the newest
         ``keep_latest_k`` deleted by rank 0's purge thread), keeping every step
-        a kept one references (spec section 2.3), and the steps those reference."""
+        a kept one references (spec section 2.3), and the steps those reference;
+        for the step being saved (in the background: torchtitan purges as soon
+        as the save has begun), its base too."""
         if not self._should_purge():
             return
         steps = sorted((int(m.group(1)), name) for name in filesystem.listdir(self.folder)
@@ -214,13 +258,18 @@ class CheckpointManager(DcpCheckpointManager):
         while pending:
             name = pending.pop()
             path = filesystem.join(self.folder, name)
-            roots = self._bases_of.get(name)
+            saving = name == self._saving[0]
+            roots = None if saving else self._bases_of.get(name)
             if roots is None and filesystem.isfile(filesystem.join(path, COMMIT_RECORD)):
                 try:
-                    roots = self._bases_of[name] = [b.root for b in gs.read_metadata(path).bases]
+                    roots = [b.root for b in gs.read_metadata(path).bases]
                 except gs.GlobalShardError as e:  # what it references is unknown: delete nothing this time
                     logger.warning("not purging %s: %s", self.folder, e)
                     return
+                if not saving:  # a save in flight commits another metadata.json: read it again later
+                    self._bases_of[name] = roots
+            if saving and self._saving[1] is not None:
+                roots = [*(roots or []), self._saving[1]]
             if roots is not None:
                 pending += [r for r in roots if r not in needed]
                 needed.update(roots)
@@ -242,6 +291,44 @@ class CheckpointManager(DcpCheckpointManager):
                                   f"for: {missing[:10]}")
         if MODEL in self.states:
             self.states[MODEL].load_state_dict(state_dict)
+        self._loaded = self._what_was_loaded(checkpoint_id)
+
+    def _what_was_loaded(self, checkpoint_id: str) -> _Loaded | None:
+        """After a load from ``checkpoint_id`` (on every rank): the step folder
+        that stores the most bytes of keys whole (a LoRA run's: the step
+        holding its frozen base), and the digests of the model's keys it
+        stores, as loaded, gathered from every rank; None when saves
+        reference nothing (no frozen parameter, or ``reference_unchanged``
+        off)."""
+        if not self._has_frozen():
+            return None
+        metadata = gs.read_metadata(checkpoint_id)
+        holders: dict[int | None, set[str]] = {}
+        size: dict[int | None, int] = {}
+        for key, t in metadata.tensors.items():
+            where = {r.base for r in t.regions}
+            if len(where) == 1:
+                b = where.pop()
+                holders.setdefault(b, set()).add(key)
+                size[b] = size.get(b, 0) + sum(r.nbytes for r in t.regions)
+        if not holders:
+            return None
+        best = max(holders, key=lambda b: (size[b], -1 if b is None else b))
+        root, save_id = (os.path.basename(os.path.normpath(checkpoint_id)), metadata.save_id) if best is None \
+            else (metadata.bases[best].root, metadata.bases[best].save_id)
+        assert save_id is not None
+        mine = _state_dict.region_digests(self.states[MODEL].state_dict(), holders[best])
+        digests: dict[str, dict[tuple[int, ...], str]] = {}
+        for part in resolve_comm(None).all_gather({k: [[list(o), d] for o, d in v.items()] for k, v in mine.items()}):
+            for key, regions in part.items():
+                digests.setdefault(key, {}).update((tuple(o), d) for o, d in regions)
+        return _Loaded(os.path.dirname(os.path.normpath(checkpoint_id)), root, save_id, digests)
+
+    def _has_frozen(self) -> bool:
+        """Whether saves reference what did not change: a model with parameters that do not require grad."""
+        model = self.states.get(MODEL)
+        return self.reference_unchanged and any(
+            not p.requires_grad for part in getattr(model, "model", ()) for p in part.parameters())
 
     def _find_load_step(self, folder: str = "") -> int:
         """The highest step whose folder holds a committed globalshard checkpoint

@@ -184,9 +184,9 @@ def test_our_checkpointers_purge_keeps_the_steps_kept_ones_reference(tmp_path, c
         gt.save({"base": torch.ones(4), "adapter": torch.full((2,), float(step))}, folder / f"step-{step}",
                 base=folder / "step-1", frozen=["base"])
     (folder / "step-4").mkdir()  # in flight: not committed yet
-    def manager():  # as a run's checkpointer: it reads each step's metadata.json once
-        return SimpleNamespace(folder=str(folder), keep_latest_k=2, _should_purge=lambda: True,
-                               purge_thread=object(), purge_queue=queue.Queue(), _bases_of={})
+    def manager(where=folder, saving=("", None)):  # as a run's checkpointer: it reads each metadata.json once
+        return SimpleNamespace(folder=str(where), keep_latest_k=2, _should_purge=lambda: True,
+                               purge_thread=object(), purge_queue=queue.Queue(), _bases_of={}, _saving=saving)
 
     running = manager()
     CheckpointManager._purge_stale_checkpoints(running)
@@ -195,6 +195,16 @@ def test_our_checkpointers_purge_keeps_the_steps_kept_ones_reference(tmp_path, c
     running = manager()  # a run started afterwards
     CheckpointManager._purge_stale_checkpoints(running)
     assert running.purge_queue.empty() and "not purging" in caplog.text
+    # torchtitan purges once a save has begun: the step still being saved in the background (step-3) will
+    # reference step-1, which no committed step kept (step-2) does. It is kept; forgotten, it would go.
+    other = tmp_path / "resumed"
+    gt.save({"base": torch.ones(4)}, other / "step-1")
+    gt.save({"base": torch.ones(4)}, other / "step-2")
+    (other / "step-3").mkdir()
+    for saving, purged in ((("step-3", "step-1"), []), (("", None), ["step-1"])):
+        running = manager(other, saving)
+        CheckpointManager._purge_stale_checkpoints(running)
+        assert list(running.purge_queue.queue) == [str(other / n) for n in purged], saving
 
 
 def test_our_checkpointer_bases_a_step_on_the_step_holding_the_bytes(tmp_path, caplog):
@@ -211,6 +221,7 @@ def test_our_checkpointer_bases_a_step_on_the_step_holding_the_bytes(tmp_path, c
     model.weight.requires_grad_(False)
     manager = SimpleNamespace(states={MODEL: ModelWrapper(model)}, reference_unchanged=True,
                               _committed_steps=CheckpointManager._committed_steps)
+    manager._has_frozen = lambda: CheckpointManager._has_frozen(manager)
 
     def base(step):
         return CheckpointManager._base(manager, str(folder / f"step-{step}"))

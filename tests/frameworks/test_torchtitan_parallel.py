@@ -472,6 +472,21 @@ def test_a_lora_fine_tune_under_torchtitans_trainer_stores_its_frozen_base_once(
     assert r["tuned"] < 1e-5 < 100 * 1e-5 < r["dropped"], r  # float32 in another order; without the adapters
     assert r["started"] < 1e-5 and r["unread"] == [] and r["adapters_kept"] and other["adapters_kept"], r
     assert r["skipped"] == sorted(k for k in lora), r
+    # Resumed from step 4 at TP=2 (a layout step-1 was not saved under), two more steps from the writer
+    # process: each references step-1's frozen weights, cut as step-1 cut them, and writes only the
+    # adapters and their state.
+    (r, _) = run(2, "torchtitan_checkpointer_jobs:lora_resumed", str(tmp_path / "lr"), work=str(tmp_path),
+                 async_mode="async_with_pinned_mem")
+    assert r["steps"] == ["step-1", "step-6", "step-7"], r
+    for n in (6, 7):
+        later = gs.read_metadata(folder / f"step-{n}")
+        assert [b.root for b in later.bases] == ["step-1"], n
+        assert [k for k in referenced(later) if not k.startswith(("optimizer.", "lr_scheduler."))] == frozen, n
+        for k in frozen:  # step-1's regions (dp_shard=2 cuts rows), each referenced
+            assert [(reg.box, reg.path, reg.base) for reg in later.tensors[k].regions] == \
+                [(reg.box, reg.path, 0) for reg in first.tensors[k].regions], k
+        assert written(later) <= 1.1 * adapters, (n, written(later), adapters)
+        assert gs.Checkpoint(folder / f"step-{n}").verify()[0] == []
 
 
 @pytest.mark.parametrize("async_mode", ["async", "async_with_pinned_mem"])

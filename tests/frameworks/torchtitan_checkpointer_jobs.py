@@ -116,6 +116,28 @@ def resume(rank: int, *, work: str, model: str = "llama3") -> dict[str, Any]:
             "train_state": [[t["train_state"].step, t["train_state"].ntokens_seen] for t in (ours, theirs)]}
 
 
+def lora_resumed(rank: int, *, work: str, async_mode: str) -> dict[str, Any]:
+    """The LoRA run (``train`` with ``model="llama3_lora"``, dp_shard=2) resumed from step 4 at
+    TP=2 by our checkpointer, then two steps trained and saved (steps 6 and 7), in the background
+    (``async_mode``): the first while the newest step kept, step 5, is the model-only last step,
+    which references nothing. Returns the step folders left."""
+    t = _trainer("ours", work, 1, 2, 11, async_mode, exclude=("dataloader",), model="llama3_lora")
+    manager = t["manager"]
+    assert manager.load(step=4)
+    for step in (6, 7):
+        for p in _parameters(t["parts"]):
+            if p.requires_grad:
+                p.grad = torch.sin(p.detach() * 3.0 + step) * 0.1
+        manager.maybe_wait_for_staging()
+        t["optimizers"].step()
+        t["schedulers"].step()
+        manager.save(step)
+    manager.maybe_wait_for_saving()
+    manager.close()
+    dist.barrier()
+    return {"steps": sorted(os.listdir(os.path.join(work, "ours", "checkpoint")))}
+
+
 def failed(rank: int, *, work: str, async_mode: str) -> dict[str, Any]:
     """An async save whose background part fails (a file where the step's save
     directories go): what ``save`` returned, the error ``maybe_wait_for_saving``
