@@ -328,27 +328,29 @@ def test_property_a_dependant_holds_the_new_values_and_references_only_unchanged
 cuts = st.lists(st.integers(1, 11), min_size=0, max_size=3, unique=True).map(lambda c: [0, *sorted(c), 12])
 
 
+def pieces(cut, value, by_columns):
+    """``value`` (12 x 12) cut at ``cut`` along its columns or rows, one shard per piece."""
+    out = {}
+    for a, b in itertools.pairwise(cut):
+        box = (slice(None), slice(a, b)) if by_columns else (slice(a, b),)
+        offset = (0, a) if by_columns else (a, 0)
+        out[f"w@{a}"] = gs.ShardedTensor.from_offset("w", value[box].copy(), global_shape=value.shape,
+                                                     global_offset=offset)
+    return out
+
+
 @settings(max_examples=25)
 @given(cuts, cuts, st.booleans())
 def test_property_a_frozen_key_under_any_other_cut_reads_back_and_writes_nothing(base_cut, new_cut, by_columns):
     import tempfile
 
     value = np.arange(12 * 12, dtype=np.float32).reshape(12, 12)
-
-    def pieces(cut):
-        out = {}
-        for a, b in itertools.pairwise(cut):
-            box = (slice(None), slice(a, b)) if by_columns else (slice(a, b),)
-            offset = (0, a) if by_columns else (a, 0)
-            out[f"w@{a}"] = gs.ShardedTensor.from_offset("w", value[box].copy(), global_shape=value.shape,
-                                                         global_offset=offset)
-        return out
-
     root = tempfile.mkdtemp()
     try:
-        gs.save(pieces(base_cut), os.path.join(root, "a"))
+        gs.save(pieces(base_cut, value, by_columns), os.path.join(root, "a"))
         stats = gs.IOStats()
-        gs.save(pieces(new_cut), os.path.join(root, "b"), base=os.path.join(root, "a"), frozen=["w"], stats=stats)
+        gs.save(pieces(new_cut, value, by_columns), os.path.join(root, "b"), base=os.path.join(root, "a"),
+                frozen=["w"], stats=stats)
         assert stats.bytes_written == 0
         regions = gs.read_metadata(os.path.join(root, "b")).tensors["w"].regions
         theirs = gs.read_metadata(os.path.join(root, "a")).tensors["w"].regions
@@ -473,25 +475,15 @@ def test_property_an_unchanged_key_is_referenced_and_a_changed_one_written_under
     import tempfile
 
     value = np.arange(12 * 12, dtype=np.float32).reshape(12, 12)
-
-    def pieces(cut, v):
-        out = {}
-        for a, b in itertools.pairwise(cut):
-            box = (slice(None), slice(a, b)) if by_columns else (slice(a, b),)
-            offset = (0, a) if by_columns else (a, 0)
-            out[f"w@{a}"] = gs.ShardedTensor.from_offset("w", v[box].copy(), global_shape=v.shape,
-                                                         global_offset=offset)
-        return out
-
     now = value.copy()
     if touched is not None:
         now.reshape(-1)[touched] = -1.0
     root = tempfile.mkdtemp()
     try:
-        gs.save(pieces(base_cut, value), os.path.join(root, "a"))
+        gs.save(pieces(base_cut, value, by_columns), os.path.join(root, "a"))
         stats = gs.IOStats()
-        gs.save(pieces(new_cut, now), os.path.join(root, "b"), base=os.path.join(root, "a"), stats=stats,
-                unchanged=gs.region_digests(pieces(new_cut, value)))
+        gs.save(pieces(new_cut, now, by_columns), os.path.join(root, "b"), base=os.path.join(root, "a"),
+                stats=stats, unchanged=gs.region_digests(pieces(new_cut, value, by_columns)))
         regions = gs.read_metadata(os.path.join(root, "b")).tensors["w"].regions
         if touched is None:
             theirs = gs.read_metadata(os.path.join(root, "a")).tensors["w"].regions

@@ -52,6 +52,16 @@ def _trainer(who: str, work: str, dp_shard: int, tp: int, seed: int, async_mode:
             "train_state": train_state, "manager": manager}
 
 
+def _step(t: dict[str, Any], step: int) -> None:
+    """One training step of ``_trainer``'s parts, as a trainer takes it between saves."""
+    for p in _parameters(t["parts"]):
+        if p.requires_grad:
+            p.grad = torch.sin(p.detach() * 3.0 + step) * 0.1
+    t["manager"].maybe_wait_for_staging()
+    t["optimizers"].step()
+    t["schedulers"].step()
+
+
 def train(rank: int, *, work: str, who: str, async_mode: str, pp: int = 1, model: str = "llama3",
           **ours: Any) -> dict[str, Any]:
     """At dp_shard=2 (or PP=2): a fresh start, then 5 steps with a checkpoint at each, the
@@ -65,12 +75,7 @@ def train(rank: int, *, work: str, who: str, async_mode: str, pp: int = 1, model
     for step in range(1, STEPS + 1):
         t["train_state"].step = step
         t["train_state"].ntokens_seen += int(next(batches).numel())
-        for p in _parameters(t["parts"]):
-            if p.requires_grad:
-                p.grad = torch.sin(p.detach() * 3.0 + step) * 0.1
-        manager.maybe_wait_for_staging()
-        t["optimizers"].step()
-        t["schedulers"].step()
+        _step(t, step)
         saved.append(manager.save(step, last_step=step == STEPS))
     manager.maybe_wait_for_saving()
     manager.close()  # rank 0's purge thread finishes its deletions
@@ -125,12 +130,7 @@ def lora_resumed(rank: int, *, work: str, async_mode: str) -> dict[str, Any]:
     manager = t["manager"]
     assert manager.load(step=4)
     for step in (6, 7):
-        for p in _parameters(t["parts"]):
-            if p.requires_grad:
-                p.grad = torch.sin(p.detach() * 3.0 + step) * 0.1
-        manager.maybe_wait_for_staging()
-        t["optimizers"].step()
-        t["schedulers"].step()
+        _step(t, step)
         manager.save(step)
     manager.maybe_wait_for_saving()
     manager.close()
