@@ -489,6 +489,21 @@ def test_a_lora_fine_tune_under_torchtitans_trainer_stores_its_frozen_base_once(
         assert gs.Checkpoint(folder / f"step-{n}").verify()[0] == []
 
 
+def test_a_seed_checkpoint_made_in_one_process_starts_a_sharded_run_as_torchtitans_own(tmp_path):
+    # torchtitan's create_seed_checkpoint: step 0 saved unsharded by one process (the model only), then a
+    # run at dp_shard=2 starts from it (load(step=-1) finds step 0 and loads the model only), by our
+    # checkpointer and by torchtitan's own: the same weights, the seed's.
+    (seeded,) = run(1, "torchtitan_checkpointer_jobs:seed", str(tmp_path / "s"), work=str(tmp_path))
+    import globalshard as gs
+
+    stored = gs.read_metadata(tmp_path / "ours" / "checkpoint" / "step-0")
+    assert sorted(stored.tensors) == sorted(seeded) and gs.read_trainer_state(tmp_path / "ours" / "checkpoint"
+                                                                               / "step-0") is not None
+    for r in run(2, "torchtitan_checkpointer_jobs:from_seed", str(tmp_path / "r"), work=str(tmp_path)):
+        assert r["differ"] == [] and r["tensors"] == len(seeded) > 20, r["differ"]
+        assert r["values"] == seeded
+
+
 @pytest.mark.parametrize("async_mode", ["async", "async_with_pinned_mem"])
 def test_a_background_save_that_fails_raises_at_the_trainers_wait_and_commits_nothing(tmp_path, async_mode):
     for r in run(2, "torchtitan_checkpointer_jobs:failed", str(tmp_path / "f"), work=str(tmp_path),

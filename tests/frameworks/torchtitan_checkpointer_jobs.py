@@ -6,6 +6,7 @@ DCP one, on the llama3 debugmodel (run by test_torchtitan_parallel.py)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any
 
@@ -136,6 +137,52 @@ def lora_resumed(rank: int, *, work: str, async_mode: str) -> dict[str, Any]:
     manager.close()
     dist.barrier()
     return {"steps": sorted(os.listdir(os.path.join(work, "ours", "checkpoint")))}
+
+
+def _digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """The SHA-256 of each tensor's bytes (values compared across processes without sending them)."""
+    return {k: hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() for k, v in state.items()}
+
+
+def seed(rank: int, *, work: str) -> dict[str, str]:
+    """torchtitan's ``create_seed_checkpoint`` (``train.py``: one process): the llama3
+    debugmodel built on the CPU and initialised, not parallelized (as its trainer skips
+    ``parallelize_fn`` for a seed), saved as step 0 by each checkpointer with
+    ``save(curr_step=0, last_step=True)`` (the model only, in ``export_dtype``). Returns the
+    seed's values (:func:`_digests`)."""
+    from torchtitan.components.optimizer.optimizer import default_adamw
+    from torchtitan.config.configs import ParallelismConfig
+    from torchtitan_models import spec
+
+    model_spec = spec("llama3", ParallelismConfig())
+    model = model_spec.model.build()
+    torch.manual_seed(23)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    optimizers = default_adamw(lr=1e-3).build(model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=10)
+    for who, manager_class in MANAGERS.items():
+        config = manager_class.Config(enable=True, folder="checkpoint", create_seed_checkpoint=True)
+        manager = config.build(dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
+                               states={"train_state": TrainState()}, sd_adapter=None,
+                               base_folder=os.path.join(work, who))
+        assert manager.save(curr_step=0, last_step=True)
+        manager.close()
+    return _digests({k: v.detach() for k, v in ModelWrapper([model]).state_dict().items()})
+
+
+def from_seed(rank: int, *, work: str) -> dict[str, Any]:
+    """A run at dp_shard=2 starting from the seed (``load(step=-1)``, as its trainer calls it:
+    step 0 loads the model only), by each checkpointer from its own folder: the model keys
+    whose full values differ between the two, and the latest step each found."""
+    full = {}
+    for who in MANAGERS:
+        t = _trainer(who, work, 2, 1, 99, "disabled")
+        assert t["manager"].load(step=-1)
+        full[who] = {k: _local(v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+                     for k, v in ModelWrapper(t["parts"]).state_dict().items()}
+    return {"differ": sorted(k for k in full["ours"] if not torch.equal(full["ours"][k], full["dcp"][k])),
+            "tensors": len(full["ours"]), "values": _digests(full["ours"])}
 
 
 def failed(rank: int, *, work: str, async_mode: str) -> dict[str, Any]:
