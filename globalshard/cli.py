@@ -3,7 +3,7 @@
     globalshard inspect PATH                 tensors, dtypes, shapes, regions, trainer state keys
     globalshard verify PATH [--workers N]    read every stored byte, checksums verified
     globalshard diff A B [--atol X]          keys, dtypes, shapes and values that differ
-    globalshard copy PATH OUT [--overwrite]  a standalone copy: arrays referenced in bases copied in
+    globalshard copy PATH OUT [--overwrite] [--drop PATTERN]  a standalone copy: arrays in bases copied in
     globalshard export PATH OUT --format safetensors [--dtype bf16] [--max-shard-size 5GB]
                        [--map NAME|FILE] [--param heads=32]
 
@@ -20,6 +20,7 @@ one of its checkpoints.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import math
 import re
@@ -194,13 +195,17 @@ def _json_float(x: float) -> float | str:
 
 def _copy(args: argparse.Namespace) -> int:
     source = read_metadata(args.path, kvstore=args.kvstore)  # its trainer state is read by the copy
+    drop = args.drop or []
+    kept = [t for k, t in source.tensors.items() if not any(fnmatch.fnmatchcase(k, p) for p in drop)]
     start = time.perf_counter()
-    with _progress(sum(r.nbytes for t in source.tensors.values() for r in t.regions), "copy", args) as bar:
-        copied = copy(args.path, args.out, kvstore=args.kvstore, overwrite=args.overwrite, progress=bar.update)
+    with _progress(sum(r.nbytes for t in kept for r in t.regions), "copy", args) as bar:
+        copied = copy(args.path, args.out, kvstore=args.kvstore, overwrite=args.overwrite, progress=bar.update,
+                      drop=drop)
     seconds = time.perf_counter() - start
-    from_bases = sum(r.nbytes for t in source.tensors.values() for r in t.regions if r.base is not None)
+    from_bases = sum(r.nbytes for t in kept for r in t.regions if r.base is not None)
     doc = {"path": args.path, "out": args.out, "save_id": copied.save_id, "bytes": copied.stored_bytes(),
-           "bytes_from_bases": from_bases, "bases": [b.root for b in source.bases], "seconds": round(seconds, 3)}
+           "bytes_from_bases": from_bases, "bases": [b.root for b in source.bases], "seconds": round(seconds, 3),
+           "dropped": len(source.tensors) - len(copied.tensors)}
     text = [f"{args.out}: {copied.stored_bytes() / 2**20:.2f} MiB in {seconds:.1f} s, "
             f"{from_bases / 2**20:.2f} MiB of it from "
             f"{', '.join(b.root for b in source.bases) if source.bases else 'no base'}; it stands alone"]
@@ -295,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("path")
     p.add_argument("out", help="the copy's path (a new checkpoint root)")
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint at OUT")
+    p.add_argument("--drop", action="append", metavar="PATTERN",
+                   help="leave out the keys this fnmatch pattern matches (repeat it), e.g. 'optimizer.*'")
     p = sub.add_parser("export", parents=[common], help="write the tensors as Hugging Face safetensors")
     p.add_argument("path")
     p.add_argument("out", help="output directory")

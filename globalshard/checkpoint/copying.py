@@ -8,15 +8,16 @@ checked before it commits."""
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from globalshard.checkpoint import cleanup
 from globalshard.checkpoint.bases import check_bases
 from globalshard.checkpoint.commit import what_is_there
 from globalshard.checkpoint.loading import read_metadata
-from globalshard.errors import GlobalShardError, MetadataError, StorageError
+from globalshard.errors import GlobalShardError, LayoutError, MetadataError, StorageError, format_problems
 from globalshard.format.metadata import Metadata, StoredRegion, TensorMetadata
 from globalshard.format.paths import (
     METADATA_FILE,
@@ -39,16 +40,21 @@ ZARR_JSON = "zarr.json"
 
 
 def copy(source: Any, destination: Any, *, kvstore: Any = None, overwrite: bool = False,
-         progress: Callable[[int], None] | None = None) -> Metadata:
+         progress: Callable[[int], None] | None = None, drop: Iterable[str] = ()) -> Metadata:
     """Copy the checkpoint at ``source`` to ``destination`` (paths, URLs or
     kvstore specs, as for :func:`~globalshard.save`; with ``kvstore``, both
     inside it), whole: the arrays it references in its bases are copied too,
     so the copy stands alone (no ``bases``), as one new save committed
     atomically. One process; the trainer state comes along unchanged.
     ``progress``, if given, is called with each region's bytes once copied
-    (their sum: the regions' ``nbytes``). Returns the copy's metadata.
+    (their sum: the regions' ``nbytes``). ``drop``: keys (or ``fnmatch``
+    patterns) left out of the copy, such as a release's optimizer state
+    (``"optimizer.*"``); the trainer state still comes whole. Returns the
+    copy's metadata.
 
     Raises:
+        LayoutError: a ``drop`` pattern matches no key, or a dropped key
+            shares a pack with a kept one (its bytes would come along).
         CheckpointNotFoundError: ``source`` holds no checkpoint.
         StorageError: a base of ``source`` is gone or was replaced (named),
             ``destination`` is ``source`` or one of its bases, an array does
@@ -62,7 +68,7 @@ def copy(source: Any, destination: Any, *, kvstore: Any = None, overwrite: bool 
     src, dst = open_root(source, kvstore), open_root(destination, kvstore)
     if repr(src) == repr(dst):
         raise StorageError(f"cannot copy {src} onto itself")
-    metadata = read_metadata(source, kvstore=kvstore)
+    metadata = _without(read_metadata(source, kvstore=kvstore), drop)
     if src.sibling_name(dst) in {b.root for b in metadata.bases}:
         raise StorageError(f"{dst} is a base of {src}: replacing it would leave {src} unreadable; copy elsewhere")
     needed: dict[int, list[tuple[str, StoredRegion]]] = {}
@@ -95,6 +101,29 @@ def copy(source: Any, destination: Any, *, kvstore: Any = None, overwrite: bool 
             raise
         cleanup.remove_superseded(dst, previous, save_id)
     return copied
+
+
+def _without(metadata: Metadata, drop: Iterable[str]) -> Metadata:
+    """``metadata`` without the keys ``drop`` matches (its ``bases`` as they are:
+    a region's ``base`` indexes them)."""
+    patterns = [drop] if isinstance(drop, str) else list(drop)
+    if not patterns:
+        return metadata
+    dropped = {k for k in metadata.tensors if any(fnmatch.fnmatchcase(k, p) for p in patterns)}
+    problems = [f"drop {p!r} matches no key of {len(metadata.tensors)}" for p in patterns
+                if not any(fnmatch.fnmatchcase(k, p) for k in metadata.tensors)]
+    packs: dict[tuple[int | None, str], set[str]] = {}
+    for key, t in metadata.tensors.items():
+        for r in t.regions:
+            if r.byte_offset is not None:
+                packs.setdefault((r.base, r.path), set()).add(key)
+    for (_, path), keys in sorted(packs.items(), key=lambda kv: kv[0][1]):
+        if keys & dropped and keys - dropped:
+            problems.append(f"{sorted(keys & dropped)[:3]} share the pack {path} with kept keys "
+                            f"{sorted(keys - dropped)[:3]}: drop them all, or none")
+    if problems:
+        raise LayoutError(format_problems("cannot copy without these keys", problems))
+    return dataclasses.replace(metadata, tensors={k: t for k, t in metadata.tensors.items() if k not in dropped})
 
 
 def _copy_arrays(src: Store, dst: Store, metadata: Metadata, holders: dict[int, Store], save_id: str,

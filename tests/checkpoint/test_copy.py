@@ -56,6 +56,34 @@ def test_a_copy_stands_alone_once_its_base_is_gone(tmp_path):
     assert sorted(os.listdir(out / "saves")) == [copied.save_id]
 
 
+def test_a_copy_can_leave_keys_out(tmp_path):
+    # A release of step-1's weights without its adapter: the base's arrays copied in, nothing of "lora".
+    values = lora_run(tmp_path / "run")
+    copied = gs.copy(tmp_path / "run" / "step-1", tmp_path / "release", drop=["lora"])
+    assert sorted(copied.tensors) == ["base.norm", "base.w"] and copied.bases == ()
+    shutil.rmtree(tmp_path / "run" / "step-0")  # the base: the copy stands without it
+    for k in ("base.norm", "base.w"):
+        assert np.array_equal(gs.read_array(tmp_path / "release", k), values[k])
+    assert gs.read_trainer_state(tmp_path / "release") == {"step": 1}
+    assert gs.Checkpoint(tmp_path / "release").verify()[0] == []
+    # Without what the base held, the adapter alone copies with the base gone.
+    adapter = gs.copy(tmp_path / "run" / "step-1", tmp_path / "adapter", drop=["base.*"])
+    assert sorted(adapter.tensors) == ["lora"]
+    assert np.array_equal(gs.read_array(tmp_path / "adapter", "lora"), values["lora"])
+
+
+def test_a_copy_refuses_drops_it_cannot_honour_and_commits_nothing(tmp_path):
+    lora_run(tmp_path / "run")
+    with pytest.raises(gs.LayoutError, match=r"drop 'optimizer\.\*' matches no key"):
+        gs.copy(tmp_path / "run" / "step-1", tmp_path / "out", drop=["optimizer.*"])
+    # step-0 packs base.norm and lora together: dropping one would carry its bytes along in the other's pack.
+    with pytest.raises(gs.LayoutError, match=r"\['lora'\] share the pack .* with kept keys \['base.norm'\]"):
+        gs.copy(tmp_path / "run" / "step-0", tmp_path / "out", drop=["lora"])
+    assert not (tmp_path / "out").exists()
+    both = gs.copy(tmp_path / "run" / "step-0", tmp_path / "out", drop=["lora", "base.norm"])
+    assert sorted(both.tensors) == ["base.w"]
+
+
 def test_a_copy_refuses_what_it_cannot_copy_whole_and_commits_nothing(tmp_path):
     lora_run(tmp_path / "run")
     with pytest.raises(gs.StorageError, match="onto itself"):

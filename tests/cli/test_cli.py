@@ -221,6 +221,13 @@ def test_copy_makes_a_checkpoint_that_stands_without_its_base(tmp_path):
     assert again.returncode == 0 and "0.00 MiB of it from no base; it stands alone" in again.stdout
     refused = run("copy", str(tmp_path / "alone"), str(tmp_path / "alone2"))
     assert refused.returncode == 1 and "already holds a checkpoint" in refused.stderr
+    # --drop: a release without what a pattern matches.
+    out = run("copy", str(tmp_path / "alone"), str(tmp_path / "weights"), "--drop", "a", "--json")
+    assert out.returncode == 0 and json.loads(out.stdout)["dropped"] == 1, out.stderr
+    assert sorted(gs.read_metadata(tmp_path / "weights").tensors) == ["w"]
+    out = run("copy", str(tmp_path / "alone"), str(tmp_path / "none"), "--drop", "optimizer.*")
+    assert out.returncode == 1 and "drop 'optimizer.*' matches no key" in out.stderr
+    assert not (tmp_path / "none" / "metadata.json").exists()
 
 
 def test_usage_errors_exit_2(tmp_path):
