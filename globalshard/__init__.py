@@ -21,6 +21,7 @@ from globalshard.checkpoint import (
     read_metadata,
     read_trainer_state,
     region_digests,
+    remove_keys,
     save,
     wait_for_cleanup,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "read_metadata",
     "read_trainer_state",
     "region_digests",
+    "remove_keys",
     "save",
     "shards_from_flat_range",
     "wait_for_cleanup",

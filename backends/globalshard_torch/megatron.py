@@ -45,10 +45,12 @@ Megatron writes its ``metadata.json``.
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -299,11 +301,17 @@ class LoadStrategy(LoadShardedStrategy):
                 for key, t in metadata.tensors.items() if not gs.is_padding_key(key)}
 
     def remove_sharded_tensors(self, checkpoint_dir: Any, key_prefix: str) -> None:
-        # TODO(limitation): removing keys from a saved checkpoint (dist_checkpointing's
-        # remove_sharded_tensors) is not supported; load and save again without them.
-        raise NotImplementedError(f"the globalshard strategy cannot remove keys from a saved checkpoint (asked for "
-                                  f"{key_prefix!r} in {os.fspath(checkpoint_dir)!r}); load it and save it again "
-                                  "without them")
+        """Remove the tensors whose keys begin with ``key_prefix``, in place
+        (:func:`globalshard.remove_keys`: one commit, then their arrays
+        deleted); as Megatron's own strategy, a warning and nothing else when
+        no key does. Call it on one rank, as Megatron's test does."""
+        with _megatron_errors():
+            path = arrays_path(checkpoint_dir)
+            if not any(k.startswith(key_prefix) for k in gs.read_metadata(path).tensors):
+                warnings.warn(f"There are no tensors in {os.fspath(checkpoint_dir)} whose keys begin with "
+                              f'"{key_prefix}". Skipping removal.', stacklevel=2)
+                return
+            gs.remove_keys(path, [glob.escape(key_prefix) + "*"])
 
 
 def load_hf(directory: str, sharded_state_dict: Any, *, mapping: NameMapping | str,

@@ -68,7 +68,7 @@ def copy(source: Any, destination: Any, *, kvstore: Any = None, overwrite: bool 
     src, dst = open_root(source, kvstore), open_root(destination, kvstore)
     if repr(src) == repr(dst):
         raise StorageError(f"cannot copy {src} onto itself")
-    metadata = _without(read_metadata(source, kvstore=kvstore), drop)
+    metadata = without_keys(read_metadata(source, kvstore=kvstore), drop)
     if src.sibling_name(dst) in {b.root for b in metadata.bases}:
         raise StorageError(f"{dst} is a base of {src}: replacing it would leave {src} unreadable; copy elsewhere")
     needed: dict[int, list[tuple[str, StoredRegion]]] = {}
@@ -103,7 +103,7 @@ def copy(source: Any, destination: Any, *, kvstore: Any = None, overwrite: bool 
     return copied
 
 
-def _without(metadata: Metadata, drop: Iterable[str]) -> Metadata:
+def without_keys(metadata: Metadata, drop: Iterable[str]) -> Metadata:
     """``metadata`` without the keys ``drop`` matches (its ``bases`` as they are:
     a region's ``base`` indexes them)."""
     patterns = [drop] if isinstance(drop, str) else list(drop)

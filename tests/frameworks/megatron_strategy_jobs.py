@@ -11,6 +11,7 @@ import math
 import os
 import re
 import tempfile
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -481,4 +482,19 @@ def conventions(rank: int, *, path: str) -> dict[str, Any]:
          "c": ShardedTensor.from_rank_offsets("TenC", torch.zeros(4))}, mixed, strict=StrictHandling.RETURN_ALL)
     out["strict"] = {"loaded": {k: v.tolist() for k, v in loaded.items()}, "missing": sorted(missing),
                      "unexpected": sorted(unexpected)}
+    # test_remove_sharded_tensors: the keys with a prefix removed in place (then a warning: none left).
+    removing = os.path.join(path, "remove")
+    os.makedirs(removing)
+    dist_checkpointing.save({"sd_keyA": ShardedTensor.from_rank_offsets("keyA", torch.arange(8.0).reshape(2, 4)),
+                             "sd_prefix_key_to_remove": ShardedTensor.from_rank_offsets(
+                                 "prefix_key_to_remove", torch.ones(3, 5, 7))}, removing, sharded_strategy=strategy)
+    dist_checkpointing.remove_sharded_tensors(removing, key_prefix="prefix")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist_checkpointing.remove_sharded_tensors(removing, key_prefix="prefix")
+    arrays = os.path.join(gm.arrays_path(removing), "saves", gs.read_metadata(gm.arrays_path(removing)).save_id,
+                          "arrays")
+    out["removed"] = {"keys": sorted(dist_checkpointing.load_tensors_metadata(removing)),
+                      "warned": [str(w.message) for w in caught], "files": sorted(os.listdir(arrays)),
+                      "kept": outcome({"a": ShardedTensor.from_rank_offsets("keyA", torch.zeros(2, 4))}, removing)}
     return out

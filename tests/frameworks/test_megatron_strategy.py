@@ -195,8 +195,8 @@ def test_hugging_face_files_that_do_not_fit_a_megatron_model_are_refused_naming_
 
 
 def test_megatrons_own_serialization_tests_pass_with_the_globalshard_strategy(tmp_path):
-    """Megatron's test_serialization.py cases on errors, shapes and empty states, and a
-    test_strict.py case, in one process."""
+    """Megatron's test_serialization.py cases on errors, shapes, empty states and
+    removing tensors, and a test_strict.py case, in one process."""
     (out,) = run(1, "megatron_strategy_jobs:conventions", str(tmp_path / "ranks"), path=str(tmp_path))
     for cols in (28, 36):  # a rigid target of another global shape is refused, naming the key and both shapes
         assert out[f"rigid_{cols}"].startswith("CheckpointingException: MismatchError"), out[f"rigid_{cols}"]
@@ -207,6 +207,10 @@ def test_megatrons_own_serialization_tests_pass_with_the_globalshard_strategy(tm
     assert out["renamed"].startswith("CheckpointingException") and "different_key" in out["renamed"]
     assert out["empty"] == {"common": "common-value"}
     assert out["strict"] == {"loaded": {"a": [0.0, 1.0]}, "missing": ["TenB"], "unexpected": ["TenC"]}
+    removed = out["removed"]  # test_remove_sharded_tensors: the prefixed key gone, its arrays too
+    assert removed["keys"] == ["keyA"] and removed["files"] == ["keyA"], removed
+    assert removed["kept"] == {"a": [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]}
+    assert len(removed["warned"]) == 1 and 'whose keys begin with "prefix". Skipping removal' in removed["warned"][0]
 
 
 def test_any_two_cuts_of_a_global_array_round_trip_through_dist_checkpointing(tmp_path):
