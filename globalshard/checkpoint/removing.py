@@ -39,6 +39,7 @@ def remove_keys(path: Any, keys: Iterable[str], *, kvstore: Any = None) -> Metad
     """
     store = open_root(path, kvstore)
     read_metadata(path, kvstore=kvstore)  # no checkpoint: said as a load says it
+    cleanup.wait_for_cleanup()  # a save's background deletion holds the lock until it is done
     with store.lock():
         data, stamp = store.read_stamped(METADATA_FILE)
         if data is None:

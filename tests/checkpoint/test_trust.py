@@ -265,6 +265,21 @@ def test_a_large_replaced_checkpoint_is_deleted_after_save_returns_under_the_loc
         pass
 
 
+def test_removing_keys_waits_for_the_background_deletion_of_the_save_before(tmp_path, paused_deletion):
+    saver.save_stamped(tmp_path, 1)
+    saver.save_stamped(tmp_path, 2, overwrite=True)  # its replaced checkpoint's deletion holds the lock
+    key = sorted(gs.read_metadata(tmp_path).tensors)[0]
+    errors = []
+    remover = threading.Thread(target=lambda: errors.extend(
+        [e for e in [_raised(gs.remove_keys, tmp_path, [key])] if e]))
+    remover.start()
+    remover.join(0.5)
+    assert remover.is_alive() and key in gs.read_metadata(tmp_path).tensors  # waiting, not refused
+    paused_deletion.set()
+    remover.join(60)
+    assert not remover.is_alive() and errors == [] and key not in gs.read_metadata(tmp_path).tensors
+
+
 def _raised(fn, *args, **kw):
     try:
         fn(*args, **kw)
