@@ -25,7 +25,9 @@ nested dict, as ``model.state_dict()`` or
   ``bytes`` and ``io.BytesIO`` (what Transformer Engine modules put in a
   model's state dict as ``_extra_state``, and what DCP saves as a stream),
   stored as uint8 arrays: a BytesIO comes back as one, at the position it
-  was saved at, as DCP gives it back.
+  was saved at, as DCP gives it back; and numpy arrays (a metric's history,
+  a sampler's permutation), stored as arrays and given back as numpy arrays
+  (filled in place when the state dict holds one of their shape and dtype).
 
 Keys are the dotted paths of the leaves, as DCP flattens them
 (``{"model": {"w": t}}`` -> ``model.w``), after removing the wrapper prefixes
@@ -52,6 +54,7 @@ import torch
 
 import globalshard as gs
 from globalshard.comm import Comm, distinct_values, json_digest, run_collectively
+from globalshard.dtypes import numpy_dtype
 from globalshard.errors import LayoutError, MismatchError, format_problems
 from globalshard.planner import asked_mask, missing_key, unread_keys
 from globalshard_torch.comm import resolve_comm
@@ -73,10 +76,11 @@ class LoadedKeys(NamedTuple):
 _VALUES = "state_dict_values"  # trainer-state member holding the JSON leaves, by key
 _BYTES = "state_dict_bytes"  # the keys stored as uint8 arrays from bytes
 _STREAMS = "state_dict_bytes_io"  # of those, the keys saved from an io.BytesIO: key -> its position
+_ARRAYS = "state_dict_arrays"  # the keys saved from numpy arrays
 
 
 def _holds_tensors(value: Any) -> bool:
-    if torch.is_tensor(value):
+    if torch.is_tensor(value) or isinstance(value, np.ndarray):
         return True
     if isinstance(value, dict):
         return any(_holds_tensors(v) for v in value.values())
@@ -130,7 +134,9 @@ def _walk(state: Any, visit: Visit, prefix: str = "", seen: dict[str, str] | Non
         key = f"{prefix}.{component}" if prefix else component
         if isinstance(value, dict) or (isinstance(value, (list, tuple)) and _holds_tensors(value)):
             if isinstance(value, tuple) and _holds_tensors(value):
-                raise LayoutError(f"{key}: a tuple holding tensors cannot be filled in place; use a list")
+                raise LayoutError(f"{key}: a tuple holding tensors or arrays cannot be filled in place; use a list"
+                                  " (numpy's get_state() is such a tuple: np.random.default_rng's "
+                                  "bit_generator.state is a dict of numbers)")
             _walk(value, visit, key, seen)
             continue
         if key in seen:
@@ -273,6 +279,7 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
     values: dict[str, Any] = {}
     byte_keys: list[str] = []
     streams: dict[str, int] = {}  # the keys of io.BytesIO leaves -> their positions
+    arrays: list[str] = []  # the keys of numpy array leaves
     shared: dict[str, str] = {}  # key -> kind, for the keys other ranks may hold copies of
     holders: dict[str, int] = {"": comm.rank}  # kind -> this rank's holder of it
 
@@ -300,6 +307,14 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
                 byte_keys.append(key)
                 if isinstance(value, io.BytesIO):
                     streams[key] = value.tell()
+            elif isinstance(value, np.ndarray):
+                try:
+                    shards[key] = _replica_shard(key, value if value.flags.c_contiguous else value.copy(), True)
+                except gs.GlobalShardError as e:
+                    problems.append(f"{key}: a numpy array that cannot be stored ({e})")
+                else:
+                    shared[key] = ""
+                    arrays.append(key)
             elif (why := _refusal(value)) is not None:
                 problems.append(f"{key}: {why}")
             else:
@@ -314,7 +329,7 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
         if problems:
             raise LayoutError(format_problems("cannot save the state dict", problems))
         held.update(shared=sorted(shared.items()), values=values, bytes=sorted(byte_keys),
-                    **({"streams": streams} if streams else {}))
+                    **({"streams": streams} if streams else {}), **({"arrays": sorted(arrays)} if arrays else {}))
         return {"digest": json_digest(held), "holders": holders}
 
     held: dict[str, Any] = {}  # what this rank holds that other ranks may hold too, as it is sent
@@ -344,6 +359,9 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
             positions.setdefault(key, position)
     if positions:  # written only when there is one: a checkpoint without streams is as it was
         recorded[_STREAMS] = dict(sorted(positions.items()))
+    all_arrays = sorted({key for part in parts.values() for key in part.get("arrays", [])})
+    if all_arrays:  # likewise
+        recorded[_ARRAYS] = all_arrays
     staging.save(shards, path, saver, trainer_state=recorded, comm=comm,
                  overwrite=overwrite, kvstore=kvstore, stats=stats, pack_below=pack_below, base=base,
                  frozen=frozen, digests=digests, unchanged=unchanged)
@@ -432,6 +450,7 @@ def load(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, all
         opened.append(checkpoint)
         saved = checkpoint.trainer_state
         saved_values, saved_bytes = saved.get(_VALUES, {}), set(saved.get(_BYTES, []))
+        saved_arrays = set(saved.get(_ARRAYS, []))
         problems: list[str] = []
 
         def visit(key: str, value: Any, container: Any, index: Any) -> None:
@@ -441,6 +460,15 @@ def load(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, all
                 inner = _plain(value.state_dict())
                 statefuls.append((value, inner))
                 _walk(inner, visit, key)
+            elif key in saved_arrays:
+                stored = checkpoint.metadata.tensors[key]
+                dtype = numpy_dtype(stored.dtype)
+                if isinstance(value, np.ndarray) and value.shape == stored.global_shape and value.dtype == dtype \
+                        and value.flags.c_contiguous and value.flags.writeable:
+                    targets[key] = _replica_shard(key, value, True)  # filled in place
+                else:
+                    targets[key] = _replica_shard(key, np.empty(stored.global_shape, dtype), True)
+                    fills.append((key, container, index))
             elif key in saved_bytes:
                 stored = checkpoint.metadata.tensors[key]
                 targets[key] = _replica_shard(key, np.zeros(stored.global_shape, np.uint8), True)
@@ -482,9 +510,11 @@ def load(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, all
     checkpoint.load(targets, comm=comm, allow_lossy_cast=allow_lossy_cast, stats=stats, shared_reads=shared_reads)
     staging.finish_load()
     saved = checkpoint.trainer_state
-    streams = saved.get(_STREAMS, {})
+    streams, arrays = saved.get(_STREAMS, {}), set(saved.get(_ARRAYS, []))
     for key, container, index in fills:
-        if key in targets:
+        if key in arrays:
+            container[index] = targets[key].data
+        elif key in targets:
             data = targets[key].data.tobytes()
             # As DCP gives them back: the type saved (a BytesIO: the state dict's own, filled, if it holds one).
             container[index] = _filled(container[index], data, streams[key]) if key in streams else data

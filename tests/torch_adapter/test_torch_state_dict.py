@@ -141,6 +141,25 @@ def test_bytesio_leaves_come_back_as_dcp_gives_them(tmp_path):
     assert torch.equal(torch.load(written, weights_only=True)["amax"], torch.arange(3.0))
 
 
+def test_numpy_arrays_are_stored_as_arrays_and_come_back_as_numpy(tmp_path):
+    # A sampler's permutation, a metric's history: arrays, not pickles. The state dict's own array is
+    # filled when it fits; otherwise the entry is replaced, as DCP replaces it.
+    perm = np.random.default_rng(0).permutation(10)
+    history = np.linspace(0.0, 1.0, 6, dtype=np.float32).reshape(2, 3)
+    gt.save({"sampler": {"perm": perm, "epoch": 3}, "history": history, "scalar": np.array(2.5)}, tmp_path / "c")
+    assert gs.read_metadata(tmp_path / "c").tensors["sampler.perm"].dtype == "int64"
+    mine = np.zeros(10, np.int64)
+    state = {"sampler": {"perm": mine, "epoch": 0}, "history": None, "scalar": np.zeros(3)}
+    gt.load(state, tmp_path / "c")
+    assert state["sampler"]["perm"] is mine and np.array_equal(mine, perm) and state["sampler"]["epoch"] == 3
+    assert state["history"].dtype == np.float32 and np.array_equal(state["history"], history)
+    assert state["scalar"].shape == () and state["scalar"] == 2.5  # another shape held: replaced
+    with pytest.raises(gs.LayoutError, match="a numpy array that cannot be stored"):
+        gt.save({"names": np.array(["a", "b"])}, tmp_path / "d")
+    with pytest.raises(gs.LayoutError, match="bit_generator.state"):
+        gt.save({"rng": np.random.get_state()}, tmp_path / "e")
+
+
 class ScaledLinear(nn.Linear):
     """As a Transformer Engine module: its extra state (an FP8 amax) is an io.BytesIO
     of torch.save, so it sits in ``model.state_dict()`` as ``_extra_state``."""
@@ -412,6 +431,14 @@ def _tensors(draw):
 
 
 @st.composite
+def _arrays(draw):
+    dtype = draw(st.sampled_from([np.float32, np.float64, np.int64, np.uint8, np.bool_, np.complex64]))
+    shape = draw(st.lists(st.integers(0, 3), max_size=3))
+    values = np.random.default_rng(draw(st.integers(0, 2**31))).integers(-9, 9, shape)
+    return values.astype(dtype)
+
+
+@st.composite
 def _streams_drawn(draw):
     stream = io.BytesIO(draw(st.binary(max_size=40)))
     stream.seek(draw(st.integers(0, len(stream.getvalue()))))
@@ -425,7 +452,7 @@ _JSON = st.recursive(
                                                                 min_size=1, max_size=3),
     max_leaves=6)
 _NAMES = st.text("abcdefgh", min_size=1, max_size=3)
-_LEAVES = _tensors() | st.binary(max_size=20) | _streams_drawn() | _JSON
+_LEAVES = _tensors() | st.binary(max_size=20) | _streams_drawn() | _arrays() | _JSON
 _STATES = st.dictionaries(_NAMES, st.recursive(
     _LEAVES, lambda inner: st.dictionaries(_NAMES, inner, min_size=1, max_size=3) | st.lists(_tensors(), min_size=1,
                                                                                             max_size=3),
@@ -437,6 +464,8 @@ def _target(value):
     empty streams, None for every other leaf."""
     if torch.is_tensor(value):
         return torch.zeros_like(value).contiguous()
+    if isinstance(value, np.ndarray):
+        return np.zeros_like(value)
     if isinstance(value, dict):
         return {k: _target(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -450,6 +479,8 @@ def _plain_view(value):
                 if value.numel() else [])
     if isinstance(value, io.BytesIO):
         return ("stream", value.getvalue(), value.tell())
+    if isinstance(value, np.ndarray):
+        return ("ndarray", value.dtype.str, value.shape, value.tobytes())
     if isinstance(value, dict):
         return {k: _plain_view(v) for k, v in value.items()}
     if isinstance(value, list) and any(torch.is_tensor(v) for v in value):
@@ -461,9 +492,9 @@ def _plain_view(value):
 @settings(max_examples=40)
 @given(state=_STATES)
 def test_any_state_dict_loads_as_dcp_loads_it(tmp_path_factory, state):
-    # DCP as the oracle: tensors of every dtype (non-contiguous, 0-d, empty), bytes, streams and
-    # JSON values, nested in dicts and lists of tensors, come back equal to what was saved and
-    # to what DCP's own load of the same state gives.
+    # DCP as the oracle: tensors of every dtype (non-contiguous, 0-d, empty), bytes, streams, numpy
+    # arrays and JSON values, nested in dicts and lists of tensors, come back equal to what was saved
+    # and to what DCP's own load of the same state gives.
     import torch.distributed.checkpoint as dcp
 
     root = tmp_path_factory.mktemp("s")
