@@ -103,14 +103,15 @@ def copy(source: Any, destination: Any, *, kvstore: Any = None, overwrite: bool 
     return copied
 
 
-def without_keys(metadata: Metadata, drop: Iterable[str]) -> Metadata:
+def without_keys(metadata: Metadata, drop: Iterable[str], verb: str = "drop",
+                 refusal: str = "cannot copy without these keys") -> Metadata:
     """``metadata`` without the keys ``drop`` matches (its ``bases`` as they are:
-    a region's ``base`` indexes them)."""
+    a region's ``base`` indexes them); ``verb`` and ``refusal`` word its errors."""
     patterns = [drop] if isinstance(drop, str) else list(drop)
     if not patterns:
         return metadata
     dropped = {k for k in metadata.tensors if any(fnmatch.fnmatchcase(k, p) for p in patterns)}
-    problems = [f"drop {p!r} matches no key of {len(metadata.tensors)}" for p in patterns
+    problems = [f"{verb} {p!r} matches no key of {len(metadata.tensors)}" for p in patterns
                 if not any(fnmatch.fnmatchcase(k, p) for k in metadata.tensors)]
     packs: dict[tuple[int | None, str], set[str]] = {}
     for key, t in metadata.tensors.items():
@@ -122,7 +123,7 @@ def without_keys(metadata: Metadata, drop: Iterable[str]) -> Metadata:
             problems.append(f"{sorted(keys & dropped)[:3]} share the pack {path} with kept keys "
                             f"{sorted(keys - dropped)[:3]}: drop them all, or none")
     if problems:
-        raise LayoutError(format_problems("cannot copy without these keys", problems))
+        raise LayoutError(format_problems(refusal, problems))
     return dataclasses.replace(metadata, tensors={k: t for k, t in metadata.tensors.items() if k not in dropped})
 
 

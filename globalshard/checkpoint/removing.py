@@ -48,7 +48,7 @@ def remove_keys(path: Any, keys: Iterable[str], *, kvstore: Any = None) -> Metad
         if found.save_id is None:
             raise StorageError(f"{store} is a version 1 checkpoint, which cannot be edited in place; "
                                "`globalshard copy` it (a version 2 copy) and remove the keys from the copy")
-        kept = _used_bases_only(without_keys(found, keys))
+        kept = _used_bases_only(without_keys(found, keys, "remove", "cannot remove these keys"))
         text = kept.dumps().encode("utf-8")
         store.commit(METADATA_FILE, text, stamp)
         remember_commit(store, text, kept)

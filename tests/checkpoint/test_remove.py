@@ -84,7 +84,7 @@ def test_what_cannot_be_removed_is_refused_and_nothing_changes(tmp_path):
     text = (tmp_path / "packed" / "metadata.json").read_bytes()
     with pytest.raises(gs.LayoutError, match="matches no key"):
         gs.remove_keys(tmp_path / "packed", ["lr_scheduler.*"])
-    with pytest.raises(gs.LayoutError, match="share the pack"):
+    with pytest.raises(gs.LayoutError, match="cannot remove these keys(.|\n)*share the pack"):
         gs.remove_keys(tmp_path / "packed", ["optimizer.*"])
     assert (tmp_path / "packed" / "metadata.json").read_bytes() == text
     with pytest.raises(gs.CheckpointNotFoundError):
