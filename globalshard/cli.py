@@ -20,7 +20,6 @@ one of its checkpoints.
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import json
 import math
 import re
@@ -32,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from globalshard.checkpoint import Checkpoint, copy, read_metadata
+from globalshard.checkpoint.copying import without_keys
 from globalshard.dtypes import numpy_dtype
 from globalshard.errors import GlobalShardError
 from globalshard.geometry import Box
@@ -196,7 +196,7 @@ def _json_float(x: float) -> float | str:
 def _copy(args: argparse.Namespace) -> int:
     source = read_metadata(args.path, kvstore=args.kvstore)  # its trainer state is read by the copy
     drop = args.drop or []
-    kept = [t for k, t in source.tensors.items() if not any(fnmatch.fnmatchcase(k, p) for p in drop)]
+    kept = without_keys(source, drop).tensors.values()  # a bad pattern is refused before the bar shows
     start = time.perf_counter()
     with _progress(sum(r.nbytes for t in kept for r in t.regions), "copy", args) as bar:
         copied = copy(args.path, args.out, kvstore=args.kvstore, overwrite=args.overwrite, progress=bar.update,

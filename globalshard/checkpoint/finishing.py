@@ -110,8 +110,9 @@ def _settled(planned: PlannedSave, hashed: list[list[Any]]) -> PlannedSave:
     arrays not written: the same on every rank."""
     if planned.base is None:
         return planned
-    frozen, dropped = settle_unchanged(planned.metadata(), planned.base, planned.frozen, planned.unchanged,
-                                       planned.checks, hashed)
-    return dataclasses.replace(planned, frozen=frozen, unchanged={}, checks={},
+    metadata = planned.metadata()  # built once (a reused plan's is rebased): the commit takes the same
+    frozen, dropped = settle_unchanged(metadata, planned.base, planned.frozen, planned.unchanged, planned.checks,
+                                       hashed)
+    return dataclasses.replace(planned, metadata=lambda: metadata, frozen=frozen, unchanged={}, checks={},
                                items=[i for i in planned.items if i.path not in dropped],
                                requests={p: r for p, r in planned.requests.items() if p not in dropped})

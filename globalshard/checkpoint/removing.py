@@ -38,7 +38,8 @@ def remove_keys(path: Any, keys: Iterable[str], *, kvstore: Any = None) -> Metad
             version 2 one); ConcurrentSaveError: a save committed meanwhile.
     """
     store = open_root(path, kvstore)
-    read_metadata(path, kvstore=kvstore)  # no checkpoint: said as a load says it
+    if store.read(METADATA_FILE) is None:  # checked before the lock, which would make the directory
+        read_metadata(path, kvstore=kvstore)  # raises, saying what the path holds, as a load does
     cleanup.wait_for_cleanup()  # a save's background deletion holds the lock until it is done
     with store.lock():
         data, stamp = store.read_stamped(METADATA_FILE)
