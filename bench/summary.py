@@ -20,7 +20,9 @@ name), ``async_peak_rss_over_state`` (the peak host memory of the phases with sa
 pools and writer, over the trainer's own peak in the phases without, over the state),
 ``lora_save_bytes_over_adapter_bytes``, ``pretrain_save_bytes_saved_fraction``;
 the fast tier's (bench/tiers.py): ``tier_local_save_vs_persistent_save`` (the time a save
-stops training, into the nodes' tier over straight to S3), ``tier_recovery_vs_persistent_recovery``
+stops training, into the nodes' tier over straight to S3), ``tier_async_save_vs_tier_save``
+(the time an asynchronous save into the tiers stops training over a synchronous one),
+``tier_recovery_vs_persistent_recovery``
 (one node lost: recovery from the nearest copies over a load from S3),
 ``tier_persistent_bytes_over_lost_node_bytes``; ``replan_4096_s`` (one rank's planning of a
 repeated save at 4,096 ranks, the cached plan reused, bench/run.py),
@@ -111,8 +113,8 @@ def main() -> None:
     report.setdefault("plan_4096_s", None)
     report.setdefault("replan_4096_s", None)
     tiers = _read("tiers.json")
-    for key in ("tier_local_save_vs_persistent_save", "tier_recovery_vs_persistent_recovery",
-                "tier_persistent_bytes_over_lost_node_bytes"):
+    for key in ("tier_local_save_vs_persistent_save", "tier_async_save_vs_tier_save",
+                "tier_recovery_vs_persistent_recovery", "tier_persistent_bytes_over_lost_node_bytes"):
         report[key] = tiers.get(key)
     cold = _read("cold_load.json")
     for key in ("load_cold_one_process_vs_disk", "load_cold_one_process_vs_dcp"):
@@ -141,6 +143,7 @@ def main() -> None:
                 "plan_4096_s", "replan_4096_s", "step_time_async_process_vs_none", "step_time_async_thread_vs_none",
                 "step_time_sync_vs_none", "async_peak_rss_over_state", "lora_save_bytes_over_adapter_bytes",
                 "pretrain_save_bytes_saved_fraction", "tier_local_save_vs_persistent_save",
+                "tier_async_save_vs_tier_save",
                 "tier_recovery_vs_persistent_recovery", "tier_persistent_bytes_over_lost_node_bytes",
                 "load_cold_one_process_vs_disk", "load_cold_one_process_vs_dcp",
                 "shared_reads", "small_tensors_over_large"):

@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+import globalshard as gs
 import globalshard_torch as gt
 
 
@@ -666,8 +667,10 @@ class Trainer:
             out.append(gt.FlatShard(p, start, stop, {k: st[k] for k in ("step", "exp_avg", "exp_avg_sq")}))
         return out
 
-    def save(self, path: str) -> gt.LoadResult | None:
+    def save(self, path: str, saver: gs.AsyncSaver | None = None) -> gt.LoadResult | None:
+        """Save the model, optimizer and scheduler to ``path`` (with ``saver``: in the background)."""
         gt.save_checkpoint(path, model=self.model, layout=self.layout, rules=rules(self.cfg), optimizer=self.opt,
+                           saver=saver,
                            optimizer_shards=self._flat_shards() if self.topo.distopt else None,
                            scheduler=self.sched, trainer_state={"step": self.step,
                                                                 "consumed_samples": self.step * self.cfg.global_batch,

@@ -66,28 +66,39 @@ def _kill_at(phase: str) -> None:
 
 def train_job(rank: int, *, cfg: dict[str, Any], topo: dict[str, Any], local: str, nodes: list[int],
               persistent: str, kvstore: Any, per_node: int, replicas: int, saves: list[int],
-              kill: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Train, saving into the tiers at each step of ``saves`` (each drained before the next)."""
+              kill: dict[str, Any] | None = None, saver: str | None = None, reference: str | None = None,
+              until: int = 0) -> dict[str, Any]:
+    """Train to ``until`` (at least the last of ``saves``), saving into the tiers
+    at each step of ``saves`` (each drained before the next); with ``saver``
+    (a mode), asynchronously, training on while the copies are written; with
+    ``reference``, each such step is first saved plainly to ``reference/iter_<step>``."""
     opened = _watch_opens(local)
     trainer = _trainer(cfg, topo, rank)
     manager = _manager(local, nodes, persistent, kvstore, per_node, replicas)
+    background = gs.AsyncSaver(saver) if saver is not None else None
     losses = []
-    for step in range(1, max(saves) + 1):
+    for step in range(1, max(max(saves), until) + 1):
         loss = trainer.train_step()
         if loss is not None:
             losses.append(loss)
         if step in saves:
             if kill is not None and step == kill["step"] and rank == kill["rank"]:
                 _kill_at(kill["phase"])
-            trainer.save(manager.target(step))
+            if reference is not None:
+                trainer.save(os.path.join(reference, f"iter_{step:07d}"))
+            trainer.save(manager.target(step), saver=background)
     manager.wait()
+    if background is not None and background.last_mode != saver:
+        raise AssertionError(f"the saves ran in {background.last_mode} mode, not {saver}")
     return {"losses": losses, "opened": sorted(opened), "persisted": manager.persisted()}
 
 
 def resume_job(rank: int, *, cfg: dict[str, Any], topo: dict[str, Any], local: str, nodes: list[int],
-               persistent: str, kvstore: Any, per_node: int, replicas: int, until: int) -> dict[str, Any]:
+               persistent: str, kvstore: Any, per_node: int, replicas: int, until: int,
+               reference: str | None = None) -> dict[str, Any]:
     """Recover from the nearest copies, compare every tensor with a plain load of
-    the persistent checkpoint of the same step (when there is one), train on."""
+    the persistent checkpoint of the same step (when there is one; of
+    ``reference/iter_<step>`` when given), train on."""
     opened = _watch_opens(local)
     trainer = _trainer(cfg, topo, rank)
     manager = _manager(local, nodes, persistent, kvstore, per_node, replicas)
@@ -98,6 +109,8 @@ def resume_job(rank: int, *, cfg: dict[str, Any], topo: dict[str, Any], local: s
                            "bytes_persistent": rec.bytes_persistent, "skipped": rec.skipped,
                            "paths_persistent": rec.paths_persistent}
     done = dict(manager.complete())
+    if reference is not None:
+        done[rec.step] = os.path.join(reference, f"iter_{rec.step:07d}")
     if rec.step in done:  # the same step loaded plainly: every tensor must be equal, bit for bit
         reference = _trainer(cfg, topo, rank)
         reference.load(done[rec.step])

@@ -167,11 +167,11 @@ def save_checkpoint(
         raise MetadataError(f"trainer_state keys {clash} are reserved for the adapter")
     if isinstance(path, _TierStep):
         # TODO(limitation): a tiered save writes every region itself: no packs, no references to a base.
-        given = [n for n, v in (("saver", saver), ("pack_below", pack_below), ("base", base), ("frozen", frozen),
+        given = [n for n, v in (("pack_below", pack_below), ("base", base), ("frozen", frozen),
                                 ("digests", digests), ("overwrite", overwrite), ("kvstore", kvstore)) if v]
         if given:
-            raise LayoutError(f"a TieredManager's save takes none of {given}: it returns once the tier copies are "
-                              "committed, writes every region itself and keeps its steps in its persistent tier")
+            raise LayoutError(f"a TieredManager's save takes none of {given}: it writes every region itself "
+                              "and keeps its steps in its persistent tier")
     shards: dict[str, gs.ShardedTensor] = {}
     staging = HostStaging.for_save(saver)
 
@@ -239,7 +239,8 @@ def save_checkpoint(
     if rank_state is not None:
         state["rank_state"] = [g["rank_state"] for g in gathered]
     if isinstance(path, _TierStep):
-        path.manager.save_state(path.step, shards, trainer_state=state, stats=stats)
+        path.manager.save_state(path.step, shards, trainer_state=state, stats=stats, saver=saver,
+                                staged=staging.staged(shards) if saver is not None else None)
     else:
         staging.save(shards, path, saver, trainer_state=state, comm=comm, overwrite=overwrite, kvstore=kvstore,
                      stats=stats, pack_below=pack_below, base=base, frozen=frozen, digests=digests)
@@ -755,6 +756,9 @@ class TieredManager(gs.TieredManager):
     persistent one) and :meth:`load_latest` runs :func:`load_checkpoint` from
     the nearest copies, onto any layout; the communicator defaults to
     torch.distributed's (its gloo group carries the copies between nodes).
+    With ``saver=`` (an :class:`globalshard.AsyncSaver`), a save returns once
+    the arrays are in its staging pool; the tier copies follow in the
+    background (see :meth:`globalshard.TieredManager.save`).
 
     For example::
 

@@ -188,7 +188,28 @@ class AsyncSaver:
             planned = plan_save(store, comm, entries, trainer_state, overwrite, held, staged,
                                 pack_below=pack_below, base=base, frozen=frozen, digests=digests, kvstore=kvstore,
                                 io=io, unchanged=unchanged)
-            ops = self._operations(store)
+        except BaseException:
+            held.close()
+            raise
+
+        def finish(planned: PlannedSave, ops: InProcess) -> None:
+            with held:
+                finish_save(planned, stats, held, ops)
+
+        self.start(planned, held, store, finish)
+        self.blocking_seconds = time.perf_counter() - start
+
+    def start(self, planned: PlannedSave, held: contextlib.ExitStack, where: Store,
+              finish: Callable[[PlannedSave, InProcess], None]) -> None:
+        """The part of :meth:`save` after planning, for a save planned by the
+        caller (a tiered save's, which writes to a node's tier): copy
+        ``planned``'s arrays into the pool, then run ``finish(planned, ops)``
+        in the background, its I/O done by ``ops`` (the writer process, when
+        ``where`` reaches it, in process mode); the next :meth:`wait` raises
+        its failure. ``finish`` closes ``held`` (nothing else does once it
+        runs); a failed snapshot closes it here."""
+        try:
+            ops = self._operations(where)
             copied = time.perf_counter()
             planned.items, later = self._snapshot(planned.items, copy_staged=isinstance(ops, _InWriter))
             self.snapshot_seconds = time.perf_counter() - copied
@@ -197,22 +218,19 @@ class AsyncSaver:
         except BaseException:
             held.close()
             raise
-
-        self._where = str(store)
+        self._where = str(where)
 
         def background() -> None:
             try:
-                with held:
-                    finish_save(planned, stats, held, ops)
+                finish(planned, ops)
             except BaseException as e:  # raised by wait() in the caller's thread
                 self._error = e
 
-        if comm.world_size > 1:  # its collectives go on in the background: other collectives wait for them
+        if planned.comm.world_size > 1:  # its collectives go on in the background: other collectives wait for them
             self._thread = start_in_background(background, "globalshard-save")
         else:
             self._thread = threading.Thread(target=background, name="globalshard-save")
             self._thread.start()
-        self.blocking_seconds = time.perf_counter() - start
 
     def _operations(self, store: Store) -> InProcess:
         if self.mode == "process" and can_send(store):

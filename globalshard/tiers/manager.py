@@ -8,6 +8,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from globalshard.checkpoint.async_save import AsyncSaver
 from globalshard.checkpoint.manager import CheckpointManager
 from globalshard.comm import Comm, SingleProcessComm
 from globalshard.errors import LayoutError
@@ -30,7 +31,8 @@ class TieredManager(CheckpointManager):
     a shared filesystem, or any kvstore: S3, GCS), where ``iter_*`` steps are
     kept, pointed to and pruned as by the plain manager. :meth:`save` returns
     once every node has committed its tier copy of the step (its ranks'
-    arrays, and those of the ``replicas`` nodes before it); the step is
+    arrays, and those of the ``replicas`` nodes before it), or with a
+    ``saver`` once the arrays are in its staging pool; the step is
     copied to the persistent tier in the background and is *persisted* once
     committed there (:meth:`persisted`). :meth:`load_latest` loads the newest
     step that the copies this job reaches (or the persistent tier) hold whole,
@@ -61,6 +63,8 @@ class TieredManager(CheckpointManager):
         super().__init__(persistent[0], keep_last=keep_last, comm=comm, kvstore=kvstore)
         self.tier = local[0]
         self._drain: Drain | None = None
+        #: The saver of an asynchronous save whose tier copies may be in flight.
+        self._saver: AsyncSaver | None = None
         self._persisted: int | None = None
         #: Where the last :meth:`load_latest` read from (None before one).
         self.recovery: Recovery | None = None
@@ -73,19 +77,40 @@ class TieredManager(CheckpointManager):
         """Save ``state`` as step ``step`` into the local tier (see the class),
         after the previous step's drain has ended; ``trainer_state`` (gaining
         ``"step"``) and ``stats`` as for :func:`~globalshard.save`. Raises the
-        previous drain's failure, if it failed. Returns the step's path in the
-        persistent tier."""
+        previous step's failure, if it failed. Returns the step's path in the
+        persistent tier.
+
+        With ``saver`` (an :class:`~globalshard.AsyncSaver`), returns once this
+        rank's arrays are copied into the saver's staging pool; writing them to
+        the node's tier (by the saver's writer process, in process mode), the
+        copies to the next nodes and the commit of every node's copy run in
+        the background, then the drain. ``saver.wait()`` waits for the tier
+        copies and raises their failure; :meth:`wait` for the drain as well.
+        ``staged``: as for :meth:`AsyncSaver.save <globalshard.AsyncSaver.save>`."""
         trainer_state, stats = kwargs.pop("trainer_state", None), kwargs.pop("stats", None)
+        saver, staged = kwargs.pop("saver", None), kwargs.pop("staged", None)
         if kwargs:
-            raise TypeError(f"TieredManager.save takes trainer_state and stats, not {sorted(kwargs)}")
+            raise TypeError(f"TieredManager.save takes trainer_state, stats, saver and staged, not {sorted(kwargs)}")
         if step < 0:
             raise ValueError(f"step must be non-negative, got {step}")
+        if staged and saver is None:
+            raise LayoutError("staged= needs saver=: arrays still being filled are waited for by its background")
         self.wait()
+        if saver is not None:
+            saver.wait()  # its pool is reused: a save of its own may still be writing from it
         trainer = dict(trainer_state or {})
         trainer.setdefault("step", step)
-        self._drain = save_tiered(state, step, self._comm_or_single(), self.tier, self.store,
-                                  lambda s: open_root(self.path(s)), trainer_state=trainer, stats=stats,
-                                  on_persisted=self._on_persisted)
+
+        def drained(drain: Drain) -> None:
+            self._drain = drain
+
+        drain = save_tiered(state, step, self._comm_or_single(), self.tier, self.store,
+                            lambda s: open_root(self.path(s)), trainer_state=trainer, stats=stats,
+                            on_persisted=self._on_persisted, saver=saver, staged=staged, on_drain=drained)
+        if saver is None:
+            self._drain = drain
+        else:  # the background hands over the drain, before the saver's wait() returns
+            self._saver = saver
         return self.path(step)
 
     def _on_persisted(self, step: int) -> None:
@@ -97,9 +122,16 @@ class TieredManager(CheckpointManager):
 
     def wait(self) -> None:
         """Wait until the step in flight is persisted; raise why it was not, if it was not."""
+        self._wait_for_copies()
         if self._drain is not None:
             drain, self._drain = self._drain, None
             drain.wait()
+
+    def _wait_for_copies(self) -> None:
+        """Wait for an asynchronous save's tier copies (its drain then runs on)."""
+        if self._saver is not None:
+            saver, self._saver = self._saver, None
+            saver.wait()
 
     def persisted(self) -> int | None:
         """The newest step committed in the persistent tier (None: none yet)."""
@@ -122,7 +154,9 @@ class TieredManager(CheckpointManager):
     def open_latest(self) -> TieredCheckpoint | None:
         """The newest step whole in the tiers this job reaches, opened for
         loading (a :class:`~globalshard.Checkpoint` whose loads read the nearest
-        copies), or None. Collective."""
+        copies), or None. Collective. An asynchronous save's tier copies in
+        flight are waited for first (not its drain)."""
+        self._wait_for_copies()
         return open_latest(self._comm_or_single(), self.tier, self._persisted_steps,
                            lambda s: open_root(self.path(s)))
 

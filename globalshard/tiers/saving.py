@@ -12,13 +12,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from globalshard.checkpoint.saving import entries_of, plan_save
+from globalshard.checkpoint.finishing import InProcess
+from globalshard.checkpoint.saving import PlannedSave, entries_of, plan_save
 from globalshard.comm import Comm, run_collectively
-from globalshard.errors import CommError, StorageError
+from globalshard.errors import CommError, LayoutError, StorageError
 from globalshard.format.holdings import HOLDINGS_FILE, Holdings
 from globalshard.format.metadata import Metadata, parse_metadata
 from globalshard.format.paths import METADATA_FILE
@@ -27,6 +28,9 @@ from globalshard.layout import ShardedTensor
 from globalshard.shared import require_exchange
 from globalshard.store import Store, open_root
 from globalshard.tiers.local import LocalTier, Nodes, prune, step_name
+
+if TYPE_CHECKING:
+    from globalshard.checkpoint.async_save import AsyncSaver
 
 __all__ = ["DRAIN_DIR", "Drain", "save_tiered"]
 
@@ -129,69 +133,93 @@ def _replicate(comm: Comm, tier: LocalTier, nodes: Nodes, local: Store, mine: li
 
 def save_tiered(state: Mapping[str, ShardedTensor], step: int, comm: Comm, tier: LocalTier, persistent: Store,
                 step_store: Callable[[int], Store], *, trainer_state: dict[str, Any] | None = None,
-                stats: IOStats | None = None, on_persisted: Callable[[int], None] | None = None) -> Drain:
+                stats: IOStats | None = None, on_persisted: Callable[[int], None] | None = None,
+                saver: AsyncSaver | None = None, staged: Mapping[str, Callable[[], None]] | None = None,
+                on_drain: Callable[[Drain], None] = lambda drain: None) -> Drain | None:
     """Save ``state`` as step ``step``: into this node's directory (and the next
-    nodes'), committed there on every node before it returns; then, in the
-    background, copied to ``step_store(step)`` in the persistent tier and
-    committed there, when ``on_persisted(step)`` runs on rank 0.
+    nodes'), committed there on every node; then, in the background, copied
+    to ``step_store(step)`` in the persistent tier and committed there, when
+    ``on_persisted(step)`` runs on rank 0. Without ``saver``, returns the
+    drain once every node has committed its copy. With one (an
+    :class:`~globalshard.AsyncSaver`), returns None once this rank's arrays
+    are in the saver's staging pool (``staged``: as for its ``save``); the
+    local writes (by its writer process, in process mode), the copies to the
+    next nodes and the local commit follow in the background, which then
+    hands the drain to ``on_drain``; ``saver.wait()`` raises their failure.
 
     Raises:
         LayoutError, StorageError, CommError: as :func:`~globalshard.save`; the
         previous steps stay whole in every tier.
     """
+    began = time.perf_counter()
+    unknown = sorted(set(staged or {}) - set(state))
+    if unknown:
+        raise LayoutError(f"staged names {unknown[:5]} are not in the state")
     nodes = tier.nodes(comm)
-    node = nodes.node_of(comm.rank)
-    name = step_name(step)
-    local_root = tier.root(node)
-    local = open_root(local_root.child(name))
+    local = open_root(tier.root(nodes.node_of(comm.rank)).child(step_name(step)))
     target = step_store(step)
     held = contextlib.ExitStack()
     try:
-        planned = plan_save(target, comm, entries_of(state), trainer_state, False, held)
+        planned = plan_save(target, comm, entries_of(state), trainer_state, False, held, staged)
     except BaseException:
         held.close()
         raise
-    try:
-        mine = [item.path for item in planned.items]
-        blob = planned.coordinator.trainer_blob
 
-        def clear_local() -> None:  # a save of this step that died left its files: they go first, once
-            if comm.rank == nodes.lead(node) and local.files(""):
-                local.delete("", tree=True)
+    def finish(planned: PlannedSave, ops: InProcess) -> Drain:
+        try:
+            metadata, mine = _commit_copies(planned, ops, comm, tier, step, local, stats)
+        except BaseException:
+            held.close()
+            raise
+        return _start_drain(comm, step, metadata, local, target, persistent, mine, planned.coordinator.stamp,
+                            held, on_persisted)
 
-        def write_local() -> None:
-            open_engine(local).write(planned.items, stats)
-            if blob is not None:
-                local.write(blob[1].path, blob[0])
+    if saver is None:
+        return finish(planned, InProcess())
+    saver.start(planned, held, local, lambda planned, ops: on_drain(finish(planned, ops)))
+    saver.blocking_seconds = time.perf_counter() - began
+    return None
 
-        run_collectively(comm, "tier save: local write", clear_local)
-        run_collectively(comm, "tier save: local write", write_local)
-        if blob is not None:
-            mine.append(blob[1].path)
-        received = _replicate(comm, tier, nodes, local, mine)
 
-        def metadata_doc() -> Any:
-            if comm.rank != 0:
-                return None
-            ref = blob[1] if blob is not None else None
-            return dataclasses.replace(planned.metadata(), trainer_state=ref).to_json()
+def _commit_copies(planned: PlannedSave, ops: InProcess, comm: Comm, tier: LocalTier, step: int, local: Store,
+                   stats: IOStats | None) -> tuple[Metadata, list[str]]:
+    """Write this rank's arrays to its node's tier (through ``ops``), copy
+    them to the next nodes, and commit every node's tier copy: returns the
+    step's metadata and this rank's paths. Collective."""
+    nodes = tier.nodes(comm)
+    node = nodes.node_of(comm.rank)
+    mine = [item.path for item in planned.items]
+    blob = planned.coordinator.trainer_blob
 
-        _, gathered = run_collectively(comm, "tier save: local commit",
-                                       lambda: {"held": mine + received, "metadata": metadata_doc()})
-        metadata = parse_metadata(json.dumps(gathered[0]["metadata"]))
+    def clear_local() -> None:  # a save of this step that died left its files: they go first, once
+        if comm.rank == nodes.lead(node) and local.files(""):
+            local.delete("", tree=True)
 
-        def commit_local() -> None:
-            if comm.rank == nodes.lead(node):
-                holds = {p for r in nodes.ranks_of(node) for p in gathered[r]["held"]}
-                local.write(HOLDINGS_FILE, Holdings(metadata, frozenset(holds), node).dumps().encode("utf-8"))
-                prune(local_root, tier.keep, {step})
+    run_collectively(comm, "tier save: local write", clear_local)
+    here = dataclasses.replace(planned, store=local, engine=open_engine(local, planned.io))
+    run_collectively(comm, "tier save: local write", lambda: ops.write(here, stats))
+    if blob is not None:
+        mine.append(blob[1].path)
+    received = _replicate(comm, tier, nodes, local, mine)
 
-        run_collectively(comm, "tier save: local commit", commit_local)
-    except BaseException:
-        held.close()
-        raise
-    return _start_drain(comm, step, metadata, local, target, persistent, mine, planned.coordinator.stamp, held,
-                        on_persisted)
+    def metadata_doc() -> Any:
+        if comm.rank != 0:
+            return None
+        ref = blob[1] if blob is not None else None
+        return dataclasses.replace(planned.metadata(), trainer_state=ref).to_json()
+
+    _, gathered = run_collectively(comm, "tier save: local commit",
+                                   lambda: {"held": mine + received, "metadata": metadata_doc()})
+    metadata = parse_metadata(json.dumps(gathered[0]["metadata"]))
+
+    def commit_local() -> None:
+        if comm.rank == nodes.lead(node):
+            holds = {p for r in nodes.ranks_of(node) for p in gathered[r]["held"]}
+            local.write(HOLDINGS_FILE, Holdings(metadata, frozenset(holds), node).dumps().encode("utf-8"))
+            prune(tier.root(node), tier.keep, {step})
+
+    run_collectively(comm, "tier save: local commit", commit_local)
+    return metadata, mine
 
 
 def _committed(target: Store, save_id: str) -> bool:

@@ -100,3 +100,17 @@ def test_a_rank_killed_mid_save_leaves_the_previous_step_whole_on_every_tier(tmp
     assert all(v["step"] == expected for v in values), [v["step"] for v in values]
     if phase != "drain":
         check_resumed(values, step=1)
+
+
+def test_asynchronous_saves_recover_onto_another_layout_equal_to_plain_saves_of_the_same_steps(tmp_path, s3):
+    """Each rank's writer process writes its tier copies while training goes on
+    (step 3 runs while step 2 is written); after a node is lost, the recovery
+    at another TP and DP equals, tensor for tensor, a plain load of a
+    synchronous save made at the same step."""
+    reference = str(tmp_path / "reference")
+    ok(run(8, "tier_jobs:train_job", str(tmp_path / "o"), topo=TRAIN, saves=[1, 2], until=3, saver="process",
+           reference=reference, **job_args(tmp_path / "local", s3, [0, 1, 2, 3], f"tiers-{tmp_path.name}")))
+    shutil.rmtree(tmp_path / "local" / "node2")
+    values = ok(run(6, "tier_jobs:resume_job", str(tmp_path / "o"), topo=RESUME, until=3, reference=reference,
+                    **job_args(tmp_path / "local", s3, [0, 1, 3], f"tiers-{tmp_path.name}")))
+    check_resumed(values, step=2, persistent_bytes=0)

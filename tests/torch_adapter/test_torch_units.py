@@ -478,7 +478,7 @@ def test_tiered_manager_saves_into_the_tiers_and_refuses_what_a_tiered_save_cann
     mgr.save(5, model=model, layout=gt.ParallelLayout(), rules=RULES)
     mgr.wait()
     assert mgr.persisted() == 5 and os.path.isfile(tmp_path / "local" / "iter_0000005" / "holdings.json")
-    for bad in ({"base": mgr.path(5)}, {"frozen": ["x"]}, {"pack_below": 1024}, {"saver": gs.AsyncSaver()}):
+    for bad in ({"base": mgr.path(5)}, {"frozen": ["x"]}, {"pack_below": 1024}):
         with pytest.raises(gs.LayoutError, match=f"takes none of \\['{next(iter(bad))}'\\]"):
             gt.save_checkpoint(mgr.target(6), model=model, layout=gt.ParallelLayout(), rules=RULES, **bad)
     assert not os.path.exists(tmp_path / "local" / "iter_0000006")  # refused before anything was written
@@ -486,3 +486,27 @@ def test_tiered_manager_saves_into_the_tiers_and_refuses_what_a_tiered_save_cann
     result = mgr.load_latest(model=target, layout=gt.ParallelLayout(), rules=RULES)
     assert result.trainer_state["step"] == 5 and (target[0].weight == 3).all()
     assert mgr.recovery.bytes_local > 0 and mgr.recovery.bytes_persistent == 0
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_tiered_manager_saves_asynchronously_with_a_saver(tmp_path, mode):
+    """``saver=`` through the manager and through save_checkpoint(manager.target(step)):
+    each returns after the snapshot, and the tiers hold the values of the call."""
+    mgr = gt.TieredManager(tiers=[gs.LocalTier(str(tmp_path / "local")), str(tmp_path / "persistent")])
+    model, saver = _model(), gs.AsyncSaver(mode)
+    with torch.no_grad():
+        model[0].weight.fill_(3)
+    mgr.save(5, model=model, layout=gt.ParallelLayout(), rules=RULES, saver=saver)
+    with torch.no_grad():
+        model[0].weight.fill_(4)  # training goes on
+    gt.save_checkpoint(mgr.target(6), model=model, layout=gt.ParallelLayout(), rules=RULES, saver=saver,
+                       trainer_state={"step": 6})
+    with torch.no_grad():
+        model[0].weight.fill_(5)
+    mgr.wait()
+    assert saver.last_mode == mode and mgr.persisted() == 6
+    for step, value in ((6, 4), (5, 3)):
+        target = _model()
+        found = mgr.open_latest() if step == 6 else mgr.path(5)
+        result = gt.load_checkpoint(found, model=target, layout=gt.ParallelLayout(), rules=RULES)
+        assert result.trainer_state["step"] == step and (target[0].weight == value).all(), step
