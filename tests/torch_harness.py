@@ -797,7 +797,9 @@ def stages_job(rank: int, *, path: str) -> None:
     stream.seek(rank + 1)
     gt.save({"model": {f"layers.{rank}.weight": own["weight"], "step": torch.tensor(5)},
              "optim": {f"layers.{rank}.lr": own["lr"], "rng": b"\x09\x07"},
-             "stage": {f"{rank}": own["seed"]}, "extra": {f"{rank}": stream}, "epoch": 2}, path)
+             "stage": {f"{rank}": own["seed"]}, "extra": {f"{rank}": stream}, "epoch": 2,
+             # tuples, kept as saved: each rank's own, and of a key both hold, the lowest rank's
+             "shapes": {f"{rank}": (rank, "x")}, "both": [3, (1, 2)] if rank == 0 else (3, [1, 2])}, path)
 
 
 def replica_groups_job(rank: int, *, root: str) -> dict[str, Any]:

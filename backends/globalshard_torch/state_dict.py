@@ -20,8 +20,10 @@ nested dict, as ``model.state_dict()`` or
 * Stateful objects (anything with ``state_dict()`` and ``load_state_dict()``:
   a GradScaler, a dataloader, an EMA helper), saved through their state dicts
   and restored by ``load_state_dict`` after the load;
-* JSON values (numbers, strings, booleans, None, lists, dicts of them), which
-  go into the trainer state (each key from the lowest rank holding it), and
+* JSON values (numbers, strings, booleans, None, lists, tuples, dicts of
+  them), which go into the trainer state (each key from the lowest rank
+  holding it; tuples come back as tuples, as ``random.getstate()`` needs
+  them), and
   ``bytes`` and ``io.BytesIO`` (what Transformer Engine modules put in a
   model's state dict as ``_extra_state``, and what DCP saves as a stream),
   stored as uint8 arrays: a BytesIO comes back as one, at the position it
@@ -55,7 +57,7 @@ import torch
 import globalshard as gs
 from globalshard.comm import Comm, distinct_values, json_digest, run_collectively
 from globalshard.dtypes import numpy_dtype
-from globalshard.errors import LayoutError, MismatchError, format_problems
+from globalshard.errors import LayoutError, MetadataError, MismatchError, format_problems
 from globalshard.planner import asked_mask, missing_key, unread_keys
 from globalshard_torch.comm import resolve_comm
 from globalshard_torch.model import _dtensor_placement, _is_dtensor, outside_mesh, unwrapped_name
@@ -77,6 +79,7 @@ _VALUES = "state_dict_values"  # trainer-state member holding the JSON leaves, b
 _BYTES = "state_dict_bytes"  # the keys stored as uint8 arrays from bytes
 _STREAMS = "state_dict_bytes_io"  # of those, the keys saved from an io.BytesIO: key -> its position
 _ARRAYS = "state_dict_arrays"  # the keys saved from numpy arrays
+_TUPLES = "state_dict_tuples"  # JSON leaves holding tuples: key -> the paths of the tuples in the value
 
 
 def _holds_tensors(value: Any) -> bool:
@@ -280,6 +283,7 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
     byte_keys: list[str] = []
     streams: dict[str, int] = {}  # the keys of io.BytesIO leaves -> their positions
     arrays: list[str] = []  # the keys of numpy array leaves
+    tuples: dict[str, list[list[Any]]] = {}  # JSON leaves' keys -> where their tuples are
     shared: dict[str, str] = {}  # key -> kind, for the keys other ranks may hold copies of
     holders: dict[str, int] = {"": comm.rank}  # kind -> this rank's holder of it
 
@@ -320,6 +324,8 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
             else:
                 try:
                     values[key] = jsonable(value, key)
+                    if paths := _tuple_paths(value):
+                        tuples[key] = paths
                 except gs.TrainerStateError as e:
                     problems.append(f"{key}: {type(value).__name__} cannot be saved ({e}); a state dict holds "
                                     "tensors, Stateful objects, bytes (or io.BytesIO) and JSON values")
@@ -329,7 +335,8 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
         if problems:
             raise LayoutError(format_problems("cannot save the state dict", problems))
         held.update(shared=sorted(shared.items()), values=values, bytes=sorted(byte_keys),
-                    **({"streams": streams} if streams else {}), **({"arrays": sorted(arrays)} if arrays else {}))
+                    **({"streams": streams} if streams else {}), **({"arrays": sorted(arrays)} if arrays else {}),
+                    **({"tuples": tuples} if tuples else {}))
         return {"digest": json_digest(held), "holders": holders}
 
     held: dict[str, Any] = {}  # what this rank holds that other ranks may hold too, as it is sent
@@ -359,12 +366,51 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
             positions.setdefault(key, position)
     if positions:  # written only when there is one: a checkpoint without streams is as it was
         recorded[_STREAMS] = dict(sorted(positions.items()))
+    shapes: dict[str, Any] = {}
+    for digest in dict.fromkeys(kept):  # the tuples of the value kept: the lowest rank's
+        for key, paths in parts[digest].get("tuples", {}).items():
+            if parts[digest]["values"][key] is merged[key]:
+                shapes.setdefault(key, paths)
+    if shapes:  # likewise
+        recorded[_TUPLES] = dict(sorted(shapes.items()))
     all_arrays = sorted({key for part in parts.values() for key in part.get("arrays", [])})
     if all_arrays:  # likewise
         recorded[_ARRAYS] = all_arrays
     staging.save(shards, path, saver, trainer_state=recorded, comm=comm,
                  overwrite=overwrite, kvstore=kvstore, stats=stats, pack_below=pack_below, base=base,
                  frozen=frozen, digests=digests, unchanged=unchanged)
+
+
+def _tuple_paths(value: Any, path: tuple[Any, ...] = ()) -> list[list[Any]]:
+    """Where ``value`` (a JSON leaf) holds tuples, which JSON stores as lists:
+    each a path of list indices and dict keys, outermost first."""
+    out = [list(path)] if isinstance(value, tuple) else []
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            out += _tuple_paths(v, (*path, i))
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            out += _tuple_paths(v, (*path, k))
+    return out
+
+
+def _with_tuples(key: str, value: Any, paths: Sequence[Sequence[Any]]) -> Any:
+    """``value`` (from JSON) with the lists at ``paths`` tuples again, as saved."""
+    for path in sorted(paths, key=len, reverse=True):  # the innermost first: a tuple is not changed in place
+        try:
+            if not path:
+                value = tuple(value)
+                continue
+            parent = value
+            for step in path[:-1]:
+                parent = parent[step]
+            if not isinstance(parent[path[-1]], list):
+                raise TypeError(f"a {type(parent[path[-1]]).__name__} there")
+            parent[path[-1]] = tuple(parent[path[-1]])
+        except (LookupError, TypeError) as e:
+            raise MetadataError(f"{key}: the trainer state's {_TUPLES!r} names a tuple at {list(path)} that the "
+                                f"saved value does not have ({e})") from None
+    return value
 
 
 def _like(template: Any, value: Any) -> Any:
@@ -519,7 +565,11 @@ def load(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, all
             # As DCP gives them back: the type saved (a BytesIO: the state dict's own, filled, if it holds one).
             container[index] = _filled(container[index], data, streams[key]) if key in streams else data
         else:
-            container[index] = _like(container[index], from_jsonable(saved[_VALUES][key]))
+            value = from_jsonable(saved[_VALUES][key])
+            # As DCP gives them back: tuples where the saved value had them (or, before that was
+            # recorded, where the state dict has them).
+            container[index] = _with_tuples(key, value, saved[_TUPLES][key]) if key in saved.get(_TUPLES, {}) \
+                else _like(container[index], value)
     for obj, inner in statefuls:
         obj.load_state_dict(inner)
     return LoadedKeys(sorted(missing), unexpected)

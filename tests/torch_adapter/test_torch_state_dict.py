@@ -160,6 +160,34 @@ def test_numpy_arrays_are_stored_as_arrays_and_come_back_as_numpy(tmp_path):
         gt.save({"rng": np.random.get_state()}, tmp_path / "e")
 
 
+def test_tuples_come_back_as_tuples_as_dcp_gives_them_back(tmp_path):
+    # random.getstate() is a tuple holding a tuple; random.setstate() refuses lists. Loaded into
+    # a state dict holding None there (what a fresh job has before it restores), or a list.
+    import random
+
+    random.seed(5)
+    saved = random.getstate()
+    gt.save({"rng": saved, "sched": {"betas": (0.9, 0.95), "ms": [(1, 2), [3, (4,)]], "e": ()}}, tmp_path / "c")
+    state = {"rng": None, "sched": {"betas": [0.0, 0.0], "ms": None, "e": None}}
+    gt.load(state, tmp_path / "c")
+    assert state["sched"] == {"betas": (0.9, 0.95), "ms": [(1, 2), [3, (4,)]], "e": ()}
+    assert type(state["sched"]["ms"]) is list and type(state["sched"]["betas"]) is tuple
+    random.setstate(state["rng"])
+    assert state["rng"] == saved
+
+
+def test_a_tuple_the_saved_value_does_not_have_is_named(tmp_path, monkeypatch):
+    # A writer that recorded tuples at paths its value lacks (the trainer state checksummed as written).
+    from globalshard_torch import state_dict
+
+    monkeypatch.setattr(state_dict, "_tuple_paths", lambda value: [[5]])
+    gt.save({"sched": {"ms": [(1, 2)]}}, tmp_path / "c")
+    monkeypatch.undo()
+    with pytest.raises(gs.MetadataError, match=r"sched\.ms: the trainer state's 'state_dict_tuples' names a tuple "
+                                               r"at \[5\] that the saved value does not have"):
+        gt.load({"sched": {"ms": None}}, tmp_path / "c")
+
+
 class ScaledLinear(nn.Linear):
     """As a Transformer Engine module: its extra state (an FP8 amax) is an io.BytesIO
     of torch.save, so it sits in ``model.state_dict()`` as ``_extra_state``."""
@@ -343,7 +371,7 @@ def test_what_only_some_ranks_hold_is_saved_from_them(tmp_path):
     state = {"model": {"layers.0.weight": torch.zeros(2, 3), "layers.1.weight": torch.zeros(2, 3),
                        "step": torch.tensor(0)},
              "optim": {"layers.0.lr": 0.0, "layers.1.lr": 0.0, "rng": b""}, "stage": {"0": b"", "1": b""},
-             "extra": {"0": io.BytesIO(), "1": None}, "epoch": 0}
+             "extra": {"0": io.BytesIO(), "1": None}, "epoch": 0, "shapes": {"0": None, "1": None}, "both": None}
     stream = state["extra"]["0"]
     assert gt.load(state, ckpt) == gt.LoadedKeys([], [])
     assert torch.equal(state["model"]["layers.0.weight"], torch.full((2, 3), 1.0))
@@ -353,6 +381,8 @@ def test_what_only_some_ranks_hold_is_saved_from_them(tmp_path):
     assert state["stage"] == {"0": bytes([0, 7]), "1": bytes([1, 7])}
     assert state["extra"]["0"] is stream  # filled in place
     assert [(s.getvalue(), s.tell()) for s in state["extra"].values()] == [(bytes([0, 5, 5]), 1), (bytes([1, 5, 5]), 2)]
+    assert state["shapes"] == {"0": (0, "x"), "1": (1, "x")} and type(state["both"]) is list
+    assert state["both"] == [3, (1, 2)]  # rank 0's, its tuple where rank 0 had it
 
 
 def test_a_process_group_as_comm_saves_and_loads_over_its_ranks_only(tmp_path):
@@ -448,8 +478,9 @@ def _streams_drawn(draw):
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-2**53, 2**53) | st.text(max_size=8) | st.floats(allow_nan=False),
     # (No empty dicts: DCP saves none inside a list, then asks for it at load.)
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text("xyz", min_size=1, max_size=2), inner,
-                                                                min_size=1, max_size=3),
+    # Tuples too (random.getstate() is one): JSON keeps them as lists, and the load gives them back as tuples.
+    lambda inner: st.lists(inner, max_size=3) | st.lists(inner, max_size=3).map(tuple)
+    | st.dictionaries(st.text("xyz", min_size=1, max_size=2), inner, min_size=1, max_size=3),
     max_leaves=6)
 _NAMES = st.text("abcdefgh", min_size=1, max_size=3)
 _LEAVES = _tensors() | st.binary(max_size=20) | _streams_drawn() | _arrays() | _JSON
