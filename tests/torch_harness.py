@@ -826,6 +826,47 @@ def replica_groups_job(rank: int, *, root: str) -> dict[str, Any]:
             "blob": list(target["blob"]), "reused": gt.resolve_comm(group) is again}
 
 
+def tier_state_dict_job(rank: int, *, root: str, save: bool) -> dict[str, Any]:
+    """A DCP-style state dict in a TieredManager's tiers. Saving: world 4 as 2
+    nodes of 2, a weight as FSDP2 over TP leaves it (mesh dp=2 x tp=2), a
+    moment cut on both dims, JSON and a tuple, saved asynchronously while
+    training goes on. Recovering: world 2 on the second node alone, its
+    copies only, another mesh and placement."""
+    import random
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    tier = gs.LocalTier(lambda node: f"{root}/local/node{node if save else 1}", replicas=1, ranks_per_node=2)
+    manager = gt.TieredManager(tiers=[tier, f"{root}/persistent"])
+    full = torch.arange(48.0).reshape(8, 6)
+    random.seed(3)
+    rng = random.getstate()
+    if save:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        w = distribute_tensor(full, mesh, [_StridedShard(0, split_factor=2), Shard(0)], src_data_rank=None)
+        m = distribute_tensor(full * 2, mesh, [Shard(0), Shard(1)], src_data_rank=None)
+        saver = gs.AsyncSaver()
+        gt.save({"model": {"w": w}, "optim": {"w": {"exp_avg": m}}, "step": 7, "rng": rng}, manager.target(7),
+                saver=saver)
+        w.to_local().fill_(-1)  # training goes on: the tiers hold the values of the call
+        m.to_local().fill_(-1)
+        manager.wait()
+        return {"mode": saver.last_mode, "persisted": manager.persisted()}
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    target = {"model": {"w": distribute_tensor(torch.zeros(8, 6), mesh, [Shard(1)])},
+              "optim": {"w": {"exp_avg": distribute_tensor(torch.zeros(8, 6), mesh, [Replicate()])}},
+              "step": None, "rng": None}
+    found = manager.open_latest()
+    gt.load(target, found)
+    return {"w": bool(torch.equal(target["model"]["w"].full_tensor(), full)),
+            "m": bool(torch.equal(target["optim"]["w"]["exp_avg"].full_tensor(), full * 2)),
+            "step": target["step"], "rng": target["rng"] == rng and type(target["rng"]) is tuple,
+            "bytes_persistent": found.recovery.bytes_persistent, "bytes_peer": found.recovery.bytes_peer,
+            "bytes_local": found.recovery.bytes_local}
+
+
 def overlapping_meshes_job(rank: int, *, path: str) -> str:
     """World 3; two meshes both named ("tp",) of 2 ranks, [0, 1] and [1, 2]: rank 1 is on both."""
     from torch.distributed.device_mesh import DeviceMesh

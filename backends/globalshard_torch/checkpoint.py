@@ -165,13 +165,9 @@ def save_checkpoint(
     clash = [k for k in _RESERVED if k in user]
     if clash:
         raise MetadataError(f"trainer_state keys {clash} are reserved for the adapter")
-    if isinstance(path, _TierStep):
-        # TODO(limitation): a tiered save writes every region itself: no packs, no references to a base.
-        given = [n for n, v in (("pack_below", pack_below), ("base", base), ("frozen", frozen),
-                                ("digests", digests), ("overwrite", overwrite), ("kvstore", kvstore)) if v]
-        if given:
-            raise LayoutError(f"a TieredManager's save takes none of {given}: it writes every region itself "
-                              "and keeps its steps in its persistent tier")
+    if isinstance(path, TierStep):
+        path.refuse(pack_below=pack_below, base=base, frozen=frozen, digests=digests, overwrite=overwrite,
+                    kvstore=kvstore)
     shards: dict[str, gs.ShardedTensor] = {}
     staging = HostStaging.for_save(saver)
 
@@ -238,9 +234,8 @@ def save_checkpoint(
                     "ranks": [g["rng"] for g in gathered]}
     if rank_state is not None:
         state["rank_state"] = [g["rank_state"] for g in gathered]
-    if isinstance(path, _TierStep):
-        path.manager.save_state(path.step, shards, trainer_state=state, stats=stats, saver=saver,
-                                staged=staging.staged(shards) if saver is not None else None)
+    if isinstance(path, TierStep):
+        path.save(shards, state, stats, saver, staging)
     else:
         staging.save(shards, path, saver, trainer_state=state, comm=comm, overwrite=overwrite, kvstore=kvstore,
                      stats=stats, pack_below=pack_below, base=base, frozen=frozen, digests=digests)
@@ -743,11 +738,27 @@ class CheckpointManager(gs.CheckpointManager):
 
 
 @dataclass(frozen=True)
-class _TierStep:
-    """Where :class:`TieredManager` has :func:`save_checkpoint` save: a step of its tiers."""
+class TierStep:
+    """A step of a :class:`TieredManager`'s tiers (:meth:`TieredManager.target`):
+    the path to pass :func:`save_checkpoint` or :func:`globalshard_torch.save`
+    to save into the tiers."""
 
     manager: TieredManager
     step: int
+
+    def refuse(self, **options: Any) -> None:
+        """Refuse the save options a tiered save has no use for, naming those given."""
+        # TODO(limitation): a tiered save writes every region itself: no packs, no references to a base.
+        given = [name for name, value in options.items() if value]
+        if given:
+            raise LayoutError(f"a TieredManager's save takes none of {given}: it writes every region itself "
+                              "and keeps its steps in its persistent tier")
+
+    def save(self, shards: Mapping[str, gs.ShardedTensor], trainer_state: dict[str, Any],
+             stats: gs.IOStats | None, saver: gs.AsyncSaver | None, staging: HostStaging) -> None:
+        """Save the staged ``shards`` as this step (with ``saver``: in the background)."""
+        self.manager.save_state(self.step, shards, trainer_state=trainer_state, stats=stats, saver=saver,
+                                staged=staging.staged(shards) if saver is not None else None)
 
 
 class TieredManager(gs.TieredManager):
@@ -782,7 +793,7 @@ class TieredManager(gs.TieredManager):
         into the tiers (for a trainer that calls it itself), once the step
         before is drained."""
         self.wait()
-        return _TierStep(self, step)
+        return TierStep(self, step)
 
     def save_state(self, step: int, state: Any, **kwargs: Any) -> Any:
         """:meth:`globalshard.TieredManager.save` of a state of ShardedTensors."""

@@ -59,6 +59,7 @@ from globalshard.comm import Comm, distinct_values, json_digest, run_collectivel
 from globalshard.dtypes import numpy_dtype
 from globalshard.errors import LayoutError, MetadataError, MismatchError, format_problems
 from globalshard.planner import asked_mask, missing_key, unread_keys
+from globalshard_torch.checkpoint import TierStep
 from globalshard_torch.comm import resolve_comm
 from globalshard_torch.model import _dtensor_placement, _is_dtensor, outside_mesh, unwrapped_name
 from globalshard_torch.state import from_jsonable, jsonable
@@ -269,13 +270,19 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
     a side stream), and the writing goes on in the background; training may
     change them meanwhile. Call ``saver.wait()`` to learn its outcome, and
     before exiting (a load or save begun meanwhile waits for its collectives
-    first).
+    first). ``path`` may be a :class:`TieredManager`'s ``target(step)``: the
+    state is saved into its tiers (node-local copies, drained to the
+    persistent tier), and ``load(state_dict, manager.open_latest())``
+    recovers it from the nearest copies, onto any layout.
 
     Raises:
         LayoutError: a leaf that cannot be saved (named by its key), or
             shards that do not fit together; the core's errors otherwise.
     """
     _check_root(state_dict)
+    if isinstance(path, TierStep):
+        path.refuse(pack_below=pack_below, base=base, frozen=frozen, digests=digests, unchanged=unchanged,
+                    overwrite=overwrite, kvstore=kvstore)
     comm = resolve_comm(comm)
     staging = HostStaging.for_save(saver)
     shards: dict[str, gs.ShardedTensor] = {}
@@ -376,9 +383,12 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
     all_arrays = sorted({key for part in parts.values() for key in part.get("arrays", [])})
     if all_arrays:  # likewise
         recorded[_ARRAYS] = all_arrays
-    staging.save(shards, path, saver, trainer_state=recorded, comm=comm,
-                 overwrite=overwrite, kvstore=kvstore, stats=stats, pack_below=pack_below, base=base,
-                 frozen=frozen, digests=digests, unchanged=unchanged)
+    if isinstance(path, TierStep):
+        path.save(shards, recorded, stats, saver, staging)
+    else:
+        staging.save(shards, path, saver, trainer_state=recorded, comm=comm,
+                     overwrite=overwrite, kvstore=kvstore, stats=stats, pack_below=pack_below, base=base,
+                     frozen=frozen, digests=digests, unchanged=unchanged)
 
 
 def _tuple_paths(value: Any, path: tuple[Any, ...] = ()) -> list[list[Any]]:
@@ -465,7 +475,9 @@ def load(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, all
     where they are (any layout saved, any layout loaded), JSON values and bytes
     are replaced in their containers, Stateful objects get ``load_state_dict``.
     Call on every rank. ``shared_reads=True``: bytes several ranks need are
-    read once (see :func:`globalshard.load`).
+    read once (see :func:`globalshard.load`). ``path`` may also be a
+    :class:`globalshard.Checkpoint` opened already, such as a
+    :class:`TieredManager`'s ``open_latest()`` (reads from the nearest copies).
 
     ``strict`` (the default), as torch's ``load_state_dict``: every key asked
     for must be in the checkpoint, and every key of the checkpoint must be
@@ -492,7 +504,7 @@ def load(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, all
     asked_values: set[str] = set()
 
     def prepare() -> dict[str, Any]:
-        checkpoint = gs.Checkpoint(path, kvstore=kvstore)
+        checkpoint = path if isinstance(path, gs.Checkpoint) else gs.Checkpoint(path, kvstore=kvstore)
         opened.append(checkpoint)
         saved = checkpoint.trainer_state
         saved_values, saved_bytes = saved.get(_VALUES, {}), set(saved.get(_BYTES, []))

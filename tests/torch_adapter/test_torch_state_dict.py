@@ -3,6 +3,7 @@
 import io
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -394,6 +395,34 @@ def test_a_process_group_as_comm_saves_and_loads_over_its_ranks_only(tmp_path):
         stored = gs.read_metadata(tmp_path / f"row{row}").tensors["w"]
         assert [r.box.offset for r in stored.regions] == [(0, 0), (4, 0)]  # each row's 2 ranks wrote a half
         assert np.array_equal(gs.read_array(tmp_path / f"row{row}", "w"), np.arange(32.0).reshape(8, 4) + 100 * row)
+
+
+def test_a_state_dict_saved_into_the_tiers_recovers_from_the_copies_onto_another_mesh(tmp_path):
+    # FSDP2-over-TP DTensors saved asynchronously into a TieredManager by 2 nodes of 2 ranks; the
+    # first node lost, the second alone recovers them (its copy of the first node's arrays
+    # included, all in its own directory) on a mesh of 2 with other placements, as
+    # gt.load(state, manager.open_latest()).
+    saved = values_of(run(4, "tier_state_dict_job", str(tmp_path / "s"), root=str(tmp_path), save=True))
+    assert saved == [{"mode": "process", "persisted": 7}] * 4
+    shutil.rmtree(tmp_path / "local" / "node0")
+    out = values_of(run(2, "tier_state_dict_job", str(tmp_path / "r"), root=str(tmp_path), save=False))
+    for o in out:
+        assert o["w"] and o["m"] and o["step"] == 7 and o["rng"] and o["bytes_persistent"] == 0, o
+        assert o["bytes_local"] > 0 and o["bytes_peer"] == 0, o
+
+
+def test_a_tiered_save_of_a_state_dict_refuses_what_the_tiers_cannot_do(tmp_path):
+    manager = gt.TieredManager(tiers=[gs.LocalTier(str(tmp_path / "local")), str(tmp_path / "persistent")])
+    for bad in ({"pack_below": 1024}, {"frozen": ["w"], "base": "x"}, {"unchanged": {"w": {(0,): "0"}}}):
+        with pytest.raises(gs.LayoutError, match="a TieredManager's save takes none of"):
+            gt.save({"w": torch.ones(2)}, manager.target(1), **bad)
+    assert not (tmp_path / "local").exists() or not any((tmp_path / "local").iterdir())
+    gt.save({"w": torch.ones(2), "n": (1, 2)}, manager.target(1))
+    manager.wait()
+    state = {"w": torch.zeros(2), "n": None}
+    gt.load(state, manager.open_latest())
+    assert torch.equal(state["w"], torch.ones(2)) and state["n"] == (1, 2)
+    assert gs.read_metadata(manager.path(1)).tensors["w"].global_shape == (2,)  # drained to the persistent tier
 
 
 def test_a_process_group_the_rank_is_not_in_is_refused():
