@@ -86,11 +86,14 @@ class TieredManager(CheckpointManager):
         copies to the next nodes and the commit of every node's copy run in
         the background, then the drain. ``saver.wait()`` waits for the tier
         copies and raises their failure; :meth:`wait` for the drain as well.
-        ``staged``: as for :meth:`AsyncSaver.save <globalshard.AsyncSaver.save>`."""
+        ``staged``: as for :meth:`AsyncSaver.save <globalshard.AsyncSaver.save>`;
+        ``pack_below``: as for :func:`~globalshard.save`."""
         trainer_state, stats = kwargs.pop("trainer_state", None), kwargs.pop("stats", None)
         saver, staged = kwargs.pop("saver", None), kwargs.pop("staged", None)
+        pack_below = kwargs.pop("pack_below", 0)
         if kwargs:
-            raise TypeError(f"TieredManager.save takes trainer_state, stats, saver and staged, not {sorted(kwargs)}")
+            raise TypeError(f"TieredManager.save takes trainer_state, stats, saver, staged and pack_below, not "
+                            f"{sorted(kwargs)}")
         if step < 0:
             raise ValueError(f"step must be non-negative, got {step}")
         if staged and saver is None:
@@ -106,7 +109,8 @@ class TieredManager(CheckpointManager):
 
         drain = save_tiered(state, step, self._comm_or_single(), self.tier, self.store,
                             lambda s: open_root(self.path(s)), trainer_state=trainer, stats=stats,
-                            on_persisted=self._on_persisted, saver=saver, staged=staged, on_drain=drained)
+                            on_persisted=self._on_persisted, saver=saver, staged=staged, on_drain=drained,
+                            pack_below=pack_below)
         if saver is None:
             self._drain = drain
         else:  # the background hands over the drain, before the saver's wait() returns

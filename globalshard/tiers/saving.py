@@ -135,7 +135,7 @@ def save_tiered(state: Mapping[str, ShardedTensor], step: int, comm: Comm, tier:
                 step_store: Callable[[int], Store], *, trainer_state: dict[str, Any] | None = None,
                 stats: IOStats | None = None, on_persisted: Callable[[int], None] | None = None,
                 saver: AsyncSaver | None = None, staged: Mapping[str, Callable[[], None]] | None = None,
-                on_drain: Callable[[Drain], None] = lambda drain: None) -> Drain | None:
+                on_drain: Callable[[Drain], None] = lambda drain: None, pack_below: int = 0) -> Drain | None:
     """Save ``state`` as step ``step``: into this node's directory (and the next
     nodes'), committed there on every node; then, in the background, copied
     to ``step_store(step)`` in the persistent tier and committed there, when
@@ -146,6 +146,8 @@ def save_tiered(state: Mapping[str, ShardedTensor], step: int, comm: Comm, tier:
     local writes (by its writer process, in process mode), the copies to the
     next nodes and the local commit follow in the background, which then
     hands the drain to ``on_drain``; ``saver.wait()`` raises their failure.
+    ``pack_below``: as for :func:`~globalshard.save` (small regions stored
+    in a few packs, each copied and drained as one file).
 
     Raises:
         LayoutError, StorageError, CommError: as :func:`~globalshard.save`; the
@@ -160,7 +162,8 @@ def save_tiered(state: Mapping[str, ShardedTensor], step: int, comm: Comm, tier:
     target = step_store(step)
     held = contextlib.ExitStack()
     try:
-        planned = plan_save(target, comm, entries_of(state), trainer_state, False, held, staged)
+        planned = plan_save(target, comm, entries_of(state), trainer_state, False, held, staged,
+                            pack_below=pack_below)
     except BaseException:
         held.close()
         raise

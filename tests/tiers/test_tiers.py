@@ -192,3 +192,26 @@ def test_rank_0_commits_a_drain_only_once_every_mark_is_in_place_not_while_one_i
 
     monkeypatch.setattr(local_store.os, "replace", slow_mark)
     train(tmp_path, [10, 20])  # every rank: step 20 persisted, so step 10's drain did not break the next save
+
+
+def test_small_regions_packed_are_copied_drained_and_recovered_as_packs(tmp_path):
+    def job(comm):
+        m = manager(tmp_path, comm)
+        state = rows_state(values(10), comm.rank, 8)  # 3 rows x 8 float32 per rank: 96-byte regions
+        m.save(10, state, pack_below=1 << 20, trainer_state={"loss": 0.5})
+        m.wait()
+        return m.persisted()
+
+    assert gs.testing.comm.run_ranks(8, job) == [10] * 8
+    md = gs.read_metadata(tmp_path / "persistent" / "iter_0000010")
+    packs = {r.path for t in md.tensors.values() for r in t.regions}
+    assert all(r.byte_offset is not None for t in md.tensors.values() for r in t.regions)
+    assert len(packs) == 8  # one pack per rank, holding its three keys' regions
+    for node in range(4):
+        held = parse_holdings((tmp_path / "local" / f"node{node}" / "iter_0000010" / "holdings.json").read_bytes())
+        assert len(held.holds & packs) == 4  # its two ranks' packs and the previous node's two
+    shutil.rmtree(tmp_path / "local" / "node2")
+    shutil.rmtree(tmp_path / "persistent")
+    out = resume(tmp_path, world=6, per_node=2, nodes_map=[0, 1, 3])
+    check_values(out, 6, 10)
+    assert all(rec.bytes_persistent == 0 for _, _, rec in out)

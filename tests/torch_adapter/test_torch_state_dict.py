@@ -413,12 +413,13 @@ def test_a_state_dict_saved_into_the_tiers_recovers_from_the_copies_onto_another
 
 def test_a_tiered_save_of_a_state_dict_refuses_what_the_tiers_cannot_do(tmp_path):
     manager = gt.TieredManager(tiers=[gs.LocalTier(str(tmp_path / "local")), str(tmp_path / "persistent")])
-    for bad in ({"pack_below": 1024}, {"frozen": ["w"], "base": "x"}, {"unchanged": {"w": {(0,): "0"}}}):
+    for bad in ({"overwrite": True}, {"frozen": ["w"], "base": "x"}, {"unchanged": {"w": {(0,): "0"}}}):
         with pytest.raises(gs.LayoutError, match="a TieredManager's save takes none of"):
             gt.save({"w": torch.ones(2)}, manager.target(1), **bad)
     assert not (tmp_path / "local").exists() or not any((tmp_path / "local").iterdir())
-    gt.save({"w": torch.ones(2), "n": (1, 2)}, manager.target(1))
+    gt.save({"w": torch.ones(2), "n": (1, 2)}, manager.target(1), pack_below=1 << 20)
     manager.wait()
+    assert gs.read_metadata(manager.path(1)).tensors["w"].regions[0].byte_offset is not None  # packed
     state = {"w": torch.zeros(2), "n": None}
     gt.load(state, manager.open_latest())
     assert torch.equal(state["w"], torch.ones(2)) and state["n"] == (1, 2)
