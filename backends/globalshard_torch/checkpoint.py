@@ -166,7 +166,7 @@ def save_checkpoint(
     if clash:
         raise MetadataError(f"trainer_state keys {clash} are reserved for the adapter")
     if isinstance(path, TierStep):
-        path.refuse(base=base, frozen=frozen, digests=digests, overwrite=overwrite, kvstore=kvstore)
+        path.refuse(digests=digests, overwrite=overwrite, kvstore=kvstore)
     shards: dict[str, gs.ShardedTensor] = {}
     staging = HostStaging.for_save(saver)
 
@@ -234,7 +234,7 @@ def save_checkpoint(
     if rank_state is not None:
         state["rank_state"] = [g["rank_state"] for g in gathered]
     if isinstance(path, TierStep):
-        path.save(shards, state, stats, saver, staging, pack_below)
+        path.save(shards, state, stats, saver, staging, pack_below=pack_below, base=base, frozen=frozen)
     else:
         staging.save(shards, path, saver, trainer_state=state, comm=comm, overwrite=overwrite, kvstore=kvstore,
                      stats=stats, pack_below=pack_below, base=base, frozen=frozen, digests=digests)
@@ -747,17 +747,18 @@ class TierStep:
 
     def refuse(self, **options: Any) -> None:
         """Refuse the save options a tiered save has no use for, naming those given."""
-        # TODO(limitation): a tiered save writes every region itself: no references to a base.
+        # TODO(limitation): a tiered save references only frozen keys in a base, never regions found equal.
         given = [name for name, value in options.items() if value]
         if given:
-            raise LayoutError(f"a TieredManager's save takes none of {given}: it writes every region itself "
-                              "and keeps its steps in its persistent tier")
+            raise LayoutError(f"a TieredManager's save takes none of {given}: it references a base's regions "
+                              "only for frozen keys, and keeps its steps in its persistent tier")
 
     def save(self, shards: Mapping[str, gs.ShardedTensor], trainer_state: dict[str, Any],
-             stats: gs.IOStats | None, saver: gs.AsyncSaver | None, staging: HostStaging, pack_below: int) -> None:
-        """Save the staged ``shards`` as this step (with ``saver``: in the background)."""
+             stats: gs.IOStats | None, saver: gs.AsyncSaver | None, staging: HostStaging, **options: Any) -> None:
+        """Save the staged ``shards`` as this step (with ``saver``: in the
+        background); ``options``: ``pack_below``, ``base``, ``frozen``."""
         self.manager.save_state(self.step, shards, trainer_state=trainer_state, stats=stats, saver=saver,
-                                staged=staging.staged(shards) if saver is not None else None, pack_below=pack_below)
+                                staged=staging.staged(shards) if saver is not None else None, **options)
 
 
 class TieredManager(gs.TieredManager):

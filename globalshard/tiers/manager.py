@@ -87,13 +87,17 @@ class TieredManager(CheckpointManager):
         the background, then the drain. ``saver.wait()`` waits for the tier
         copies and raises their failure; :meth:`wait` for the drain as well.
         ``staged``: as for :meth:`AsyncSaver.save <globalshard.AsyncSaver.save>`;
-        ``pack_below``: as for :func:`~globalshard.save`."""
+        ``pack_below``: as for :func:`~globalshard.save`. ``base`` (a persisted
+        step's path, :meth:`path`) and ``frozen`` (key patterns): as for
+        :func:`~globalshard.save`, the frozen keys referenced in that step
+        (a LoRA fine-tune's base weights), not written to the tiers at all; a
+        recovery reads them from the persistent tier."""
         trainer_state, stats = kwargs.pop("trainer_state", None), kwargs.pop("stats", None)
         saver, staged = kwargs.pop("saver", None), kwargs.pop("staged", None)
-        pack_below = kwargs.pop("pack_below", 0)
+        pack_below, base, frozen = kwargs.pop("pack_below", 0), kwargs.pop("base", None), kwargs.pop("frozen", ())
         if kwargs:
-            raise TypeError(f"TieredManager.save takes trainer_state, stats, saver, staged and pack_below, not "
-                            f"{sorted(kwargs)}")
+            raise TypeError(f"TieredManager.save takes trainer_state, stats, saver, staged, pack_below, base and "
+                            f"frozen, not {sorted(kwargs)}")
         if step < 0:
             raise ValueError(f"step must be non-negative, got {step}")
         if staged and saver is None:
@@ -110,7 +114,7 @@ class TieredManager(CheckpointManager):
         drain = save_tiered(state, step, self._comm_or_single(), self.tier, self.store,
                             lambda s: open_root(self.path(s)), trainer_state=trainer, stats=stats,
                             on_persisted=self._on_persisted, saver=saver, staged=staged, on_drain=drained,
-                            pack_below=pack_below)
+                            pack_below=pack_below, base=base, frozen=frozen)
         if saver is None:
             self._drain = drain
         else:  # the background hands over the drain, before the saver's wait() returns

@@ -5,6 +5,7 @@ reads and sends it), else from the persistent tier."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -13,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from globalshard.checkpoint.bases import check_bases
 from globalshard.checkpoint.loading import Checkpoint, _expected_attributes
 from globalshard.checkpoint.saving import entries_of
 from globalshard.comm import Comm, run_collectively
@@ -86,18 +88,24 @@ def _needs(plan: LoadPlan) -> list[Any]:
 
 
 def _sources(needs: Sequence[Sequence[Any]], holders: Mapping[str, list[int]], node_of: Callable[[int], int],
-             ranks_of: Callable[[int], Sequence[int]], persisted: bool) -> dict[tuple[int, int], tuple[str, int]]:
+             ranks_of: Callable[[int], Sequence[int]], persisted: bool, in_bases: frozenset[str] = frozenset()
+             ) -> dict[tuple[int, int], tuple[str, int]]:
     """Where each rank's each stored read comes from: ``(rank, index into its
-    needs) -> ("local" | "persistent", rank)`` or ``("peer", owner)``. Pure:
-    the same on every rank. A peer read goes to the least-loaded rank of a
-    node that holds the path (ties: the nearest node after the reader's in
-    the ring, then the lower rank)."""
+    needs) -> ("local" | "persistent" | "base", rank)`` or ``("peer", owner)``.
+    Pure: the same on every rank. A peer read goes to the least-loaded rank
+    of a node that holds the path (ties: the nearest node after the reader's
+    in the ring, then the lower rank). A path in ``in_bases`` (a region the
+    step references in a base, spec section 5.2) is read from that base."""
     load: dict[int, int] = {}
     out = {}
     for rank, items in enumerate(needs):
         for i, (path, _, _, shape, dtype) in enumerate(items):
             have = holders.get(path, [])
-            if node_of(rank) in have:
+            if path in in_bases:
+                # TODO(limitation): a region referenced in a base is read from the base in the
+                # persistent tier, never from a tier copy of the base's step.
+                out[(rank, i)] = ("base", rank)
+            elif node_of(rank) in have:
                 out[(rank, i)] = ("local", rank)
             elif have:
                 count = max(have) + 1
@@ -145,7 +153,9 @@ class TieredCheckpoint(Checkpoint):
                                   allow_lossy_cast=allow_lossy_cast, names=[n for n, _ in entries])
         mine = _needs(plan)
         _, needs = run_collectively(comm, "recover: planning", lambda: mine)
-        sources = _sources(needs, self._holders, self._nodes.node_of, self._nodes.ranks_of, self._persisted)
+        in_bases = frozenset(r.path for t in self.metadata.tensors.values() for r in t.regions if r.base is not None)
+        sources = _sources(needs, self._holders, self._nodes.node_of, self._nodes.ranks_of, self._persisted,
+                           in_bases)
         result = Recovery(self.step, self.save_id, self.trainer_state, skipped=self._skipped)
         _read(comm, exchanger, self.metadata, plan, needs, sources, [t.data for _, t in entries], self._local,
               self._store, result)
@@ -219,7 +229,7 @@ def _read(comm: Comm, exchanger: Any, metadata: Metadata, plan: LoadPlan, needs:
             r for r in t.reads if sources[(rank, index[_key(r, t.stored_dtype)])][0] == kind),
             t.padding if padding else ()) for t in plan.targets), plan.arrays, plan.packs)
 
-    local_plan, persistent_plan = part("local", True), part("persistent", False)
+    local_plan, persistent_plan, base_plan = part("local", True), part("persistent", False), part("base", False)
     served = [(r, i, n) for r in range(len(needs)) for i, n in enumerate(needs[r]) if sources[(r, i)] == ("peer", rank)]
     # What this rank serves may be arrays its own load does not read: their records come from the metadata.
     arrays: dict[str, Any] = {}
@@ -247,10 +257,13 @@ def _read(comm: Comm, exchanger: Any, metadata: Metadata, plan: LoadPlan, needs:
             if sub.arrays or sub.packs:
                 engine = open_engine(store)
                 opened[name] = (engine, engine.open(sub, _expected_attributes(metadata, sub)))
+        sub = _opening(base_plan)
+        if sub.arrays or sub.packs:  # each base beside the step's root in the persistent tier, checked first
+            opened["base"] = _open_in_bases(persistent, metadata, sub)
 
     run_collectively(comm, "recover: checking", open_all)
     buffers = [np.empty(tuple(n[3]), numpy_dtype(n[4])) for _, _, n in served]
-    stats = {"local": IOStats(), "persistent": IOStats()}
+    stats = {"local": IOStats(), "persistent": IOStats(), "base": IOStats()}
 
     def read(name: str, sub: LoadPlan, into: list[np.ndarray]) -> None:
         if name in opened:
@@ -264,6 +277,7 @@ def _read(comm: Comm, exchanger: Any, metadata: Metadata, plan: LoadPlan, needs:
     def read_direct() -> None:
         read("local", local_plan, targets)
         read("persistent", persistent_plan, targets)
+        read("base", base_plan, targets)
         if served:
             read("local", serve_plan, buffers)
 
@@ -286,9 +300,35 @@ def _read(comm: Comm, exchanger: Any, metadata: Metadata, plan: LoadPlan, needs:
             if buf is not None:
                 cast_into(r.target_box.view(targets[t.target]), buf)
     result.bytes_local += stats["local"].bytes_read
-    result.bytes_persistent += stats["persistent"].bytes_read
-    result.paths_persistent = sorted({r.path for t in persistent_plan.targets for r in t.reads})
+    result.bytes_persistent += stats["persistent"].bytes_read + stats["base"].bytes_read
+    result.paths_persistent = sorted({r.path for p in (persistent_plan, base_plan) for t in p.targets
+                                      for r in t.reads})
     result.bytes_peer += sum(b.nbytes for _, _, b in incoming)
+
+
+def _open_in_bases(root: Store, metadata: Metadata, plan: LoadPlan) -> tuple[Any, Any]:
+    """Open what ``plan`` reads from the bases of the step whose persistent
+    root is ``root`` (every read of ``plan`` is from a base), after checking
+    them (spec section 5.2): ``(engine, opened plan)``."""
+    needed: dict[int, list[tuple[str, Any]]] = {}
+    base_of: dict[str, int] = {}
+    for key in sorted({t.key for t in plan.targets}):
+        for r in metadata.tensors[key].regions:
+            if r.base is not None and (r.path in plan.arrays or r.path in plan.packs):
+                needed.setdefault(r.base, []).append((key, r))
+                base_of[r.path] = r.base
+    stores = check_bases(root, metadata, needed)
+    expect = _expected_attributes(metadata, plan)
+    parts = []
+    for b in sorted(stores):
+        part = dataclasses.replace(plan, arrays={p: v for p, v in plan.arrays.items() if base_of.get(p) == b},
+                                   packs={p: v for p, v in plan.packs.items() if base_of.get(p) == b})
+        engine = open_engine(stores[b])
+        parts.append((engine, engine.open(part, expect)))
+    engine, first = parts[0]
+    where = {p: stores[b].describe(p) for p, b in base_of.items()}
+    return engine, type(first)(plan, {k: v for _, o in parts for k, v in o.stores.items()},
+                               {k: v for _, o in parts for k, v in o.files.items()}, where)
 
 
 def _trainer_state(comm: Comm, metadata: Metadata, holders: Mapping[str, list[int]], nodes: Any, persisted: bool,

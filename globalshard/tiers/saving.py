@@ -11,11 +11,12 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from globalshard.checkpoint.bases import with_references
 from globalshard.checkpoint.finishing import InProcess
 from globalshard.checkpoint.saving import PlannedSave, entries_of, plan_save
 from globalshard.comm import Comm, run_collectively
@@ -135,7 +136,8 @@ def save_tiered(state: Mapping[str, ShardedTensor], step: int, comm: Comm, tier:
                 step_store: Callable[[int], Store], *, trainer_state: dict[str, Any] | None = None,
                 stats: IOStats | None = None, on_persisted: Callable[[int], None] | None = None,
                 saver: AsyncSaver | None = None, staged: Mapping[str, Callable[[], None]] | None = None,
-                on_drain: Callable[[Drain], None] = lambda drain: None, pack_below: int = 0) -> Drain | None:
+                on_drain: Callable[[Drain], None] = lambda drain: None, pack_below: int = 0,
+                base: Any = None, frozen: Iterable[str] = (), kvstore: Any = None) -> Drain | None:
     """Save ``state`` as step ``step``: into this node's directory (and the next
     nodes'), committed there on every node; then, in the background, copied
     to ``step_store(step)`` in the persistent tier and committed there, when
@@ -147,7 +149,11 @@ def save_tiered(state: Mapping[str, ShardedTensor], step: int, comm: Comm, tier:
     next nodes and the local commit follow in the background, which then
     hands the drain to ``on_drain``; ``saver.wait()`` raises their failure.
     ``pack_below``: as for :func:`~globalshard.save` (small regions stored
-    in a few packs, each copied and drained as one file).
+    in a few packs, each copied and drained as one file). ``base`` and
+    ``frozen``: as for :func:`~globalshard.save`, the base a committed
+    checkpoint of the persistent tier beside ``step_store(step)``: the
+    frozen keys' regions are referenced there, neither written nor copied
+    nor drained (``kvstore``: as for :func:`~globalshard.save`'s, for ``base``).
 
     Raises:
         LayoutError, StorageError, CommError: as :func:`~globalshard.save`; the
@@ -163,7 +169,7 @@ def save_tiered(state: Mapping[str, ShardedTensor], step: int, comm: Comm, tier:
     held = contextlib.ExitStack()
     try:
         planned = plan_save(target, comm, entries_of(state), trainer_state, False, held, staged,
-                            pack_below=pack_below)
+                            pack_below=pack_below, base=base, frozen=frozen, digests=False, kvstore=kvstore)
     except BaseException:
         held.close()
         raise
@@ -209,7 +215,8 @@ def _commit_copies(planned: PlannedSave, ops: InProcess, comm: Comm, tier: Local
         if comm.rank != 0:
             return None
         ref = blob[1] if blob is not None else None
-        return dataclasses.replace(planned.metadata(), trainer_state=ref).to_json()
+        metadata = with_references(planned.metadata(), planned.base, planned.frozen, [])  # the frozen keys' references
+        return dataclasses.replace(metadata, trainer_state=ref).to_json()
 
     _, gathered = run_collectively(comm, "tier save: local commit",
                                    lambda: {"held": mine + received, "metadata": metadata_doc()})

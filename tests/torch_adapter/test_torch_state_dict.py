@@ -17,6 +17,7 @@ from torch_harness import run, values_of
 import globalshard as gs
 import globalshard_torch as gt
 from globalshard.comm import json_digest
+from globalshard.format.holdings import parse_holdings
 from globalshard_torch.state_dict import replica_keys
 
 
@@ -413,7 +414,7 @@ def test_a_state_dict_saved_into_the_tiers_recovers_from_the_copies_onto_another
 
 def test_a_tiered_save_of_a_state_dict_refuses_what_the_tiers_cannot_do(tmp_path):
     manager = gt.TieredManager(tiers=[gs.LocalTier(str(tmp_path / "local")), str(tmp_path / "persistent")])
-    for bad in ({"overwrite": True}, {"frozen": ["w"], "base": "x"}, {"unchanged": {"w": {(0,): "0"}}}):
+    for bad in ({"overwrite": True}, {"digests": True}, {"unchanged": {"w": {(0,): "0"}}}):
         with pytest.raises(gs.LayoutError, match="a TieredManager's save takes none of"):
             gt.save({"w": torch.ones(2)}, manager.target(1), **bad)
     assert not (tmp_path / "local").exists() or not any((tmp_path / "local").iterdir())
@@ -424,6 +425,30 @@ def test_a_tiered_save_of_a_state_dict_refuses_what_the_tiers_cannot_do(tmp_path
     gt.load(state, manager.open_latest())
     assert torch.equal(state["w"], torch.ones(2)) and state["n"] == (1, 2)
     assert gs.read_metadata(manager.path(1)).tensors["w"].global_shape == (2,)  # drained to the persistent tier
+
+
+def test_a_lora_state_dict_in_the_tiers_references_its_frozen_base(tmp_path):
+    # A fine-tune's frozen weights saved once into the tiers; later steps reference them in that
+    # persisted step (gt.save(..., base=, frozen=)), and the tiers hold only the adapter.
+    manager = gt.TieredManager(tiers=[gs.LocalTier(str(tmp_path / "local")), str(tmp_path / "persistent")],
+                               keep_last=1)
+    base_w, saver = torch.arange(64.0).reshape(8, 8), gs.AsyncSaver()
+    gt.save({"model": {"w": base_w, "lora_a": torch.zeros(2, 8)}}, manager.target(1), saver=saver)
+    for step in (2, 3):
+        adapter = torch.full((2, 8), float(step))
+        gt.save({"model": {"w": base_w, "lora_a": adapter}}, manager.target(step), saver=saver,
+                base=manager.path(1), frozen=["model.w"])
+    manager.wait()
+    md = gs.read_metadata(manager.path(3))
+    assert [b.root for b in md.bases] == ["iter_0000001"] and md.tensors["model.w"].regions[0].base == 0
+    assert not (tmp_path / "persistent" / "iter_0000002").exists()  # pruned; step 1 kept as step 3's base
+    held = parse_holdings((tmp_path / "local" / "iter_0000003" / "holdings.json").read_bytes()).holds
+    assert held == set(md.paths()) and not any("model.w" in p for p in held)
+    state = {"model": {"w": torch.zeros(8, 8), "lora_a": torch.zeros(2, 8)}}
+    found = manager.open_latest()
+    gt.load(state, found)
+    assert torch.equal(state["model"]["w"], base_w) and torch.equal(state["model"]["lora_a"], torch.full((2, 8), 3.0))
+    assert found.recovery.bytes_persistent == base_w.numel() * 4  # the base's bytes, from the persistent tier
 
 
 def test_a_process_group_the_rank_is_not_in_is_refused():

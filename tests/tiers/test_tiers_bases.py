@@ -1,0 +1,106 @@
+"""Tiered saves that reference a base (spec sections 5.2 and 5.3), ranks as
+threads: a LoRA-like step whose frozen keys stay in the persistent step that
+holds them; its tier copies hold only what it writes, and a recovery reads
+the frozen keys from the base, the rest from the nearest copies."""
+
+import shutil
+
+import numpy as np
+import pytest
+from test_tiers import KEYS, ROWS, manager, resume, rows_state, values
+
+import globalshard as gs
+from globalshard.format.holdings import parse_holdings
+
+FROZEN = ["a", "b"]  # the base's weights; "c" is trained
+
+
+def lora_values(step):
+    """Keys a and b as at step 10 (frozen), c as at ``step``."""
+    return {k: (values(10) if k in FROZEN else values(step))[k] for k in KEYS}
+
+
+def copy_of(tmp_path, node, step):
+    return parse_holdings((tmp_path / "local" / f"node{node}" / f"iter_{step:07d}" / "holdings.json").read_bytes())
+
+
+@pytest.mark.parametrize("mode", [None, "process"])
+def test_frozen_keys_are_referenced_in_the_base_never_written_to_the_tiers_and_recovered_from_it(tmp_path, mode):
+    world = 8
+
+    def job(comm):
+        m = manager(tmp_path, comm)
+        m.keep_last = 1  # the base outlives the retention: a kept step references it
+        saver = gs.AsyncSaver(mode) if mode else None
+        m.save(10, rows_state(values(10), comm.rank, world), saver=saver)
+        m.wait()
+        for step in (20, 30):
+            state = rows_state(lora_values(step), comm.rank, world)
+            m.save(step, state, base=m.path(10), frozen=FROZEN, saver=saver)
+            for t in state.values():
+                t.data[:] = -1  # training goes on
+        m.wait()
+        return m.persisted()
+
+    assert gs.testing.comm.run_ranks(world, job) == [30] * world
+    persistent = tmp_path / "persistent"
+    md = gs.read_metadata(persistent / "iter_0000030")
+    assert [b.root for b in md.bases] == ["iter_0000010"]
+    assert all(r.base is not None for k in FROZEN for r in md.tensors[k].regions)
+    assert all(r.base is None for r in md.tensors["c"].regions)
+    assert (persistent / "iter_0000010").exists() and not (persistent / "iter_0000020").exists()  # kept as a base
+    assert sorted(p.name for p in persistent.glob("iter_*")) == ["iter_0000010", "iter_0000030"]
+    own = set(md.paths())
+    for node in range(4):  # the tier copies hold what step 30 wrote, nothing of the frozen keys
+        held = copy_of(tmp_path, node, 30).holds
+        assert held <= own and held
+    assert not any("/a/" in p or "/b/" in p for p in own)
+    np.testing.assert_array_equal(gs.read_array(persistent / "iter_0000030", "a"), values(10)["a"])
+    np.testing.assert_array_equal(gs.read_array(persistent / "iter_0000030", "c"), values(30)["c"])
+
+    shutil.rmtree(tmp_path / "local" / "node2")  # a node lost; the job comes back on 6 ranks, another cut
+    out = resume(tmp_path, world=6, per_node=2, nodes_map=[0, 1, 3])
+    n = ROWS // 6
+    for rank, (trainer, got, rec) in enumerate(out):
+        assert trainer["step"] == 30 and rec.step == 30
+        for k, v in lora_values(30).items():
+            np.testing.assert_array_equal(got[k], v[rank * n:(rank + 1) * n], err_msg=f"{rank} {k}")
+        # the frozen keys from the base in the persistent tier, the trained key from the copies
+        base_paths = {r.path for k in FROZEN for r in md.tensors[k].regions}
+        assert set(rec.paths_persistent) <= base_paths and rec.paths_persistent, rec.paths_persistent
+        assert rec.bytes_local + rec.bytes_peer > 0
+
+
+def test_a_base_deleted_by_hand_fails_the_recovery_naming_it(tmp_path):
+    def job(comm):
+        m = manager(tmp_path, comm, per_node=1)
+        m.save(10, rows_state(values(10), comm.rank, 2))
+        m.wait()
+        m.save(20, rows_state(lora_values(20), comm.rank, 2), base=m.path(10), frozen=FROZEN)
+        m.wait()
+
+    assert gs.testing.comm.run_ranks(2, job) == [None, None]
+    shutil.rmtree(tmp_path / "persistent" / "iter_0000010")
+    for node in range(2):
+        shutil.rmtree(tmp_path / "local" / f"node{node}" / "iter_0000010")
+    out = gs.testing.comm.run_ranks(2, lambda comm: manager(tmp_path, comm, per_node=1).load_latest(
+        rows_state({k: np.zeros((ROWS, 8), np.float32) for k in KEYS}, comm.rank, 2)))
+    for e in out:
+        assert isinstance(e, gs.StorageError) and "iter_0000010" in str(e) and "'a'" in str(e), e
+
+
+def test_the_unchanged_values_of_a_recovery_from_a_step_referencing_a_base_equal_a_plain_load(tmp_path):
+    def job(comm):
+        m = manager(tmp_path, comm, per_node=2)
+        m.save(10, rows_state(values(10), comm.rank, 4))
+        m.wait()
+        m.save(20, rows_state(lora_values(20), comm.rank, 4), base=m.path(10), frozen=FROZEN)
+        m.wait()
+
+    gs.testing.comm.run_ranks(4, job)
+    out = resume(tmp_path, world=4, per_node=2)
+    plain = {k: gs.read_array(tmp_path / "persistent" / "iter_0000020", k) for k in KEYS}
+    assert all(np.array_equal(plain[k], v) for k, v in lora_values(20).items())
+    for rank, (_, got, _) in enumerate(out):
+        for k in KEYS:
+            np.testing.assert_array_equal(got[k], plain[k][rank * ROWS // 4:(rank + 1) * ROWS // 4])
