@@ -82,11 +82,12 @@ def train_job(rank: int, *, cfg: dict[str, Any], topo: dict[str, Any], local: st
         if loss is not None:
             losses.append(loss)
         if step in saves:
+            target = manager.target(step)  # once the step before is drained (its background over)
             if kill is not None and step == kill["step"] and rank == kill["rank"]:
                 _kill_at(kill["phase"])
             if reference is not None:
                 trainer.save(os.path.join(reference, f"iter_{step:07d}"))
-            trainer.save(manager.target(step), saver=background)
+            trainer.save(target, saver=background)
     manager.wait()
     if background is not None and background.last_mode != saver:
         raise AssertionError(f"the saves ran in {background.last_mode} mode, not {saver}")

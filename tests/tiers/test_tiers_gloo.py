@@ -85,11 +85,13 @@ def test_two_adjacent_nodes_lost_with_one_replica_read_only_their_arrays_from_s3
     assert all(v["bytes_local"] + v["bytes_peer"] > 0 for v in values)
 
 
-@pytest.mark.parametrize("phase", ["local write", "replication", "drain"])
-def test_a_rank_killed_mid_save_leaves_the_previous_step_whole_on_every_tier(tmp_path, s3, phase):
+@pytest.mark.parametrize("phase, saver", [("local write", None), ("replication", None), ("drain", None),
+                                          ("replication", "process")])
+def test_a_rank_killed_mid_save_leaves_the_previous_step_whole_on_every_tier(tmp_path, s3, phase, saver):
+    # With saver="process", the rank dies in the save's background, while the others train on.
     args = job_args(tmp_path / "local", s3, [0, 1, 2, 3], f"tiers-{tmp_path.name}")
     outcomes = run_tolerating_deaths(8, "tier_jobs:train_job", str(tmp_path / "o"), topo=TRAIN, saves=[1, 2],
-                                     kill={"step": 2, "rank": 3, "phase": phase}, **args)
+                                     kill={"step": 2, "rank": 3, "phase": phase}, saver=saver, **args)
     assert outcomes[3].get("type") == "killed", outcomes[3]
     layout = tier_jobs.inspect_tiers(str(tmp_path / "local"))
     for node, steps in layout.items():
