@@ -166,7 +166,7 @@ def save_checkpoint(
     if clash:
         raise MetadataError(f"trainer_state keys {clash} are reserved for the adapter")
     if isinstance(path, TierStep):
-        path.refuse(digests=digests, overwrite=overwrite, kvstore=kvstore)
+        path.refuse(overwrite=overwrite, kvstore=kvstore)
     shards: dict[str, gs.ShardedTensor] = {}
     staging = HostStaging.for_save(saver)
 
@@ -234,7 +234,8 @@ def save_checkpoint(
     if rank_state is not None:
         state["rank_state"] = [g["rank_state"] for g in gathered]
     if isinstance(path, TierStep):
-        path.save(shards, state, stats, saver, staging, pack_below=pack_below, base=base, frozen=frozen)
+        path.save(shards, state, stats, saver, staging, pack_below=pack_below, base=base, frozen=frozen,
+                  digests=digests)
     else:
         staging.save(shards, path, saver, trainer_state=state, comm=comm, overwrite=overwrite, kvstore=kvstore,
                      stats=stats, pack_below=pack_below, base=base, frozen=frozen, digests=digests)
@@ -747,16 +748,16 @@ class TierStep:
 
     def refuse(self, **options: Any) -> None:
         """Refuse the save options a tiered save has no use for, naming those given."""
-        # TODO(limitation): a tiered save references only frozen keys in a base, never regions found equal.
+        # TODO(limitation): a tiered save takes no unchanged= digests (a key referenced whole after a load).
         given = [name for name, value in options.items() if value]
         if given:
-            raise LayoutError(f"a TieredManager's save takes none of {given}: it references a base's regions "
-                              "only for frozen keys, and keeps its steps in its persistent tier")
+            raise LayoutError(f"a TieredManager's save takes none of {given}: it takes no unchanged= digests, "
+                              "and keeps its steps in its persistent tier")
 
     def save(self, shards: Mapping[str, gs.ShardedTensor], trainer_state: dict[str, Any],
              stats: gs.IOStats | None, saver: gs.AsyncSaver | None, staging: HostStaging, **options: Any) -> None:
         """Save the staged ``shards`` as this step (with ``saver``: in the
-        background); ``options``: ``pack_below``, ``base``, ``frozen``."""
+        background); ``options``: ``pack_below``, ``base``, ``frozen``, ``digests``."""
         self.manager.save_state(self.step, shards, trainer_state=trainer_state, stats=stats, saver=saver,
                                 staged=staging.staged(shards) if saver is not None else None, **options)
 

@@ -137,7 +137,8 @@ def save_tiered(state: Mapping[str, ShardedTensor], step: int, comm: Comm, tier:
                 stats: IOStats | None = None, on_persisted: Callable[[int], None] | None = None,
                 saver: AsyncSaver | None = None, staged: Mapping[str, Callable[[], None]] | None = None,
                 on_drain: Callable[[Drain], None] = lambda drain: None, pack_below: int = 0,
-                base: Any = None, frozen: Iterable[str] = (), kvstore: Any = None) -> Drain | None:
+                base: Any = None, frozen: Iterable[str] = (), digests: bool | None = None,
+                kvstore: Any = None) -> Drain | None:
     """Save ``state`` as step ``step``: into this node's directory (and the next
     nodes'), committed there on every node; then, in the background, copied
     to ``step_store(step)`` in the persistent tier and committed there, when
@@ -149,11 +150,12 @@ def save_tiered(state: Mapping[str, ShardedTensor], step: int, comm: Comm, tier:
     next nodes and the local commit follow in the background, which then
     hands the drain to ``on_drain``; ``saver.wait()`` raises their failure.
     ``pack_below``: as for :func:`~globalshard.save` (small regions stored
-    in a few packs, each copied and drained as one file). ``base`` and
-    ``frozen``: as for :func:`~globalshard.save`, the base a committed
-    checkpoint of the persistent tier beside ``step_store(step)``: the
-    frozen keys' regions are referenced there, neither written nor copied
-    nor drained (``kvstore``: as for :func:`~globalshard.save`'s, for ``base``).
+    in a few packs, each copied and drained as one file). ``base``,
+    ``frozen`` and ``digests``: as for :func:`~globalshard.save`, the base a
+    committed checkpoint of the persistent tier beside ``step_store(step)``:
+    the frozen keys' regions, and those hashed equal to the base's, are
+    referenced there, neither written nor copied nor drained (``kvstore``:
+    as for :func:`~globalshard.save`'s, for ``base``).
 
     Raises:
         LayoutError, StorageError, CommError: as :func:`~globalshard.save`; the
@@ -169,7 +171,7 @@ def save_tiered(state: Mapping[str, ShardedTensor], step: int, comm: Comm, tier:
     held = contextlib.ExitStack()
     try:
         planned = plan_save(target, comm, entries_of(state), trainer_state, False, held, staged,
-                            pack_below=pack_below, base=base, frozen=frozen, digests=False, kvstore=kvstore)
+                            pack_below=pack_below, base=base, frozen=frozen, digests=digests, kvstore=kvstore)
     except BaseException:
         held.close()
         raise
@@ -206,7 +208,11 @@ def _commit_copies(planned: PlannedSave, ops: InProcess, comm: Comm, tier: Local
 
     run_collectively(comm, "tier save: local write", clear_local)
     here = dataclasses.replace(planned, store=local, engine=open_engine(local, planned.io))
-    run_collectively(comm, "tier save: local write", lambda: ops.write(here, stats))
+    _, outcomes = run_collectively(comm, "tier save: local write", lambda: ops.write(here, stats))
+    # Arrays hashed equal to the base's were not written: referenced there, they are not this step's files.
+    equal = {(k, tuple(o)) for k, o, _, same in outcomes[comm.rank] or [] if same}
+    mine = [p for p in mine if p not in planned.requests or tuple(planned.requests[p][:2]) not in equal]
+    hashed = [o for rank in outcomes for o in rank or []]
     if blob is not None:
         mine.append(blob[1].path)
     received = _replicate(comm, tier, nodes, local, mine)
@@ -215,7 +221,7 @@ def _commit_copies(planned: PlannedSave, ops: InProcess, comm: Comm, tier: Local
         if comm.rank != 0:
             return None
         ref = blob[1] if blob is not None else None
-        metadata = with_references(planned.metadata(), planned.base, planned.frozen, [])  # the frozen keys' references
+        metadata = with_references(planned.metadata(), planned.base, planned.frozen, hashed)
         return dataclasses.replace(metadata, trainer_state=ref).to_json()
 
     _, gathered = run_collectively(comm, "tier save: local commit",

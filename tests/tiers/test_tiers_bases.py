@@ -104,3 +104,43 @@ def test_the_unchanged_values_of_a_recovery_from_a_step_referencing_a_base_equal
     for rank, (_, got, _) in enumerate(out):
         for k in KEYS:
             np.testing.assert_array_equal(got[k], plain[k][rank * ROWS // 4:(rank + 1) * ROWS // 4])
+
+
+@pytest.mark.parametrize("mode", [None, "thread"])
+def test_regions_hashed_equal_to_the_base_s_are_referenced_without_naming_them(tmp_path, mode):
+    """base= alone (digests, the default with a base): each region whose SHA-256
+    equals the one the base recorded (saved with digests=True) is referenced,
+    every other one written and copied."""
+    world = 4
+
+    def job(comm):
+        m = manager(tmp_path, comm)
+        saver = gs.AsyncSaver(mode) if mode else None
+        m.save(10, rows_state(values(10), comm.rank, world), saver=saver, digests=True)  # SHA-256 recorded
+        m.wait()
+        vals = lora_values(20)
+        if comm.rank == 1:
+            vals["b"] = vals["b"].copy()
+            vals["b"][ROWS // world + 1, 3] += 1  # one element of rank 1's rows of b changed
+        m.save(20, rows_state(vals, comm.rank, world), base=m.path(10), saver=saver)
+        m.wait()
+        return m.persisted()
+
+    assert gs.testing.comm.run_ranks(world, job) == [20] * world
+    md = gs.read_metadata(tmp_path / "persistent" / "iter_0000020")
+    referenced = {(k, r.box.offset[0]) for k, t in md.tensors.items() for r in t.regions if r.base is not None}
+    n = ROWS // world
+    assert referenced == {("a", i * n) for i in range(world)} | {("b", i * n) for i in range(world) if i != 1}
+    own = set(md.paths())
+    for node in range(2):
+        assert copy_of(tmp_path, node, 20).holds <= own
+    shutil.rmtree(tmp_path / "local" / "node1")
+    out = resume(tmp_path, world=2, per_node=2, nodes_map=[0])
+    expected = lora_values(20)
+    expected["b"] = expected["b"].copy()
+    expected["b"][n + 1, 3] += 1
+    base_paths = {r.path for t in md.tensors.values() for r in t.regions if r.base is not None}
+    for rank, (_, got, rec) in enumerate(out):
+        for k, v in expected.items():
+            np.testing.assert_array_equal(got[k], v[rank * ROWS // 2:(rank + 1) * ROWS // 2], err_msg=f"{rank} {k}")
+        assert set(rec.paths_persistent) <= base_paths and rec.bytes_local > 0  # the rest from node 0's copy

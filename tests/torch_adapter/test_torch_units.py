@@ -478,7 +478,7 @@ def test_tiered_manager_saves_into_the_tiers_and_refuses_what_a_tiered_save_cann
     mgr.save(5, model=model, layout=gt.ParallelLayout(), rules=RULES)
     mgr.wait()
     assert mgr.persisted() == 5 and os.path.isfile(tmp_path / "local" / "iter_0000005" / "holdings.json")
-    for bad in ({"digests": True}, {"overwrite": True}):
+    for bad in ({"overwrite": True}, {"kvstore": {"driver": "memory"}}):
         with pytest.raises(gs.LayoutError, match=f"takes none of \\['{next(iter(bad))}'\\]"):
             gt.save_checkpoint(mgr.target(6), model=model, layout=gt.ParallelLayout(), rules=RULES, **bad)
     assert not os.path.exists(tmp_path / "local" / "iter_0000006")  # refused before anything was written
