@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from globalshard.checkpoint.bases import check_bases
+from globalshard.checkpoint.bases import check_bases, reads_in_bases
 from globalshard.checkpoint.saving import entries_of, log_end
 from globalshard.comm import Comm, SingleProcessComm, run_collectively
 from globalshard.dtypes import canonical_name, numpy_dtype
@@ -172,13 +172,8 @@ def _open_for(store: Store, engine: ArrayEngine, metadata: Metadata, infos: list
     if not metadata.bases:
         with _saying_if_replaced(store, metadata):
             return engine.open(plan, expect)
-    needed: dict[int, list[tuple[str, Any]]] = {}
-    root_of: dict[str, int] = {}
-    for key in sorted({t.key for t in plan.targets}):
-        for r in metadata.tensors[key].regions:
-            if r.base is not None and (r.path in plan.arrays or r.path in plan.packs):
-                needed.setdefault(r.base, []).append((key, r))
-                root_of[r.path] = r.base
+    needed, root_of = reads_in_bases(metadata, {t.key for t in plan.targets},
+                                     lambda path: path in plan.arrays or path in plan.packs)
     stores = check_bases(store, metadata, needed)
     parts = [(engine, None)] + [(open_engine(stores[b], io), b) for b in sorted(stores)]
     opened = []

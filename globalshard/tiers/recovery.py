@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from globalshard.checkpoint.bases import check_bases
+from globalshard.checkpoint.bases import check_bases, reads_in_bases
 from globalshard.checkpoint.loading import Checkpoint, _expected_attributes
 from globalshard.checkpoint.saving import entries_of
 from globalshard.comm import Comm, run_collectively
@@ -310,13 +310,8 @@ def _open_in_bases(root: Store, metadata: Metadata, plan: LoadPlan) -> tuple[Any
     """Open what ``plan`` reads from the bases of the step whose persistent
     root is ``root`` (every read of ``plan`` is from a base), after checking
     them (spec section 5.2): ``(engine, opened plan)``."""
-    needed: dict[int, list[tuple[str, Any]]] = {}
-    base_of: dict[str, int] = {}
-    for key in sorted({t.key for t in plan.targets}):
-        for r in metadata.tensors[key].regions:
-            if r.base is not None and (r.path in plan.arrays or r.path in plan.packs):
-                needed.setdefault(r.base, []).append((key, r))
-                base_of[r.path] = r.base
+    needed, base_of = reads_in_bases(metadata, {t.key for t in plan.targets},
+                                     lambda path: path in plan.arrays or path in plan.packs)
     stores = check_bases(root, metadata, needed)
     expect = _expected_attributes(metadata, plan)
     parts = []

@@ -71,15 +71,20 @@ def test_frozen_keys_are_referenced_in_the_base_never_written_to_the_tiers_and_r
         assert rec.bytes_local + rec.bytes_peer > 0
 
 
-def test_a_base_deleted_by_hand_fails_the_recovery_naming_it(tmp_path):
+def save_base_then_lora(tmp_path, world, per_node):
+    """Step 10 whole, then step 20 with the frozen keys referenced in step 10."""
     def job(comm):
-        m = manager(tmp_path, comm, per_node=1)
-        m.save(10, rows_state(values(10), comm.rank, 2))
+        m = manager(tmp_path, comm, per_node=per_node)
+        m.save(10, rows_state(values(10), comm.rank, world))
         m.wait()
-        m.save(20, rows_state(lora_values(20), comm.rank, 2), base=m.path(10), frozen=FROZEN)
+        m.save(20, rows_state(lora_values(20), comm.rank, world), base=m.path(10), frozen=FROZEN)
         m.wait()
 
-    assert gs.testing.comm.run_ranks(2, job) == [None, None]
+    assert gs.testing.comm.run_ranks(world, job) == [None] * world
+
+
+def test_a_base_deleted_by_hand_fails_the_recovery_naming_it(tmp_path):
+    save_base_then_lora(tmp_path, 2, 1)
     shutil.rmtree(tmp_path / "persistent" / "iter_0000010")
     for node in range(2):
         shutil.rmtree(tmp_path / "local" / f"node{node}" / "iter_0000010")
@@ -90,14 +95,7 @@ def test_a_base_deleted_by_hand_fails_the_recovery_naming_it(tmp_path):
 
 
 def test_the_unchanged_values_of_a_recovery_from_a_step_referencing_a_base_equal_a_plain_load(tmp_path):
-    def job(comm):
-        m = manager(tmp_path, comm, per_node=2)
-        m.save(10, rows_state(values(10), comm.rank, 4))
-        m.wait()
-        m.save(20, rows_state(lora_values(20), comm.rank, 4), base=m.path(10), frozen=FROZEN)
-        m.wait()
-
-    gs.testing.comm.run_ranks(4, job)
+    save_base_then_lora(tmp_path, 4, 2)
     out = resume(tmp_path, world=4, per_node=2)
     plain = {k: gs.read_array(tmp_path / "persistent" / "iter_0000020", k) for k in KEYS}
     assert all(np.array_equal(plain[k], v) for k, v in lora_values(20).items())
