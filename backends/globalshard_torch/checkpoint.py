@@ -751,8 +751,9 @@ class TierStep:
         # TODO(limitation): a tiered save takes no unchanged= digests (a key referenced whole after a load).
         given = [name for name, value in options.items() if value]
         if given:
-            raise LayoutError(f"a TieredManager's save takes none of {given}: it takes no unchanged= digests, "
-                              "and keeps its steps in its persistent tier")
+            raise LayoutError(f"a TieredManager's save takes none of {given}: the manager names and keeps its "
+                              "steps in its persistent tier (no overwrite=, kvstore=), and takes no unchanged= "
+                              "digests")
 
     def save(self, shards: Mapping[str, gs.ShardedTensor], trainer_state: dict[str, Any],
              stats: gs.IOStats | None, saver: gs.AsyncSaver | None, staging: HostStaging, **options: Any) -> None:
