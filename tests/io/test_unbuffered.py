@@ -169,6 +169,36 @@ def test_a_write_the_disk_refuses_unbuffered_is_written_buffered(tmp_path, monke
         assert f.read() == g.read()
 
 
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT here")
+def test_a_refused_write_is_written_again_when_another_thread_made_the_file_buffered_first(tmp_path, monkeypatch):
+    # Threads write parts of one file at once. Two writes refused while the file was unbuffered:
+    # the first thread to handle its refusal clears O_DIRECT, and the second then found the flag
+    # gone and raised the EINVAL (seen in CI). Here each refused write clears the flag itself, as
+    # that other thread would, before its refusal is handled.
+    import fcntl
+
+    value = source(np.arange(600 * 700, dtype=np.float32).reshape(600, 700), "aligned")
+    write(str(tmp_path / "direct"), value, "float32")
+    real = unbuffered._pwritev
+    refused = []
+
+    def raced(fd, buffers, offset):
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        if flags & os.O_DIRECT:
+            refused.append(offset)
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)  # another thread's handling, first
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(unbuffered, "_pwritev", raced)
+    layout = write(str(tmp_path / "raced"), value, "float32")
+    monkeypatch.undo()
+    assert refused
+    path = layout.file_of((0, 0))
+    with open(path, "rb") as f, open(path.replace("raced", "direct"), "rb") as g:
+        assert f.read() == g.read()
+
+
 def test_other_write_errors_are_raised(tmp_path, monkeypatch):
     def full(fd, buffers, offset):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -160,12 +160,16 @@ def _write_chunks(fd: int, array: np.ndarray, batch: Sequence[tuple[int, ...]], 
 
 def _write(fd: int, buffers: list[Any], offset: int) -> None:
     """``pwritev``; if the file system refuses the unbuffered write (``EINVAL``: a block size above
-    :data:`BLOCK`), the file is written buffered from here on (same bytes)."""
+    :data:`BLOCK`), the file is written buffered from here on (same bytes). Threads write parts of
+    one file at once: a write refused while the file was unbuffered is written again, also when
+    another thread has made the file buffered since (an EINVAL that buffered writes get too is
+    raised by that second write)."""
     try:
         _pwritev(fd, buffers, offset)
     except OSError as e:
-        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-        if e.errno != errno.EINVAL or not flags & _O_DIRECT:
+        if e.errno != errno.EINVAL or not _O_DIRECT:
             raise
-        fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        if flags & _O_DIRECT:
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
         _pwritev(fd, buffers, offset)
