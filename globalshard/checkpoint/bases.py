@@ -32,8 +32,8 @@ from globalshard.layout import ShardedTensor
 from globalshard.store import Store, open_root
 
 __all__ = ["Base", "BaseRegion", "Frozen", "check_bases", "digest_of", "frozen_references", "open_base",
-           "hash_checked", "reads_in_bases", "region_digests", "settle_unchanged", "skip_unchanged",
-           "still_unchanged", "unchanged_references", "with_references"]
+           "hash_checked", "region_digests", "settle_unchanged", "skip_unchanged", "still_unchanged",
+           "unchanged_references", "with_references"]
 
 #: Per key, the SHA-256 of each of its regions by the region's global offset (:func:`region_digests`).
 Digests = Mapping[str, Mapping[tuple[int, ...], str]]
@@ -315,21 +315,6 @@ def with_references(metadata: Metadata, base: Base | None, frozen: Frozen, outco
         tensors[key] = TensorMetadata(t.dtype, t.global_shape, tuple(regions))
     bases = tuple(BaseRef(root, save_id) for (root, save_id), _ in sorted(roots.items(), key=lambda kv: kv[1]))
     return dataclasses.replace(metadata, tensors=tensors, bases=bases)
-
-
-def reads_in_bases(metadata: Metadata, keys: Iterable[str], read: Callable[[str], bool]
-                   ) -> tuple[dict[int, list[tuple[str, StoredRegion]]], dict[str, int]]:
-    """The regions of ``keys`` a load reads from bases (``read(path)``: whether
-    it reads that array or pack): by base index, ``(key, region)`` (what
-    :func:`check_bases` checks), and the base index of each such path."""
-    needed: dict[int, list[tuple[str, StoredRegion]]] = {}
-    base_of: dict[str, int] = {}
-    for key in sorted(keys):
-        for r in metadata.tensors[key].regions:
-            if r.base is not None and read(r.path):
-                needed.setdefault(r.base, []).append((key, r))
-                base_of[r.path] = r.base
-    return needed, base_of
 
 
 def check_bases(store: Store, metadata: Metadata, needed: Mapping[int, Sequence[tuple[str, StoredRegion]]]

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from globalshard.checkpoint.bases import check_bases, reads_in_bases
+from globalshard.checkpoint.bases import check_bases
 from globalshard.checkpoint.saving import entries_of, log_end
 from globalshard.comm import Comm, SingleProcessComm, run_collectively
 from globalshard.dtypes import canonical_name, numpy_dtype
@@ -168,12 +168,25 @@ def _open_for(store: Store, engine: ArrayEngine, metadata: Metadata, infos: list
     """Plan a load and open and check every array it reads, in this root and
     in the bases it needs (spec section 5.2): no data read."""
     plan = LoadPlanner().plan(metadata, infos, allow_lossy_cast=allow_lossy_cast, names=names)
+    return open_plan(store, engine, metadata, plan, io)
+
+
+def open_plan(store: Store, engine: ArrayEngine, metadata: Metadata, plan: LoadPlan, io: str | None = None
+              ) -> OpenedPlan:
+    """Open and check every array ``plan`` reads, in the checkpoint at
+    ``store`` (through ``engine``) and in the bases it needs (spec section
+    5.2): no data read. ``engine`` then reads the whole opened plan."""
     expect = _expected_attributes(metadata, plan)
     if not metadata.bases:
         with _saying_if_replaced(store, metadata):
             return engine.open(plan, expect)
-    needed, root_of = reads_in_bases(metadata, {t.key for t in plan.targets},
-                                     lambda path: path in plan.arrays or path in plan.packs)
+    needed: dict[int, list[tuple[str, Any]]] = {}
+    root_of: dict[str, int] = {}
+    for key in sorted({t.key for t in plan.targets}):
+        for r in metadata.tensors[key].regions:
+            if r.base is not None and (r.path in plan.arrays or r.path in plan.packs):
+                needed.setdefault(r.base, []).append((key, r))
+                root_of[r.path] = r.base
     stores = check_bases(store, metadata, needed)
     parts = [(engine, None)] + [(open_engine(stores[b], io), b) for b in sorted(stores)]
     opened = []

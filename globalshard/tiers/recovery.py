@@ -5,7 +5,6 @@ reads and sends it), else from the persistent tier."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -14,8 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from globalshard.checkpoint.bases import check_bases, reads_in_bases
-from globalshard.checkpoint.loading import Checkpoint, _expected_attributes
+from globalshard.checkpoint.loading import Checkpoint, _expected_attributes, open_plan
 from globalshard.checkpoint.saving import entries_of
 from globalshard.comm import Comm, run_collectively
 from globalshard.dtypes import cast_into, numpy_dtype
@@ -259,7 +257,8 @@ def _read(comm: Comm, exchanger: Any, metadata: Metadata, plan: LoadPlan, needs:
                 opened[name] = (engine, engine.open(sub, _expected_attributes(metadata, sub)))
         sub = _opening(base_plan)
         if sub.arrays or sub.packs:  # each base beside the step's root in the persistent tier, checked first
-            opened["base"] = _open_in_bases(persistent, metadata, sub)
+            engine = open_engine(persistent)
+            opened["base"] = (engine, open_plan(persistent, engine, metadata, sub))
 
     run_collectively(comm, "recover: checking", open_all)
     buffers = [np.empty(tuple(n[3]), numpy_dtype(n[4])) for _, _, n in served]
@@ -304,26 +303,6 @@ def _read(comm: Comm, exchanger: Any, metadata: Metadata, plan: LoadPlan, needs:
     result.paths_persistent = sorted({r.path for p in (persistent_plan, base_plan) for t in p.targets
                                       for r in t.reads})
     result.bytes_peer += sum(b.nbytes for _, _, b in incoming)
-
-
-def _open_in_bases(root: Store, metadata: Metadata, plan: LoadPlan) -> tuple[Any, Any]:
-    """Open what ``plan`` reads from the bases of the step whose persistent
-    root is ``root`` (every read of ``plan`` is from a base), after checking
-    them (spec section 5.2): ``(engine, opened plan)``."""
-    needed, base_of = reads_in_bases(metadata, {t.key for t in plan.targets},
-                                     lambda path: path in plan.arrays or path in plan.packs)
-    stores = check_bases(root, metadata, needed)
-    expect = _expected_attributes(metadata, plan)
-    parts = []
-    for b in sorted(stores):
-        part = dataclasses.replace(plan, arrays={p: v for p, v in plan.arrays.items() if base_of.get(p) == b},
-                                   packs={p: v for p, v in plan.packs.items() if base_of.get(p) == b})
-        engine = open_engine(stores[b])
-        parts.append((engine, engine.open(part, expect)))
-    engine, first = parts[0]
-    where = {p: stores[b].describe(p) for p, b in base_of.items()}
-    return engine, type(first)(plan, {k: v for _, o in parts for k, v in o.stores.items()},
-                               {k: v for _, o in parts for k, v in o.files.items()}, where)
 
 
 def _trainer_state(comm: Comm, metadata: Metadata, holders: Mapping[str, list[int]], nodes: Any, persisted: bool,
