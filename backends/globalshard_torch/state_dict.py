@@ -361,9 +361,14 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
         if shard.key in copies:
             shards[name] = dataclasses.replace(shard, replica_id=1)
     merged: dict[str, Any] = {}
+    shapes: dict[str, Any] = {}  # where the values kept hold tuples
     for digest in dict.fromkeys(kept):  # in rank order
-        for key, value in parts[digest]["values"].items():
-            merged.setdefault(key, value)
+        part = parts[digest]
+        for key, value in part["values"].items():
+            if key not in merged:
+                merged[key] = value
+                if key in part.get("tuples", {}):
+                    shapes[key] = part["tuples"][key]
     all_bytes = sorted({key for part in parts.values() for key in part["bytes"]})
     recorded: dict[str, Any] = {_VALUES: merged, _BYTES: all_bytes}
     positions: dict[str, int] = {}
@@ -372,11 +377,6 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
             positions.setdefault(key, position)
     if positions:  # written only when there is one: a checkpoint without streams is as it was
         recorded[_STREAMS] = dict(sorted(positions.items()))
-    shapes: dict[str, Any] = {}
-    for digest in dict.fromkeys(kept):  # the tuples of the value kept: the lowest rank's
-        for key, paths in parts[digest].get("tuples", {}).items():
-            if parts[digest]["values"][key] is merged[key]:
-                shapes.setdefault(key, paths)
     if shapes:  # likewise
         recorded[_TUPLES] = dict(sorted(shapes.items()))
     all_arrays = sorted({key for part in parts.values() for key in part.get("arrays", [])})
