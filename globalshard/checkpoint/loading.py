@@ -165,17 +165,15 @@ def _expected_attributes(metadata: Metadata, plan: LoadPlan) -> dict[str, Expect
 
 def _open_for(store: Store, engine: ArrayEngine, metadata: Metadata, infos: list[ShardInfo], names: list[str] | None,
               allow_lossy_cast: bool, io: str | None = None) -> OpenedPlan:
-    """Plan a load and open and check every array it reads, in this root and
-    in the bases it needs (spec section 5.2): no data read."""
+    """Plan a load, then :func:`open_plan`."""
     plan = LoadPlanner().plan(metadata, infos, allow_lossy_cast=allow_lossy_cast, names=names)
     return open_plan(store, engine, metadata, plan, io)
 
 
 def open_plan(store: Store, engine: ArrayEngine, metadata: Metadata, plan: LoadPlan, io: str | None = None
               ) -> OpenedPlan:
-    """Open and check every array ``plan`` reads, in the checkpoint at
-    ``store`` (through ``engine``) and in the bases it needs (spec section
-    5.2): no data read. ``engine`` then reads the whole opened plan."""
+    """Open and check every array ``plan`` reads, in the checkpoint at ``store``
+    and in the bases it needs (spec section 5.2): no data read; ``engine`` reads it all."""
     expect = _expected_attributes(metadata, plan)
     if not metadata.bases:
         with _saying_if_replaced(store, metadata):
