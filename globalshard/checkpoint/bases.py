@@ -14,6 +14,7 @@ the base itself references is referenced where it lies.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import glob
@@ -27,13 +28,15 @@ import numpy as np
 from globalshard.errors import LayoutError, MetadataError, StorageError, format_problems
 from globalshard.format.metadata import BaseRef, Metadata, StoredRegion, TensorMetadata, parse_metadata
 from globalshard.format.paths import METADATA_FILE
+from globalshard.io import ArrayEngine, OpenedPlan, open_engine
 from globalshard.io.base import ArrayItem, PackItem, wait_ready
 from globalshard.layout import ShardedTensor
+from globalshard.planner import LoadPlan
 from globalshard.store import Store, open_root
 
 __all__ = ["Base", "BaseRegion", "Frozen", "check_bases", "digest_of", "frozen_references", "open_base",
-           "hash_checked", "region_digests", "settle_unchanged", "skip_unchanged", "still_unchanged",
-           "unchanged_references", "with_references"]
+           "hash_checked", "open_in_roots", "region_digests", "settle_unchanged", "skip_unchanged",
+           "still_unchanged", "stores_itself", "unchanged_references", "with_references"]
 
 #: Per key, the SHA-256 of each of its regions by the region's global offset (:func:`region_digests`).
 Digests = Mapping[str, Mapping[tuple[int, ...], str]]
@@ -341,17 +344,38 @@ def check_bases(store: Store, metadata: Metadata, needed: Mapping[int, Sequence[
             raise StorageError(f"{store} reads {names} from save {ref.save_id} of its base {ref.root}, which now "
                                f"holds save {theirs.save_id}: the base was replaced after this checkpoint was saved, "
                                "and these keys cannot be loaded")
-        problems = []
-        for key, r in reads:
-            t = theirs.tensors.get(key)
-            held = t is not None and t.dtype == metadata.tensors[key].dtype and any(
-                x.base is None and x.box == r.box and x.path == r.path and x.byte_offset == r.byte_offset
-                for x in t.regions)
-            if not held:
-                problems.append(f"{key!r} {r.box} at {r.path}")
+        problems = [f"{key!r} {r.box} at {r.path}" for key, r in reads
+                    if not stores_itself(theirs, key, metadata.tensors[key].dtype, r)]
         if problems:
             raise StorageError(format_problems(f"the base {ref.root} of {store} does not store what it is "
                                                "referenced for", problems))
         out[b] = base_store
     return out
+
+
+def stores_itself(base: Metadata, key: str, dtype: str, region: StoredRegion) -> bool:
+    """Whether ``base`` stores, as a region of its own, the region of ``key``
+    (of ``dtype``) that a checkpoint references in it (spec section 5.2, 2)."""
+    t = base.tensors.get(key)
+    return t is not None and t.dtype == dtype and any(
+        x.base is None and x.box == region.box and x.path == region.path and x.byte_offset == region.byte_offset
+        for x in t.regions)
+
+
+def open_in_roots(engine: ArrayEngine, plan: LoadPlan, expect: Mapping[str, Any], own: Store,
+                  bases: Mapping[int, Store], root_of: Mapping[str, int], io: str | None = None,
+                  guard: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext) -> OpenedPlan:
+    """Open every array and pack ``plan`` reads in the root it lies in: the
+    store of base ``root_of[path]`` (``bases``), else ``own`` (the
+    checkpoint's, opened by ``engine``), each under ``guard()``; one opened
+    plan, which ``engine`` reads. No data read."""
+    opened = []
+    for b in [None, *sorted(bases)]:
+        part = dataclasses.replace(plan, arrays={p: v for p, v in plan.arrays.items() if root_of.get(p) == b},
+                                   packs={p: v for p, v in plan.packs.items() if root_of.get(p) == b})
+        with guard():
+            opened.append((engine if b is None else open_engine(bases[b], io)).open(part, expect))
+    where = {p: (own if b is None else bases[b]).describe(p) for p, b in root_of.items()}
+    return OpenedPlan(plan, {k: v for o in opened for k, v in o.stores.items()},
+                      {k: v for o in opened for k, v in o.files.items()}, where)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from globalshard.checkpoint.bases import check_bases
+from globalshard.checkpoint.bases import check_bases, open_in_roots
 from globalshard.checkpoint.saving import entries_of, log_end
 from globalshard.comm import Comm, SingleProcessComm, run_collectively
 from globalshard.dtypes import canonical_name, numpy_dtype
@@ -185,17 +185,8 @@ def open_plan(store: Store, engine: ArrayEngine, metadata: Metadata, plan: LoadP
             if r.base is not None and (r.path in plan.arrays or r.path in plan.packs):
                 needed.setdefault(r.base, []).append((key, r))
                 root_of[r.path] = r.base
-    stores = check_bases(store, metadata, needed)
-    parts = [(engine, None)] + [(open_engine(stores[b], io), b) for b in sorted(stores)]
-    opened = []
-    for root_engine, b in parts:
-        part = dataclasses.replace(plan, arrays={p: v for p, v in plan.arrays.items() if root_of.get(p) == b},
-                                   packs={p: v for p, v in plan.packs.items() if root_of.get(p) == b})
-        with _saying_if_replaced(store, metadata):
-            opened.append(root_engine.open(part, expect))
-    where = {p: stores[b].describe(p) for p, b in root_of.items()}
-    return OpenedPlan(plan, {k: v for o in opened for k, v in o.stores.items()},
-                      {k: v for o in opened for k, v in o.files.items()}, where)
+    return open_in_roots(engine, plan, expect, store, check_bases(store, metadata, needed), root_of, io,
+                         lambda: _saying_if_replaced(store, metadata))
 
 
 @contextlib.contextmanager

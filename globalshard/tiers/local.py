@@ -15,7 +15,7 @@ from globalshard.errors import GlobalShardError, LayoutError
 from globalshard.format.holdings import HOLDINGS_FILE, Holdings, parse_holdings
 from globalshard.store import Store, open_root
 
-__all__ = ["LocalTier", "Nodes", "step_name"]
+__all__ = ["LocalTier", "Nodes", "step_name", "step_of"]
 
 _log = logging.getLogger("globalshard")
 _STEP = re.compile(r"iter_(\d{7,})")
@@ -24,6 +24,12 @@ _STEP = re.compile(r"iter_(\d{7,})")
 def step_name(step: int) -> str:
     """The directory of a step, in every tier (as :class:`~globalshard.CheckpointManager` names them)."""
     return f"iter_{step:07d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step whose directory is ``name`` (None: not a step's)."""
+    m = _STEP.fullmatch(name)
+    return int(m.group(1)) if m else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +66,9 @@ class LocalTier:
         replicas: how many following nodes (in a ring, by node index) hold a
             copy of each node's arrays too.
         keep: tier copies kept per node, newest first (the step a drain is
-            still copying is kept too).
+            still copying is kept too, and so are the copies of the bases
+            kept copies reference, spec section 5.2: a recovery reads the
+            regions referenced there from them).
         ranks_per_node: ranks on each node (consecutive ranks); default the
             launcher's ``LOCAL_WORLD_SIZE`` (torchrun sets it), else 1.
     """
@@ -106,25 +114,31 @@ def scan(root: Store) -> dict[int, Holdings]:
     """The committed tier copies in a node's directory, by step (damaged ones logged and skipped)."""
     out = {}
     for name in root.list_dir():
-        m = _STEP.fullmatch(name)
-        if not m:
+        step = step_of(name)
+        if step is None:
             continue
         try:
             data = root.read(f"{name}/{HOLDINGS_FILE}")
             if data is not None:
-                out[int(m.group(1))] = parse_holdings(data, source=root.describe(f"{name}/{HOLDINGS_FILE}"))
+                out[step] = parse_holdings(data, source=root.describe(f"{name}/{HOLDINGS_FILE}"))
         except GlobalShardError as e:
             _log.warning("the tier copy %s is not readable, ignored: %s", root.describe(name), e)
     return out
 
 
 def prune(root: Store, keep: int, protect: set[int]) -> None:
-    """Delete all but the newest ``keep`` committed copies (and ``protect``), and
-    directories of steps never committed but the newest (one may be written now):
-    each copy's holdings.json first, so a crash midway leaves no half copy."""
-    committed = sorted(scan(root), reverse=True)
+    """Delete all but the newest ``keep`` committed copies (and ``protect``, and
+    the copies of the saves they reference as bases), and directories of steps
+    never committed but the newest (one may be written now): each copy's
+    holdings.json first, so a crash midway leaves no half copy."""
+    copies = scan(root)
+    committed = sorted(copies, reverse=True)
     kept = set(committed[:keep]) | protect
-    names = {int(m.group(1)): n for n in root.list_dir() if (m := _STEP.fullmatch(n))}
+    for ref in [ref for step in kept if step in copies for ref in copies[step].metadata.bases]:
+        base = step_of(ref.root)  # references never chain (spec section 5.2): one level
+        if base in copies and copies[base].metadata.save_id == ref.save_id:
+            kept.add(base)
+    names = {step: n for n in root.list_dir() if (step := step_of(n)) is not None}
     newest = max(names, default=None)
     for step, name in names.items():
         if step in kept or (step == newest and step not in committed):

@@ -92,7 +92,8 @@ class TieredManager(CheckpointManager):
         as for :func:`~globalshard.save`, the frozen keys (a LoRA fine-tune's
         base weights) and the regions hashed equal to the base's referenced in
         that step, not written to the tiers at all; a recovery reads them from
-        the persistent tier."""
+        the nodes' tier copies of the base's step (kept while a kept copy
+        references it), else from the persistent tier."""
         trainer_state, stats = kwargs.pop("trainer_state", None), kwargs.pop("stats", None)
         saver, staged = kwargs.pop("saver", None), kwargs.pop("staged", None)
         pack_below, base, frozen = kwargs.pop("pack_below", 0), kwargs.pop("base", None), kwargs.pop("frozen", ())

@@ -1,7 +1,9 @@
 """Recovery from the nearest copies, onto any layout: ranks agree on the
 newest step some reachable copies hold whole, then each stored read comes
 from this node's tier copy, else from a peer node that holds it (the peer
-reads and sends it), else from the persistent tier."""
+reads and sends it), else from the persistent tier. A region the step
+references in a base comes likewise from the tier copies of the base's
+step, else from the base in the persistent tier."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from globalshard.checkpoint.bases import open_in_roots, stores_itself
 from globalshard.checkpoint.loading import Checkpoint, _expected_attributes, open_plan
 from globalshard.checkpoint.saving import entries_of
 from globalshard.comm import Comm, run_collectively
@@ -26,7 +29,7 @@ from globalshard.layout import ShardedTensor
 from globalshard.planner import LoadPlan, LoadPlanner, PackedRegion, ReadItem, ShardInfo, TargetPlan
 from globalshard.shared import require_exchange
 from globalshard.store import Store, open_root
-from globalshard.tiers.local import LocalTier, scan, step_name
+from globalshard.tiers.local import LocalTier, scan, step_name, step_of
 
 __all__ = ["Recovery", "TieredCheckpoint", "open_latest"]
 
@@ -74,10 +77,29 @@ def _choose(gathered: list[Any]) -> tuple[tuple[int, str, Metadata, dict[str, li
         metadata = parse_metadata(json.dumps(entry["doc"]))
         missing = [p for p in metadata.paths() if p not in entry["holders"]]
         if entry["persisted"] or not missing:
-            return (step, save_id, metadata, entry["holders"], entry["persisted"]), skipped
+            holders = {**entry["holders"], **_in_base_copies(found, metadata)}
+            return (step, save_id, metadata, holders, entry["persisted"]), skipped
         skipped.append(f"step {step} (save {save_id}): {len(missing)} of {len(metadata.paths())} of its paths "
                        f"are on no reachable node and it was not persisted (first: {missing[0]})")
     return None, skipped
+
+
+def _in_base_copies(found: Mapping[tuple[int, str], Mapping[str, Any]], metadata: Metadata) -> dict[str, list[int]]:
+    """The nodes that hold each region ``metadata`` references in a base, in
+    a tier copy of the base's step and save that stores the region itself
+    (spec sections 5.2 and 5.3): a recovery reads it there, not from the base
+    in the persistent tier."""
+    out = {}
+    for b, ref in enumerate(metadata.bases):
+        step = step_of(ref.root)
+        entry = found.get((step, ref.save_id)) if step is not None else None
+        if not entry or not entry["holders"]:
+            continue
+        theirs = parse_metadata(json.dumps(entry["doc"]))
+        for key, t in metadata.tensors.items():
+            out.update({r.path: entry["holders"][r.path] for r in t.regions if r.base == b and r.path in
+                        entry["holders"] and stores_itself(theirs, key, t.dtype, r)})
+    return out
 
 
 def _needs(plan: LoadPlan) -> list[Any]:
@@ -93,15 +115,14 @@ def _sources(needs: Sequence[Sequence[Any]], holders: Mapping[str, list[int]], n
     Pure: the same on every rank. A peer read goes to the least-loaded rank
     of a node that holds the path (ties: the nearest node after the reader's
     in the ring, then the lower rank). A path in ``in_bases`` (a region the
-    step references in a base, spec section 5.2) is read from that base."""
+    step references in a base, spec section 5.2, that no tier copy of the
+    base holds) is read from that base in the persistent tier."""
     load: dict[int, int] = {}
     out = {}
     for rank, items in enumerate(needs):
         for i, (path, _, _, shape, dtype) in enumerate(items):
             have = holders.get(path, [])
             if path in in_bases:
-                # TODO(limitation): a region referenced in a base is read from the base in the
-                # persistent tier, never from a tier copy of the base's step.
                 out[(rank, i)] = ("base", rank)
             elif node_of(rank) in have:
                 out[(rank, i)] = ("local", rank)
@@ -151,12 +172,17 @@ class TieredCheckpoint(Checkpoint):
                                   allow_lossy_cast=allow_lossy_cast, names=[n for n, _ in entries])
         mine = _needs(plan)
         _, needs = run_collectively(comm, "recover: planning", lambda: mine)
-        in_bases = frozenset(r.path for t in self.metadata.tensors.values() for r in t.regions if r.base is not None)
+        # Regions referenced in a base: from the tier copies of the base's step, else from the base.
+        root_of = {r.path: r.base for t in self.metadata.tensors.values() for r in t.regions if r.base is not None}
+        in_bases = frozenset(p for p in root_of if p not in self._holders)
         sources = _sources(needs, self._holders, self._nodes.node_of, self._nodes.ranks_of, self._persisted,
                            in_bases)
+        node = self._nodes.node_of(comm.rank)
+        here = {p: b for p, b in root_of.items() if node in self._holders.get(p, ())}
+        bases = {b: open_root(self._tier.root(node).child(self.metadata.bases[b].root)) for b in here.values()}
         result = Recovery(self.step, self.save_id, self.trainer_state, skipped=self._skipped)
-        _read(comm, exchanger, self.metadata, plan, needs, sources, [t.data for _, t in entries], self._local,
-              self._store, result)
+        _read(comm, exchanger, self.metadata, plan, needs, sources, [t.data for _, t in entries],
+              (self._local, bases, here), self._store, result)
         if stats is not None:
             stats.bytes_read += result.bytes_local + result.bytes_persistent
             stats.bytes_received += result.bytes_peer
@@ -217,8 +243,11 @@ def _opening(plan: LoadPlan, *others: LoadPlan) -> LoadPlan:
 
 
 def _read(comm: Comm, exchanger: Any, metadata: Metadata, plan: LoadPlan, needs: list[Any],
-          sources: dict[tuple[int, int], tuple[str, int]], targets: list[np.ndarray], local: Store,
-          persistent: Store, result: Recovery) -> None:
+          sources: dict[tuple[int, int], tuple[str, int]], targets: list[np.ndarray],
+          local: tuple[Store, Mapping[int, Store], Mapping[str, int]], persistent: Store, result: Recovery) -> None:
+    """Read this rank's part of ``plan`` and what it serves to other nodes
+    (``local``: this node's copy of the step, its copies of the bases by
+    index, and the base of each path read from those)."""
     rank = comm.rank
     index = {_need_key(n): i for i, n in enumerate(needs[rank])}
 
@@ -250,11 +279,14 @@ def _read(comm: Comm, exchanger: Any, metadata: Metadata, plan: LoadPlan, needs:
     opened: dict[str, Any] = {}
 
     def open_all() -> None:
-        for name, store, sub in (("local", local, _opening(local_plan, serve_plan)),
-                                 ("persistent", persistent, _opening(persistent_plan))):
-            if sub.arrays or sub.packs:
-                engine = open_engine(store)
-                opened[name] = (engine, engine.open(sub, _expected_attributes(metadata, sub)))
+        sub = _opening(local_plan, serve_plan)
+        if sub.arrays or sub.packs:
+            engine = open_engine(local[0])
+            opened["local"] = (engine, open_in_roots(engine, sub, _expected_attributes(metadata, sub), *local))
+        sub = _opening(persistent_plan)
+        if sub.arrays or sub.packs:
+            engine = open_engine(persistent)
+            opened["persistent"] = (engine, engine.open(sub, _expected_attributes(metadata, sub)))
         sub = _opening(base_plan)
         if sub.arrays or sub.packs:  # each base beside the step's root in the persistent tier, checked first
             engine = open_engine(persistent)

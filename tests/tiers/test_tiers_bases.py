@@ -1,12 +1,16 @@
 """Tiered saves that reference a base (spec sections 5.2 and 5.3), ranks as
 threads: a LoRA-like step whose frozen keys stay in the persistent step that
-holds them; its tier copies hold only what it writes, and a recovery reads
-the frozen keys from the base, the rest from the nearest copies."""
+holds them; its tier copies hold only what it writes, the nodes keep their
+copies of the base while a kept step references it, and a recovery reads
+the frozen keys from those copies (else from the base in the persistent
+tier), the rest from the nearest copies."""
 
 import shutil
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_tiers import KEYS, ROWS, manager, resume, rows_state, values
 
 import globalshard as gs
@@ -58,6 +62,10 @@ def test_frozen_keys_are_referenced_in_the_base_never_written_to_the_tiers_and_r
     np.testing.assert_array_equal(gs.read_array(persistent / "iter_0000030", "a"), values(10)["a"])
     np.testing.assert_array_equal(gs.read_array(persistent / "iter_0000030", "c"), values(30)["c"])
 
+    for node in range(4):  # keep=2, and the base's copies, which the kept step 30 references
+        assert sorted(p.name for p in (tmp_path / "local" / f"node{node}").iterdir()) == [
+            "iter_0000010", "iter_0000020", "iter_0000030"]
+
     shutil.rmtree(tmp_path / "local" / "node2")  # a node lost; the job comes back on 6 ranks, another cut
     out = resume(tmp_path, world=6, per_node=2, nodes_map=[0, 1, 3])
     n = ROWS // 6
@@ -65,10 +73,9 @@ def test_frozen_keys_are_referenced_in_the_base_never_written_to_the_tiers_and_r
         assert trainer["step"] == 30 and rec.step == 30
         for k, v in lora_values(30).items():
             np.testing.assert_array_equal(got[k], v[rank * n:(rank + 1) * n], err_msg=f"{rank} {k}")
-        # the frozen keys from the base in the persistent tier, the trained key from the copies
-        base_paths = {r.path for k in FROZEN for r in md.tensors[k].regions}
-        assert set(rec.paths_persistent) <= base_paths and rec.paths_persistent, rec.paths_persistent
-        assert rec.bytes_local + rec.bytes_peer > 0
+        # the frozen keys from the tier copies of the base's step too: nothing from the persistent tier
+        assert rec.paths_persistent == [] and rec.bytes_persistent == 0, rec.paths_persistent
+        assert rec.bytes_local + rec.bytes_peer >= sum(v[:n].nbytes for v in lora_values(30).values())
 
 
 def save_base_then_lora(tmp_path, world, per_node):
@@ -81,6 +88,35 @@ def save_base_then_lora(tmp_path, world, per_node):
         m.wait()
 
     assert gs.testing.comm.run_ranks(world, job) == [None] * world
+
+
+def test_a_base_whose_tier_copies_are_gone_is_read_from_the_persistent_tier_and_its_copies_pruned_once_unused(
+        tmp_path):
+    save_base_then_lora(tmp_path, 4, 2)
+    md = gs.read_metadata(tmp_path / "persistent" / "iter_0000020")
+    base_paths = {r.path for k in FROZEN for r in md.tensors[k].regions}
+    out = resume(tmp_path, world=2, per_node=1)  # every node's copies there: nothing from the persistent tier
+    assert all(rec.bytes_persistent == 0 and rec.paths_persistent == [] for _, _, rec in out)
+    for node in range(2):
+        shutil.rmtree(tmp_path / "local" / f"node{node}" / "iter_0000010")
+    out = resume(tmp_path, world=2, per_node=1)
+    assert sorted(p for _, _, rec in out for p in rec.paths_persistent) == sorted(base_paths)
+    for rank, (_, got, rec) in enumerate(out):
+        for k, v in lora_values(20).items():
+            np.testing.assert_array_equal(got[k], v[rank * ROWS // 2:(rank + 1) * ROWS // 2], err_msg=f"{rank} {k}")
+        assert rec.bytes_local > 0  # the trained key from the step's own copies
+
+    def later(comm):  # steps that reference no base: its copies go with the last copy that did
+        m = manager(tmp_path, comm)
+        for step in (30, 40, 50):
+            m.save(step, rows_state(values(step), comm.rank, 4), base=m.path(10) if step == 30 else None,
+                   frozen=FROZEN if step == 30 else ())
+        m.wait()
+
+    assert gs.testing.comm.run_ranks(4, later) == [None] * 4
+    for node in range(2):
+        assert sorted(p.name for p in (tmp_path / "local" / f"node{node}").iterdir()) == [
+            "iter_0000040", "iter_0000050"]
 
 
 def test_a_base_deleted_by_hand_fails_the_recovery_naming_it(tmp_path):
@@ -142,3 +178,46 @@ def test_regions_hashed_equal_to_the_base_s_are_referenced_without_naming_them(t
         for k, v in expected.items():
             np.testing.assert_array_equal(got[k], v[rank * ROWS // 2:(rank + 1) * ROWS // 2], err_msg=f"{rank} {k}")
         assert set(rec.paths_persistent) <= base_paths and rec.bytes_local > 0  # the rest from node 0's copy
+
+
+@settings(max_examples=10, deadline=None)
+@given(saved=st.lists(st.integers(1, 5), min_size=1, max_size=4), loaded=st.lists(st.integers(1, 4), min_size=1,
+                                                                                  max_size=3),
+       seed=st.integers(0, 2**16))
+def test_property_a_step_referencing_a_base_recovers_from_the_tier_copies_alone_under_any_cut(tmp_path_factory, saved,
+                                                                                              loaded, seed):
+    """A frozen key and a trained one cut in rows, the base saved, then a step
+    referencing it; the persistent tier's base deleted by hand: loaded under
+    another cut (columns), both keys are the saved values, read from the
+    tier copies of the base's step and of the step alone."""
+    tmp = tmp_path_factory.mktemp("prop")
+    rows, cols = sum(saved), sum(loaded)
+    rng = np.random.default_rng(seed)
+    full = {k: rng.standard_normal((rows, cols)).astype(np.float32) for k in ("frozen", "trained")}
+
+    def cut(vals):
+        state, at = {}, 0
+        for i, n in enumerate(saved):
+            for k, v in vals.items():
+                state[f"{k}{i}"] = gs.ShardedTensor.from_offset(k, v[at:at + n].copy(), global_shape=v.shape,
+                                                                global_offset=(at, 0))
+            at += n
+        return state
+
+    m = gs.TieredManager(tiers=[gs.LocalTier(str(tmp / "local")), str(tmp / "persistent")])
+    m.save(1, cut({"frozen": full["frozen"], "trained": np.zeros_like(full["trained"])}))
+    m.save(2, cut(full), base=m.path(1), frozen=["frozen"])
+    m.wait()
+    assert all(r.base is not None for r in gs.read_metadata(m.path(2)).tensors["frozen"].regions)
+    shutil.rmtree(m.path(1))
+    targets, at = {}, 0
+    for i, n in enumerate(loaded):
+        for k in full:
+            targets[f"{k}{i}"] = gs.ShardedTensor.from_offset(k, np.zeros((rows, n), np.float32),
+                                                              global_shape=(rows, cols), global_offset=(0, at))
+        at += n
+    assert m.load_latest(targets)["step"] == 2
+    assert m.recovery.bytes_persistent == 0 and m.recovery.paths_persistent == []
+    for k, v in full.items():
+        got = np.concatenate([targets[f"{k}{i}"].data for i in range(len(loaded))], axis=1)
+        np.testing.assert_array_equal(got, v, err_msg=k)
