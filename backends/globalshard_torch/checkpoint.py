@@ -748,17 +748,15 @@ class TierStep:
 
     def refuse(self, **options: Any) -> None:
         """Refuse the save options a tiered save has no use for, naming those given."""
-        # TODO(limitation): a tiered save takes no unchanged= digests (a key referenced whole after a load).
         given = [name for name, value in options.items() if value]
         if given:
             raise LayoutError(f"a TieredManager's save takes none of {given}: the manager names and keeps its "
-                              "steps in its persistent tier (no overwrite=, kvstore=), and takes no unchanged= "
-                              "digests")
+                              "steps in its persistent tier (no overwrite=, kvstore=)")
 
     def save(self, shards: Mapping[str, gs.ShardedTensor], trainer_state: dict[str, Any],
              stats: gs.IOStats | None, saver: gs.AsyncSaver | None, staging: HostStaging, **options: Any) -> None:
         """Save the staged ``shards`` as this step (with ``saver``: in the
-        background); ``options``: ``pack_below``, ``base``, ``frozen``, ``digests``."""
+        background); ``options``: ``pack_below``, ``base``, ``frozen``, ``digests``, ``unchanged``."""
         self.manager.save_state(self.step, shards, trainer_state=trainer_state, stats=stats, saver=saver,
                                 staged=staging.staged(shards) if saver is not None else None, **options)
 

@@ -281,7 +281,7 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
     """
     _check_root(state_dict)
     if isinstance(path, TierStep):
-        path.refuse(unchanged=unchanged, overwrite=overwrite, kvstore=kvstore)
+        path.refuse(overwrite=overwrite, kvstore=kvstore)
     comm = resolve_comm(comm)
     staging = HostStaging.for_save(saver)
     shards: dict[str, gs.ShardedTensor] = {}
@@ -384,7 +384,7 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
         recorded[_ARRAYS] = all_arrays
     if isinstance(path, TierStep):
         path.save(shards, recorded, stats, saver, staging, pack_below=pack_below, base=base, frozen=frozen,
-                  digests=digests)
+                  digests=digests, unchanged=unchanged)
     else:
         staging.save(shards, path, saver, trainer_state=recorded, comm=comm,
                      overwrite=overwrite, kvstore=kvstore, stats=stats, pack_below=pack_below, base=base,

@@ -21,7 +21,7 @@ from globalshard.store import Store
 if TYPE_CHECKING:  # saving imports this module
     from globalshard.checkpoint.saving import PlannedSave
 
-__all__ = ["InProcess", "finish_save"]
+__all__ = ["InProcess", "finish_save", "settled"]
 
 
 class InProcess:
@@ -86,7 +86,7 @@ def finish_save(planned: PlannedSave, stats: IOStats | None, held: contextlib.Ex
     try:
         if planned.unchanged:  # the same on every rank
             _, found = run_collectively(comm, "save: hashing keys that may be unchanged", lambda: io.hash(planned))
-            planned = _settled(planned, [o for rank in found for o in rank or []])
+            planned = settled(planned, [o for rank in found for o in rank or []])
         _, outcomes = run_collectively(comm, "save: writing", lambda: io.write(planned, stats))
         hashed.extend(o for rank in outcomes for o in rank or [])
         run_collectively(comm, "save: commit", commit)
@@ -104,7 +104,7 @@ def finish_save(planned: PlannedSave, stats: IOStats | None, held: contextlib.Ex
     comm.barrier()
 
 
-def _settled(planned: PlannedSave, hashed: list[list[Any]]) -> PlannedSave:
+def settled(planned: PlannedSave, hashed: list[list[Any]]) -> PlannedSave:
     """``planned`` with the keys of ``unchanged=`` that every rank found
     unchanged (``hashed``, gathered) referenced as frozen keys are, their
     arrays not written: the same on every rank."""

@@ -88,19 +88,20 @@ class TieredManager(CheckpointManager):
         copies and raises their failure; :meth:`wait` for the drain as well.
         ``staged``: as for :meth:`AsyncSaver.save <globalshard.AsyncSaver.save>`;
         ``pack_below``: as for :func:`~globalshard.save`. ``base`` (a persisted
-        step's path, :meth:`path`), ``frozen`` (key patterns) and ``digests``:
-        as for :func:`~globalshard.save`, the frozen keys (a LoRA fine-tune's
-        base weights) and the regions hashed equal to the base's referenced in
-        that step, not written to the tiers at all; a recovery reads them from
+        step's path, :meth:`path`), ``frozen`` (key patterns), ``digests`` and
+        ``unchanged``: as for :func:`~globalshard.save`, the frozen keys (a LoRA
+        fine-tune's base weights), the regions hashed equal to the base's and
+        the keys still as a load from the base gave them (in the base's cut)
+        referenced in that step, not written to the tiers at all; a recovery reads them from
         the nodes' tier copies of the base's step (kept while a kept copy
         references it), else from the persistent tier."""
         trainer_state, stats = kwargs.pop("trainer_state", None), kwargs.pop("stats", None)
         saver, staged = kwargs.pop("saver", None), kwargs.pop("staged", None)
         pack_below, base, frozen = kwargs.pop("pack_below", 0), kwargs.pop("base", None), kwargs.pop("frozen", ())
-        digests = kwargs.pop("digests", None)
+        digests, unchanged = kwargs.pop("digests", None), kwargs.pop("unchanged", None)
         if kwargs:
             raise TypeError(f"TieredManager.save takes trainer_state, stats, saver, staged, pack_below, base, "
-                            f"frozen and digests, not {sorted(kwargs)}")
+                            f"frozen, digests and unchanged, not {sorted(kwargs)}")
         if step < 0:
             raise ValueError(f"step must be non-negative, got {step}")
         if staged and saver is None:
@@ -117,7 +118,8 @@ class TieredManager(CheckpointManager):
         drain = save_tiered(state, step, self._comm_or_single(), self.tier, self.store,
                             lambda s: open_root(self.path(s)), trainer_state=trainer, stats=stats,
                             on_persisted=self._on_persisted, saver=saver, staged=staged, on_drain=drained,
-                            pack_below=pack_below, base=base, frozen=frozen, digests=digests)
+                            pack_below=pack_below, base=base, frozen=frozen, digests=digests,
+                            unchanged=unchanged)
         if saver is None:
             self._drain = drain
         else:  # the background hands over the drain, before the saver's wait() returns

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from globalshard.checkpoint.bases import with_references
-from globalshard.checkpoint.finishing import InProcess
+from globalshard.checkpoint.bases import Digests, with_references
+from globalshard.checkpoint.finishing import InProcess, settled
 from globalshard.checkpoint.saving import PlannedSave, entries_of, plan_save
 from globalshard.comm import Comm, run_collectively
 from globalshard.errors import CommError, LayoutError, StorageError
@@ -138,7 +138,7 @@ def save_tiered(state: Mapping[str, ShardedTensor], step: int, comm: Comm, tier:
                 saver: AsyncSaver | None = None, staged: Mapping[str, Callable[[], None]] | None = None,
                 on_drain: Callable[[Drain], None] = lambda drain: None, pack_below: int = 0,
                 base: Any = None, frozen: Iterable[str] = (), digests: bool | None = None,
-                kvstore: Any = None) -> Drain | None:
+                unchanged: Digests | None = None, kvstore: Any = None) -> Drain | None:
     """Save ``state`` as step ``step``: into this node's directory (and the next
     nodes'), committed there on every node; then, in the background, copied
     to ``step_store(step)`` in the persistent tier and committed there, when
@@ -151,11 +151,12 @@ def save_tiered(state: Mapping[str, ShardedTensor], step: int, comm: Comm, tier:
     hands the drain to ``on_drain``; ``saver.wait()`` raises their failure.
     ``pack_below``: as for :func:`~globalshard.save` (small regions stored
     in a few packs, each copied and drained as one file). ``base``,
-    ``frozen`` and ``digests``: as for :func:`~globalshard.save`, the base a
-    committed checkpoint of the persistent tier beside ``step_store(step)``:
-    the frozen keys' regions, and those hashed equal to the base's, are
-    referenced there, neither written nor copied nor drained (``kvstore``:
-    as for :func:`~globalshard.save`'s, for ``base``).
+    ``frozen``, ``digests`` and ``unchanged``: as for
+    :func:`~globalshard.save`, the base a committed checkpoint of the
+    persistent tier beside ``step_store(step)``: the frozen keys' regions,
+    those hashed equal to the base's, and the unchanged keys' (in the base's
+    cut) are referenced there, neither written nor copied nor drained
+    (``kvstore``: as for :func:`~globalshard.save`'s, for ``base``).
 
     Raises:
         LayoutError, StorageError, CommError: as :func:`~globalshard.save`; the
@@ -171,7 +172,8 @@ def save_tiered(state: Mapping[str, ShardedTensor], step: int, comm: Comm, tier:
     held = contextlib.ExitStack()
     try:
         planned = plan_save(target, comm, entries_of(state), trainer_state, False, held, staged,
-                            pack_below=pack_below, base=base, frozen=frozen, digests=digests, kvstore=kvstore)
+                            pack_below=pack_below, base=base, frozen=frozen, digests=digests, kvstore=kvstore,
+                            unchanged=unchanged)
     except BaseException:
         held.close()
         raise
@@ -199,6 +201,9 @@ def _commit_copies(planned: PlannedSave, ops: InProcess, comm: Comm, tier: Local
     step's metadata and this rank's paths. Collective."""
     nodes = tier.nodes(comm)
     node = nodes.node_of(comm.rank)
+    if planned.unchanged:  # the same on every rank: keys still as loaded from the base are referenced there
+        _, found = run_collectively(comm, "tier save: hashing keys that may be unchanged", lambda: ops.hash(planned))
+        planned = settled(planned, [o for rank in found for o in rank or []])
     mine = [item.path for item in planned.items]
     blob = planned.coordinator.trainer_blob
 

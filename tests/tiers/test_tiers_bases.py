@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_tiers import KEYS, ROWS, manager, resume, rows_state, values
+from test_tiers import COLS, KEYS, ROWS, manager, resume, rows_state, values
 
 import globalshard as gs
 from globalshard.format.holdings import parse_holdings
@@ -117,6 +117,59 @@ def test_a_base_whose_tier_copies_are_gone_is_read_from_the_persistent_tier_and_
     for node in range(2):
         assert sorted(p.name for p in (tmp_path / "local" / f"node{node}").iterdir()) == [
             "iter_0000040", "iter_0000050"]
+
+
+def cols_state(vals, rank, world):
+    """Each key cut in ``world`` column blocks (another TP's cut)."""
+    n = COLS // world
+    return {k: gs.ShardedTensor.from_offset(k, v[:, rank * n:(rank + 1) * n].copy(), global_shape=v.shape,
+                                            global_offset=(0, rank * n)) for k, v in vals.items()}
+
+
+@pytest.mark.parametrize("mode", [None, "process"])
+def test_keys_still_as_loaded_from_the_base_on_another_cut_are_referenced_in_its_cut(tmp_path, mode):
+    """A job resumed on another cut (columns, 2 ranks) from a step saved in
+    rows (4 ranks) saves with ``unchanged=`` the digests of what it loaded:
+    the key still as loaded is referenced in the base's row cut, neither
+    written nor copied nor drained; the key that changed in one element and
+    the trained key are written in the job's cut."""
+    save_base_then_lora(tmp_path, 4, 2)  # step 10 whole in rows, step 20 referencing it
+    vals = lora_values(30)
+    vals["b"] = vals["b"].copy()
+    vals["b"][5, 1] += 1  # changed since the load: written
+    stats = [gs.IOStats() for _ in range(2)]
+
+    def job(comm):
+        m = manager(tmp_path, comm, per_node=1)
+        loaded = cols_state({k: np.zeros((ROWS, COLS), np.float32) for k in KEYS}, comm.rank, 2)
+        assert m.load_latest(loaded)["step"] == 20
+        known: dict = {}  # every rank's regions of the frozen keys, as loaded
+        mine = [[k, list(o), d] for k, m in gs.region_digests(loaded).items() if k in FROZEN for o, d in m.items()]
+        for k, o, d in (x for part in comm.all_gather(mine) for x in part):
+            known.setdefault(k, {})[tuple(o)] = d
+        saver = gs.AsyncSaver(mode) if mode else None
+        m.save(30, cols_state(vals, comm.rank, 2), base=m.path(10), unchanged=known, saver=saver,
+               stats=stats[comm.rank])
+        m.wait()
+        return m.persisted()
+
+    assert gs.testing.comm.run_ranks(2, job) == [30] * 2
+    md, base_md = gs.read_metadata(tmp_path / "persistent" / "iter_0000030"), gs.read_metadata(
+        tmp_path / "persistent" / "iter_0000010")
+    assert [(r.box, r.path, r.base) for r in md.tensors["a"].regions] == \
+        [(r.box, r.path, 0) for r in base_md.tensors["a"].regions]  # the base's row quarters
+    assert all(r.base is None for k in ("b", "c") for r in md.tensors[k].regions)
+    assert sum(s.bytes_written for s in stats) == vals["b"].nbytes + vals["c"].nbytes
+    for node in range(2):
+        held = copy_of(tmp_path, node, 30).holds
+        assert held <= set(md.paths()) and not any("/a/" in p for p in held)
+    for k, v in vals.items():
+        np.testing.assert_array_equal(gs.read_array(tmp_path / "persistent" / "iter_0000030", k), v, err_msg=k)
+    out = resume(tmp_path, world=4, per_node=2)
+    for rank, (trainer, got, rec) in enumerate(out):
+        assert trainer["step"] == 30 and rec.bytes_persistent == 0
+        for k, v in vals.items():
+            np.testing.assert_array_equal(got[k], v[rank * ROWS // 4:(rank + 1) * ROWS // 4], err_msg=k)
 
 
 def test_a_base_deleted_by_hand_fails_the_recovery_naming_it(tmp_path):

@@ -18,7 +18,7 @@ import globalshard as gs
 import globalshard_torch as gt
 from globalshard.comm import json_digest
 from globalshard.format.holdings import parse_holdings
-from globalshard_torch.state_dict import replica_keys
+from globalshard_torch.state_dict import region_digests, replica_keys
 
 
 class Loader:
@@ -414,7 +414,7 @@ def test_a_state_dict_saved_into_the_tiers_recovers_from_the_copies_onto_another
 
 def test_a_tiered_save_of_a_state_dict_refuses_what_the_tiers_cannot_do(tmp_path):
     manager = gt.TieredManager(tiers=[gs.LocalTier(str(tmp_path / "local")), str(tmp_path / "persistent")])
-    for bad in ({"overwrite": True}, {"kvstore": {"driver": "memory"}}, {"unchanged": {"w": {(0,): "0"}}}):
+    for bad in ({"overwrite": True}, {"kvstore": {"driver": "memory"}}):
         with pytest.raises(gs.LayoutError, match="a TieredManager's save takes none of"):
             gt.save({"w": torch.ones(2)}, manager.target(1), **bad)
     assert not (tmp_path / "local").exists() or not any((tmp_path / "local").iterdir())
@@ -450,6 +450,15 @@ def test_a_lora_state_dict_in_the_tiers_references_its_frozen_base(tmp_path):
     assert torch.equal(state["model"]["w"], base_w) and torch.equal(state["model"]["lora_a"], torch.full((2, 8), 3.0))
     # the base's bytes too from the node's tier copy of step 1 (kept while step 3's copy references it)
     assert found.recovery.bytes_persistent == 0 and found.recovery.bytes_local == (64 + 16) * 4
+    # Resumed: what is still as loaded from step 1 (unchanged=, no key named) is referenced there again.
+    known = region_digests({"model.w": state["model"]["w"]}, {"model.w"})
+    stats = gs.IOStats()
+    gt.save({"model": {"w": state["model"]["w"], "lora_a": torch.full((2, 8), 4.0)}}, manager.target(4),
+            base=manager.path(1), unchanged=known, stats=stats)
+    manager.wait()
+    md = gs.read_metadata(manager.path(4))
+    assert md.tensors["model.w"].regions[0].base == 0 and md.tensors["model.lora_a"].regions[0].base is None
+    assert stats.bytes_written == 16 * 4 and not any("model.w" in p for p in md.paths())
 
 
 def test_a_process_group_the_rank_is_not_in_is_refused():
