@@ -30,6 +30,7 @@ from globalshard.planner import LoadPlan, LoadPlanner, PackedRegion, ReadItem, S
 from globalshard.shared import require_exchange
 from globalshard.store import Store, open_root
 from globalshard.tiers.local import LocalTier, scan, step_name, step_of
+from globalshard.tiers.routing import sources_of, windows_of
 
 __all__ = ["Recovery", "TieredCheckpoint", "open_latest"]
 
@@ -52,6 +53,8 @@ class Recovery:
     bytes_persistent: int = 0
     #: The stored arrays this rank read from the persistent tier (no reachable copy held them).
     paths_persistent: list[str] = field(default_factory=list)
+    #: The exchanges that carried pieces between nodes (each at most 64 MiB sent and received by a rank).
+    windows: int = 0
     #: Why newer steps were passed over, one line each.
     skipped: list[str] = field(default_factory=list)
 
@@ -107,38 +110,6 @@ def _needs(plan: LoadPlan) -> list[Any]:
                     t.stored_dtype) for t in plan.targets for r in t.reads})
 
 
-def _sources(needs: Sequence[Sequence[Any]], holders: Mapping[str, list[int]], node_of: Callable[[int], int],
-             ranks_of: Callable[[int], Sequence[int]], persisted: bool, in_bases: frozenset[str] = frozenset()
-             ) -> dict[tuple[int, int], tuple[str, int]]:
-    """Where each rank's each stored read comes from: ``(rank, index into its
-    needs) -> ("local" | "persistent" | "base", rank)`` or ``("peer", owner)``.
-    Pure: the same on every rank. A peer read goes to the least-loaded rank
-    of a node that holds the path (ties: the nearest node after the reader's
-    in the ring, then the lower rank). A path in ``in_bases`` (a region the
-    step references in a base, spec section 5.2, that no tier copy of the
-    base holds) is read from that base in the persistent tier."""
-    load: dict[int, int] = {}
-    out = {}
-    for rank, items in enumerate(needs):
-        for i, (path, _, _, shape, dtype) in enumerate(items):
-            have = holders.get(path, [])
-            if path in in_bases:
-                out[(rank, i)] = ("base", rank)
-            elif node_of(rank) in have:
-                out[(rank, i)] = ("local", rank)
-            elif have:
-                count = max(have) + 1
-                owner = min((r for n in have for r in ranks_of(n)),
-                            key=lambda r: (load.get(r, 0), (node_of(r) - node_of(rank)) % max(count, 1), r))
-                load[owner] = load.get(owner, 0) + int(np.prod(shape)) * numpy_dtype(dtype).itemsize
-                out[(rank, i)] = ("peer", owner)
-            elif persisted:
-                out[(rank, i)] = ("persistent", rank)
-            else:  # _choose said the step is whole: cannot happen
-                raise CommError(f"recover: no copy of {path} is reachable")
-    return out
-
-
 class TieredCheckpoint(Checkpoint):
     """The newest step whole in the tiers a job reaches, opened for loading
     (see the module): :attr:`metadata` and :attr:`trainer_state` as for a
@@ -175,7 +146,7 @@ class TieredCheckpoint(Checkpoint):
         # Regions referenced in a base: from the tier copies of the base's step, else from the base.
         root_of = {r.path: r.base for t in self.metadata.tensors.values() for r in t.regions if r.base is not None}
         in_bases = frozenset(p for p in root_of if p not in self._holders)
-        sources = _sources(needs, self._holders, self._nodes.node_of, self._nodes.ranks_of, self._persisted,
+        sources = sources_of(needs, self._holders, self._nodes.node_of, self._nodes.ranks_of, self._persisted,
                            in_bases)
         node = self._nodes.node_of(comm.rank)
         here = {p: b for p, b in root_of.items() if node in self._holders.get(p, ())}
@@ -270,12 +241,17 @@ def _read(comm: Comm, exchanger: Any, metadata: Metadata, plan: LoadPlan, needs:
             else:
                 packs.setdefault(region.path, {})[region.byte_offset] = PackedRegion(key, stored.dtype, region.box,
                                                                                      region.nbytes)
-    wanted_paths = {n[0] for _, _, n in served}
-    serve_plan = LoadPlan(tuple(TargetPlan(k, key_of[n[0]], n[4], (ReadItem(
-        n[0], Box(tuple(n[2]), tuple(n[3])), Box.full(tuple(n[3])), None if n[1] < 0 else n[1]),), ())
-        for k, (_, _, n) in enumerate(served)), {p: v for p, v in arrays.items() if p in wanted_paths},
-        {p: {b: v for b, v in m.items() if any(n[0] == p and n[1] == b for _, _, n in served)}
-         for p, m in packs.items() if p in wanted_paths})
+
+    def serving(pieces: Sequence[tuple[int, int, Any]]) -> LoadPlan:
+        """The plan that reads ``pieces`` (``(reader, index, need)``), piece k into target k."""
+        paths = {n[0] for _, _, n in pieces}
+        return LoadPlan(tuple(TargetPlan(k, key_of[n[0]], n[4], (ReadItem(
+            n[0], Box(tuple(n[2]), tuple(n[3])), Box.full(tuple(n[3])), None if n[1] < 0 else n[1]),), ())
+            for k, (_, _, n) in enumerate(pieces)), {p: v for p, v in arrays.items() if p in paths},
+            {p: {b: v for b, v in m.items() if any(n[0] == p and n[1] == b for _, _, n in pieces)}
+             for p, m in packs.items() if p in paths})
+
+    serve_plan = serving(served)
     opened: dict[str, Any] = {}
 
     def open_all() -> None:
@@ -293,7 +269,6 @@ def _read(comm: Comm, exchanger: Any, metadata: Metadata, plan: LoadPlan, needs:
             opened["base"] = (engine, open_plan(persistent, engine, metadata, sub))
 
     run_collectively(comm, "recover: checking", open_all)
-    buffers = [np.empty(tuple(n[3]), numpy_dtype(n[4])) for _, _, n in served]
     stats = {"local": IOStats(), "persistent": IOStats(), "base": IOStats()}
 
     def read(name: str, sub: LoadPlan, into: list[np.ndarray]) -> None:
@@ -309,32 +284,42 @@ def _read(comm: Comm, exchanger: Any, metadata: Metadata, plan: LoadPlan, needs:
         read("local", local_plan, targets)
         read("persistent", persistent_plan, targets)
         read("base", base_plan, targets)
-        if served:
-            read("local", serve_plan, buffers)
 
-    # Every rank has read (and checked) what it reads itself, and what it serves, before any piece is sent.
     run_collectively(comm, "recover: reading", read_direct)
-    # TODO(limitation): the pieces a node serves travel in one exchange, held in
-    # memory whole on both sides rather than in windows.
-    sends = [(r, i, buf) for (r, i, _), buf in zip(served, buffers)]
-    wanted = [(n, sources[(rank, i)][1], i) for i, n in enumerate(needs[rank]) if sources[(rank, i)][0] == "peer"]
-    incoming = [(owner, i, np.empty(tuple(n[3]), numpy_dtype(n[4]))) for n, owner, i in wanted]
-    if exchanger is not None:
-        try:
-            exchanger.exchange(sends, incoming)
-        except Exception as e:
-            raise CommError(f"recover: receiving pieces from other nodes failed: {type(e).__name__}: {e}") from e
-    got = {_need_key(n): buf for (n, _, _), (_, _, buf) in zip(wanted, incoming)}
+    # The pieces travel in windows: in each, a rank sends and receives at most _WINDOW bytes.
+    window = windows_of(needs, sources, _WINDOW)
+    places: dict[tuple[Any, ...], list[tuple[np.ndarray, Box]]] = {}  # where each received piece goes
     for t in plan.targets:
         for r in t.reads:
-            buf = got.get(_key(r, t.stored_dtype))
-            if buf is not None:
-                cast_into(r.target_box.view(targets[t.target]), buf)
+            places.setdefault(_key(r, t.stored_dtype), []).append((targets[t.target], r.target_box))
+    for w in range(max(window.values(), default=-1) + 1):
+        pieces = [p for p in served if window[(p[0], p[1])] == w]
+        buffers = [np.empty(tuple(n[3]), numpy_dtype(n[4])) for _, _, n in pieces]
+
+        def serve(pieces: list[Any] = pieces, buffers: list[np.ndarray] = buffers) -> None:
+            if pieces:
+                read("local", serving(pieces), buffers)
+
+        # Every rank has read (and checked) what it serves in this window before any of it is sent.
+        run_collectively(comm, "recover: reading", serve)
+        wanted = [(n, sources[(rank, i)][1], i) for i, n in enumerate(needs[rank])
+                  if sources[(rank, i)][0] == "peer" and window[(rank, i)] == w]
+        incoming = [(owner, i, np.empty(tuple(n[3]), numpy_dtype(n[4]))) for n, owner, i in wanted]
+        if exchanger is not None:
+            try:
+                exchanger.exchange([(r, i, buf) for (r, i, _), buf in zip(pieces, buffers)], incoming)
+            except Exception as e:
+                raise CommError(f"recover: receiving pieces from other nodes failed: {type(e).__name__}: {e}") \
+                    from e
+        for (n, _, _), (_, _, buf) in zip(wanted, incoming):
+            for target, box in places[_need_key(n)]:
+                cast_into(box.view(target), buf)
+        result.bytes_peer += sum(b.nbytes for _, _, b in incoming)
+        result.windows += 1
     result.bytes_local += stats["local"].bytes_read
     result.bytes_persistent += stats["persistent"].bytes_read + stats["base"].bytes_read
     result.paths_persistent = sorted({r.path for p in (persistent_plan, base_plan) for t in p.targets
                                       for r in t.reads})
-    result.bytes_peer += sum(b.nbytes for _, _, b in incoming)
 
 
 def _trainer_state(comm: Comm, metadata: Metadata, holders: Mapping[str, list[int]], nodes: Any, persisted: bool,

@@ -104,6 +104,23 @@ def test_a_lost_node_comes_back_from_its_replicas_on_another_layout(tmp_path):
     assert sum(rec.bytes_peer for rec in recoveries) > 0  # some rows came from another node
 
 
+@pytest.mark.parametrize("window", [None, 40])
+def test_the_pieces_peers_send_travel_in_windows_of_bounded_size(tmp_path, monkeypatch, window):
+    """With windows of 40 bytes (a piece: a stored read of 1 to 3 rows of 32
+    bytes), a recovery after a node is lost takes many exchanges (what each
+    carries: test_routing.py) and fills every target as one exchange does."""
+    if window is not None:
+        monkeypatch.setattr("globalshard.tiers.recovery._WINDOW", window)
+    train(tmp_path, [10])
+    shutil.rmtree(tmp_path / "local" / "node2")
+    out = resume(tmp_path, world=6, per_node=2, nodes_map=[0, 1, 3])
+    check_values(out, 6, 10)
+    windows = {rec.windows for _, _, rec in out}
+    peer = sum(rec.bytes_peer for _, _, rec in out)
+    assert peer > 0 and len(windows) == 1  # every rank took part in every exchange
+    assert windows == {1} if window is None else windows.pop() > 1
+
+
 def test_losing_more_adjacent_nodes_than_replicas_reads_exactly_their_arrays_from_the_persistent_tier(tmp_path):
     train(tmp_path, [10])
     md = gs.read_metadata(tmp_path / "persistent" / "iter_0000010")
