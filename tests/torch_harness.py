@@ -867,6 +867,57 @@ def tier_state_dict_job(rank: int, *, root: str, save: bool) -> dict[str, Any]:
             "bytes_local": found.recovery.bytes_local}
 
 
+def tier_lora_job(rank: int, *, root: str, save: bool) -> dict[str, Any]:
+    """A LoRA fine-tune's state dict in a TieredManager's tiers. Saving: world
+    4 as 2 nodes of 2, the frozen weight in row quarters (TP), step 1 whole,
+    step 2 (asynchronously) referencing it for the weight. Resuming: world 2
+    on the second node alone, columns: the step recovered from that node's
+    copies (of both steps), then step 3 saved with ``unchanged=`` the
+    digests of what it loaded."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from globalshard_torch.state_dict import region_digests
+
+    tier = gs.LocalTier(lambda node: f"{root}/local/node{node if save else 1}", replicas=1, ranks_per_node=2)
+    manager = gt.TieredManager(tiers=[tier, f"{root}/persistent"])
+    full = torch.arange(64.0).reshape(8, 8)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    if save:
+        w = distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
+        lora = distribute_tensor(torch.zeros(2, 8), mesh, [Replicate()], src_data_rank=None)
+        gt.save({"model": {"w": w, "lora": lora}}, manager.target(1), digests=True)
+        saver = gs.AsyncSaver()
+        lora.to_local().fill_(2)
+        gt.save({"model": {"w": w, "lora": lora}}, manager.target(2), saver=saver, base=manager.path(1),
+                frozen=["model.w"])
+        lora.to_local().fill_(-1)  # training goes on
+        manager.wait()
+        return {"mode": saver.last_mode, "persisted": manager.persisted()}
+    state = {"model": {"w": distribute_tensor(torch.zeros(8, 8), mesh, [Shard(1)]),
+                       "lora": distribute_tensor(torch.zeros(2, 8), mesh, [Replicate()])}}
+    found = manager.open_latest()
+    gt.load(state, found)
+    out = {"w": bool(torch.equal(state["model"]["w"].full_tensor(), full)),
+           "lora": bool(torch.equal(state["model"]["lora"].full_tensor(), torch.full((2, 8), 2.0))),
+           "bytes_persistent": found.recovery.bytes_persistent, "bytes_local": found.recovery.bytes_local}
+    pieces: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(pieces, region_digests({"model.w": state["model"]["w"]}, {"model.w"}))
+    known: dict[str, dict[Any, str]] = {}
+    for piece in pieces:
+        for key, digests in piece.items():
+            known.setdefault(key, {}).update(digests)
+    state["model"]["lora"].to_local().fill_(3)
+    stats = gs.IOStats()
+    gt.save(state, manager.target(3), saver=gs.AsyncSaver(), base=manager.path(1), unchanged=known, stats=stats)
+    manager.wait()
+    md, base = gs.read_metadata(manager.path(3)), gs.read_metadata(manager.path(1))
+    out["w_referenced_in_the_base_cut"] = [(r.box, r.path, r.base) for r in md.tensors["model.w"].regions] == \
+        [(r.box, r.path, 0) for r in base.tensors["model.w"].regions]
+    out["bytes_written"] = stats.bytes_written
+    return out
+
+
 def overlapping_meshes_job(rank: int, *, path: str) -> str:
     """World 3; two meshes both named ("tp",) of 2 ranks, [0, 1] and [1, 2]: rank 1 is on both."""
     from torch.distributed.device_mesh import DeviceMesh

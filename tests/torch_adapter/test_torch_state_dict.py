@@ -412,6 +412,21 @@ def test_a_state_dict_saved_into_the_tiers_recovers_from_the_copies_onto_another
         assert o["bytes_local"] > 0 and o["bytes_peer"] == 0, o
 
 
+def test_a_lora_state_dict_recovers_from_the_tier_copies_of_its_base_and_resumes_on_another_cut(tmp_path):
+    # 2 nodes of 2 gloo ranks save a frozen weight in row quarters (step 1), then an adapter step
+    # referencing it, asynchronously; the first node lost, the second alone recovers both in columns
+    # from its own directory (its copies of step 1 and of the first node's arrays), and its next
+    # save, given the digests of what it loaded, references the weight in the base's row cut.
+    saved = values_of(run(4, "tier_lora_job", str(tmp_path / "s"), root=str(tmp_path), save=True))
+    assert saved == [{"mode": "process", "persisted": 2}] * 4
+    shutil.rmtree(tmp_path / "local" / "node0")
+    out = values_of(run(2, "tier_lora_job", str(tmp_path / "r"), root=str(tmp_path), save=False))
+    for o in out:
+        assert o["w"] and o["lora"] and o["bytes_persistent"] == 0 and o["bytes_local"] > 0, o
+        assert o["w_referenced_in_the_base_cut"], o
+    assert sum(o["bytes_written"] for o in out) == 2 * 8 * 4  # the adapter alone (written by one rank)
+
+
 def test_a_tiered_save_of_a_state_dict_refuses_what_the_tiers_cannot_do(tmp_path):
     manager = gt.TieredManager(tiers=[gs.LocalTier(str(tmp_path / "local")), str(tmp_path / "persistent")])
     for bad in ({"overwrite": True}, {"kvstore": {"driver": "memory"}}):
