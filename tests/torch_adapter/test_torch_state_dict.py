@@ -398,16 +398,22 @@ def test_a_process_group_as_comm_saves_and_loads_over_its_ranks_only(tmp_path):
         assert np.array_equal(gs.read_array(tmp_path / f"row{row}", "w"), np.arange(32.0).reshape(8, 4) + 100 * row)
 
 
+def saved_on_two_nodes_then_resumed_on_the_second(tmp_path, job, step):
+    """``job`` saving on 2 nodes of 2 gloo ranks (asynchronously, persisted up
+    to ``step``), then, the first node's directory deleted, resuming on the
+    second node's 2 ranks: their outcomes."""
+    saved = values_of(run(4, job, str(tmp_path / "s"), root=str(tmp_path), save=True))
+    assert saved == [{"mode": "process", "persisted": step}] * 4
+    shutil.rmtree(tmp_path / "local" / "node0")
+    return values_of(run(2, job, str(tmp_path / "r"), root=str(tmp_path), save=False))
+
+
 def test_a_state_dict_saved_into_the_tiers_recovers_from_the_copies_onto_another_mesh(tmp_path):
     # FSDP2-over-TP DTensors saved asynchronously into a TieredManager by 2 nodes of 2 ranks; the
     # first node lost, the second alone recovers them (its copy of the first node's arrays
     # included, all in its own directory) on a mesh of 2 with other placements, as
     # gt.load(state, manager.open_latest()).
-    saved = values_of(run(4, "tier_state_dict_job", str(tmp_path / "s"), root=str(tmp_path), save=True))
-    assert saved == [{"mode": "process", "persisted": 7}] * 4
-    shutil.rmtree(tmp_path / "local" / "node0")
-    out = values_of(run(2, "tier_state_dict_job", str(tmp_path / "r"), root=str(tmp_path), save=False))
-    for o in out:
+    for o in saved_on_two_nodes_then_resumed_on_the_second(tmp_path, "tier_state_dict_job", step=7):
         assert o["w"] and o["m"] and o["step"] == 7 and o["rng"] and o["bytes_persistent"] == 0, o
         assert o["bytes_local"] > 0 and o["bytes_peer"] == 0, o
 
@@ -417,10 +423,7 @@ def test_a_lora_state_dict_recovers_from_the_tier_copies_of_its_base_and_resumes
     # referencing it, asynchronously; the first node lost, the second alone recovers both in columns
     # from its own directory (its copies of step 1 and of the first node's arrays), and its next
     # save, given the digests of what it loaded, references the weight in the base's row cut.
-    saved = values_of(run(4, "tier_lora_job", str(tmp_path / "s"), root=str(tmp_path), save=True))
-    assert saved == [{"mode": "process", "persisted": 2}] * 4
-    shutil.rmtree(tmp_path / "local" / "node0")
-    out = values_of(run(2, "tier_lora_job", str(tmp_path / "r"), root=str(tmp_path), save=False))
+    out = saved_on_two_nodes_then_resumed_on_the_second(tmp_path, "tier_lora_job", step=2)
     for o in out:
         assert o["w"] and o["lora"] and o["bytes_persistent"] == 0 and o["bytes_local"] > 0, o
         assert o["w_referenced_in_the_base_cut"], o
