@@ -21,7 +21,7 @@ from globalshard.store import Store
 if TYPE_CHECKING:  # saving imports this module
     from globalshard.checkpoint.saving import PlannedSave
 
-__all__ = ["InProcess", "finish_save", "settled"]
+__all__ = ["InProcess", "finish_save", "settle_unchanged_keys"]
 
 
 class InProcess:
@@ -84,9 +84,7 @@ def finish_save(planned: PlannedSave, stats: IOStats | None, held: contextlib.Ex
             remember_commit(store, io.commit(store, metadata, coordinator.stamp), metadata)
 
     try:
-        if planned.unchanged:  # the same on every rank
-            _, found = run_collectively(comm, "save: hashing keys that may be unchanged", lambda: io.hash(planned))
-            planned = settled(planned, [o for rank in found for o in rank or []])
+        planned = settle_unchanged_keys(planned, io, "save")
         _, outcomes = run_collectively(comm, "save: writing", lambda: io.write(planned, stats))
         hashed.extend(o for rank in outcomes for o in rank or [])
         run_collectively(comm, "save: commit", commit)
@@ -104,10 +102,16 @@ def finish_save(planned: PlannedSave, stats: IOStats | None, held: contextlib.Ex
     comm.barrier()
 
 
-def settled(planned: PlannedSave, hashed: list[list[Any]]) -> PlannedSave:
+def settle_unchanged_keys(planned: PlannedSave, io: InProcess, doing: str) -> PlannedSave:
     """``planned`` with the keys of ``unchanged=`` that every rank found
-    unchanged (``hashed``, gathered) referenced as frozen keys are, their
-    arrays not written: the same on every rank."""
+    unchanged, hashed by ``io`` from the values to be saved, referenced as
+    frozen keys are, their arrays not written: the same on every rank.
+    Collective (``doing`` names the save in errors) when there are such keys."""
+    if not planned.unchanged:  # the same on every rank
+        return planned
+    _, found = run_collectively(planned.comm, f"{doing}: hashing keys that may be unchanged",
+                                lambda: io.hash(planned))
+    hashed = [o for rank in found for o in rank or []]
     if planned.base is None:
         return planned
     metadata = planned.metadata()  # built once (a reused plan's is rebased): the commit takes the same

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from globalshard.checkpoint.bases import Digests, with_references
-from globalshard.checkpoint.finishing import InProcess, settled
+from globalshard.checkpoint.finishing import InProcess, settle_unchanged_keys
 from globalshard.checkpoint.saving import PlannedSave, entries_of, plan_save
 from globalshard.comm import Comm, run_collectively
 from globalshard.errors import CommError, LayoutError, StorageError
@@ -201,9 +201,7 @@ def _commit_copies(planned: PlannedSave, ops: InProcess, comm: Comm, tier: Local
     step's metadata and this rank's paths. Collective."""
     nodes = tier.nodes(comm)
     node = nodes.node_of(comm.rank)
-    if planned.unchanged:  # the same on every rank: keys still as loaded from the base are referenced there
-        _, found = run_collectively(comm, "tier save: hashing keys that may be unchanged", lambda: ops.hash(planned))
-        planned = settled(planned, [o for rank in found for o in rank or []])
+    planned = settle_unchanged_keys(planned, ops, "tier save")  # keys still as loaded: referenced in the base
     mine = [item.path for item in planned.items]
     blob = planned.coordinator.trainer_blob
 
