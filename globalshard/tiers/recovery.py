@@ -292,8 +292,15 @@ def _read(comm: Comm, exchanger: Any, metadata: Metadata, plan: LoadPlan, needs:
     for t in plan.targets:
         for r in t.reads:
             places.setdefault(_key(r, t.stored_dtype), []).append((targets[t.target], r.target_box))
-    for w in range(max(window.values(), default=-1) + 1):
-        pieces = [p for p in served if window[(p[0], p[1])] == w]
+    count = max(window.values(), default=-1) + 1
+    serves: list[list[Any]] = [[] for _ in range(count)]  # by window: what this rank sends, and receives
+    wants: list[list[Any]] = [[] for _ in range(count)]
+    for p in served:
+        serves[window[(p[0], p[1])]].append(p)
+    for i, n in enumerate(needs[rank]):
+        if sources[(rank, i)][0] == "peer":
+            wants[window[(rank, i)]].append((n, sources[(rank, i)][1], i))
+    for pieces, wanted in zip(serves, wants):
         buffers = [np.empty(tuple(n[3]), numpy_dtype(n[4])) for _, _, n in pieces]
 
         def serve(pieces: list[Any] = pieces, buffers: list[np.ndarray] = buffers) -> None:
@@ -302,8 +309,6 @@ def _read(comm: Comm, exchanger: Any, metadata: Metadata, plan: LoadPlan, needs:
 
         # Every rank has read (and checked) what it serves in this window before any of it is sent.
         run_collectively(comm, "recover: reading", serve)
-        wanted = [(n, sources[(rank, i)][1], i) for i, n in enumerate(needs[rank])
-                  if sources[(rank, i)][0] == "peer" and window[(rank, i)] == w]
         incoming = [(owner, i, np.empty(tuple(n[3]), numpy_dtype(n[4]))) for n, owner, i in wanted]
         if exchanger is not None:
             try:

@@ -67,7 +67,8 @@ def windows_of(needs: Sequence[Sequence[Any]], sources: Mapping[tuple[int, int],
                                                                                          (got[w], rank))):
                 w += 1
             if w == len(sent):
-                sent, got = [*sent, {}], [*got, {}]
+                sent.append({})
+                got.append({})
             sent[w][owner] = sent[w].get(owner, 0) + n
             got[w][rank] = got[w].get(rank, 0) + n
             out[(rank, i)] = w
