@@ -18,7 +18,9 @@ from globalshard.format.zarr import Expect, attribute_problem, le_bytes, zarr_js
 from globalshard.io import localio
 from globalshard.io.base import PACK_WINDOW_BYTES, ArrayItem, PackItem, wait_ready
 from globalshard.io.tensorstore import TensorStoreEngine
-from globalshard.store.local import LocalStore, inside, sync_dir
+from globalshard.store.containment import inside
+from globalshard.store.files import sync_dir
+from globalshard.store.local import LocalStore
 
 __all__ = ["SYNCFS_MIN_ARRAYS", "LocalEngine"]
 

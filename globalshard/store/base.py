@@ -8,13 +8,13 @@ above it (saving, loading, the manager) is written once against it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
 import tensorstore as ts
 
-__all__ = ["CONTEXT", "Stamp", "Store", "error_text"]
+__all__ = ["CONTEXT", "PIECE_BYTES", "Sink", "Stamp", "Store", "copy_file", "error_text"]
 
 #: Identifies one version of a file for :meth:`Store.commit`: a storage
 #: generation, or the bytes themselves on a filesystem.
@@ -23,6 +23,18 @@ Stamp = Any
 # One context for the process: the memory kvstore persists across calls, and
 # the chunk cache is off (every byte is read once, straight into its target).
 CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+
+
+#: The bytes of a piece a copy holds at a time (:meth:`Store.read_pieces`).
+PIECE_BYTES = 16 << 20
+
+
+class Sink(Protocol):
+    """Where :meth:`Store.open_write` takes a file's bytes, in order."""
+
+    def write(self, data: bytes | memoryview, /) -> None:
+        """Append ``data`` (a failure is a :class:`~globalshard.errors.StorageError` naming the file)."""
+        ...
 
 
 @runtime_checkable
@@ -55,6 +67,32 @@ class Store(Protocol):
     def read_whole(self, name: str) -> bytes | None:
         """A file's bytes, or None if there is none, with no bound on its size
         (a stored array's shard, copied between tiers)."""
+        ...
+
+    def size(self, name: str) -> int | None:
+        """A file's size in bytes, or None if there is none (a kvstore reads
+        the object to tell)."""
+        ...
+
+    def read_pieces(self, name: str, piece: int = PIECE_BYTES) -> Iterator[bytes] | None:
+        """A file's bytes in order, exactly ``piece`` bytes at a time (the
+        last piece shorter, an empty file one empty piece), or None if there
+        is none: a copy holds a piece at a time, not the file (a kvstore reads
+        the object whole first). Reads never follow a final symbolic link.
+
+        Raises (while iterating):
+            StorageError: naming the file, when a read fails.
+        """
+        ...
+
+    def open_write(self, name: str) -> AbstractContextManager[Sink]:
+        """A file written piece by piece through the :class:`Sink` this gives:
+        it appears whole when the block ends, or not at all if the block
+        raises (a kvstore writes the object once, at the end).
+
+        Raises:
+            StorageError: naming the file, when a write fails.
+        """
         ...
 
     def sibling(self, name: str) -> Store:
@@ -131,3 +169,20 @@ def error_text(e: BaseException) -> str:
     text = str(e)
     cut = text.find(" [tensorstore_spec=")
     return text[:cut] if cut > 0 else text
+
+
+def copy_file(source: Store, name: str, target: Store, to: str | None = None) -> bool:
+    """Copy the file ``name`` of ``source`` to ``to`` (by default the same
+    name) in ``target``, a piece at a time: it appears there whole or not at
+    all. False if ``source`` holds no such file (nothing is written).
+
+    Raises:
+        StorageError: naming the file whose read or write failed.
+    """
+    pieces = source.read_pieces(name)
+    if pieces is None:
+        return False
+    with target.open_write(name if to is None else to) as out:
+        for piece in pieces:
+            out.write(piece)
+    return True

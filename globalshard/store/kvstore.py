@@ -11,7 +11,7 @@ import tensorstore as ts
 
 from globalshard.errors import ConcurrentSaveError, GlobalShardError, StorageError
 from globalshard.format.metadata import MAX_FILE_BYTES
-from globalshard.store.base import CONTEXT, Stamp, Store, error_text
+from globalshard.store.base import CONTEXT, PIECE_BYTES, Sink, Stamp, Store, error_text
 
 __all__ = ["KvStore"]
 
@@ -54,6 +54,25 @@ class KvStore:
         except (OSError, ValueError) as e:
             raise StorageError(f"cannot read {self.describe(name)}: {error_text(e)}") from None
         return None if r.state == "missing" else bytes(r.value)
+
+    def size(self, name: str) -> int | None:
+        data = self.read_whole(name)  # a kvstore has no size without the value
+        return None if data is None else len(data)
+
+    def read_pieces(self, name: str, piece: int = PIECE_BYTES) -> Iterator[bytes] | None:
+        # TODO(limitation): a kvstore's object is read whole (TensorStore reads values whole).
+        data = self.read_whole(name)
+        if data is None:
+            return None
+        return (data[k:k + piece] for k in range(0, max(len(data), 1), piece))
+
+    @contextlib.contextmanager
+    def open_write(self, name: str) -> Iterator[Sink]:
+        """The pieces written are gathered, then written as one object (atomic)."""
+        # TODO(limitation): a kvstore's object is written whole: its bytes are held in memory.
+        sink = _Gathered()
+        yield sink
+        self.write(name, b"".join(sink.pieces))
 
     def _parent(self) -> str:
         path = self.spec.get("path", "")
@@ -163,6 +182,16 @@ class KvStore:
 
     def escaping(self, paths: Sequence[str]) -> list[str]:
         return []
+
+
+class _Gathered:
+    """:meth:`KvStore.open_write`'s pieces, until the object is written."""
+
+    def __init__(self) -> None:
+        self.pieces: list[bytes] = []
+
+    def write(self, data: bytes | memoryview, /) -> None:
+        self.pieces.append(bytes(data))
 
 
 def _in_memory(spec: Any) -> bool:

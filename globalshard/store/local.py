@@ -9,14 +9,17 @@ import os
 import shutil
 import stat
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 from globalshard.errors import ConcurrentSaveError, GlobalShardError, StorageError
 from globalshard.format.metadata import MAX_FILE_BYTES
-from globalshard.format.paths import LOCK_FILE, temporary_name
-from globalshard.store.base import Stamp, Store, error_text
+from globalshard.format.paths import LOCK_FILE
+from globalshard.store.base import PIECE_BYTES, Sink, Stamp, Store, error_text
+from globalshard.store.containment import escaping, inside
+from globalshard.store.files import pieces, read_to_end, replacing, sync_dir
 
-__all__ = ["LocalStore", "inside", "sync_dir"]
+__all__ = ["LocalStore", "sync_dir"]
 
 
 class LocalStore:
@@ -53,17 +56,24 @@ class LocalStore:
         return sorted(out)
 
     def read_whole(self, name: str) -> bytes | None:
+        pieces = self.read_pieces(name, 1 << 62)  # one piece: the file
+        return None if pieces is None else b"".join(pieces)
+
+    def size(self, name: str) -> int | None:
         full = os.path.join(self.path, name)
         try:
-            fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+            st = os.lstat(full)
         except FileNotFoundError:
             return None
         except OSError as e:
             raise StorageError(f"cannot read {full}: {error_text(e)}") from None
-        try:
-            return _read_to_end(fd, os.fstat(fd).st_size, full)
-        finally:
-            os.close(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise StorageError(f"{full} is not a regular file")
+        return st.st_size
+
+    def read_pieces(self, name: str, piece: int = PIECE_BYTES) -> Iterator[bytes] | None:
+        full = os.path.join(self.path, name)
+        return pieces(full, piece) if os.path.lexists(full) else None
 
     def sibling(self, name: str) -> LocalStore:
         path = os.path.join(os.path.dirname(self.path), name)
@@ -124,7 +134,7 @@ class LocalStore:
             if st.st_size > MAX_FILE_BYTES:
                 raise StorageError(f"{full} holds {st.st_size} bytes, more than the {MAX_FILE_BYTES} "
                                    "this library reads")
-            return _read_to_end(fd, st.st_size, full)
+            return read_to_end(fd, st.st_size, full)
         finally:
             os.close(fd)
 
@@ -143,7 +153,7 @@ class LocalStore:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_FILE_BYTES:
                 return self._read(name)  # refuses it with the usual message
-            return _read_to_end(fd, st.st_size, full)
+            return read_to_end(fd, st.st_size, full)
         finally:
             os.close(fd)
 
@@ -166,28 +176,14 @@ class LocalStore:
     # ------------------------------------------------------------ writing
 
     def write(self, name: str, data: bytes) -> None:
-        """Write a file atomically: a temporary name in the same directory,
-        fsync, rename, fsync of the directory."""
-        try:
-            self._replace(name, data)
-        except OSError as e:
-            raise StorageError(f"cannot write {self.describe(name)}: {error_text(e)}") from None
+        """Write a file atomically (tmp, fsync, rename, fsync of the directory)."""
+        with self.open_write(name) as out:
+            out.write(data)
 
-    def _replace(self, name: str, data: bytes) -> None:
-        final = os.path.join(self.path, name)
-        directory, base = os.path.split(final)
-        os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, temporary_name(base))
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-        finally:
-            if os.path.lexists(tmp):
-                os.unlink(tmp)
-        sync_dir(directory)
+    def open_write(self, name: str) -> AbstractContextManager[Sink]:
+        """:meth:`write` piece by piece: the temporary file is renamed into
+        place when the block ends, and removed if it raises."""
+        return replacing(os.path.join(self.path, name))
 
     def commit(self, name: str, data: bytes, stamp: Stamp) -> None:
         """Replace ``name`` if it still holds ``stamp``. The caller holds
@@ -202,7 +198,7 @@ class LocalStore:
                 raise ConcurrentSaveError(
                     f"{self.describe(name)} changed while this save was running: another save committed to "
                     f"{self} first; this save is not committed and the other's checkpoint stands")
-            self._replace(name, data)
+            self.write(name, data)
         except OSError as e:
             if isinstance(e, GlobalShardError):
                 raise
@@ -295,54 +291,8 @@ class LocalStore:
 
     def escaping(self, paths: Sequence[str]) -> list[str]:
         """Stored paths that escape the root through a symlink, or hold anything
-        but directories and regular files (a FIFO would hang a read).
-
-        Each directory's real path is resolved once (one ``lstat`` per path
-        component across all paths, not a ``realpath`` per path), and entries
-        are typed from ``scandir``: a load of thousands of small arrays pays
-        a few system calls per file.
-        """
-        base = self.path.rstrip(os.sep) or os.sep
-        root = os.path.realpath(base)
-        real: dict[str, str] = {base: root}
-
-        def resolve(path: str) -> str:
-            found = real.get(path)
-            if found is None:
-                parent, name = os.path.split(path)
-                found = os.path.join(resolve(parent), name)
-                if os.path.islink(found):
-                    found = os.path.realpath(found)
-                real[path] = found
-            return found
-
-        def scan(directory: str, problems: list[str]) -> None:
-            with os.scandir(directory) as entries:
-                for entry in entries:
-                    if entry.is_symlink():
-                        if not inside(os.path.realpath(entry.path), root):
-                            problems.append(f"{entry.path} leads outside the checkpoint through a symlink")
-                        elif not entry.is_dir() and not _is_regular(entry.path):
-                            problems.append(f"{entry.path} is not a regular file")
-                    elif entry.is_dir(follow_symlinks=False):
-                        scan(entry.path, problems)
-                    elif not entry.is_file(follow_symlinks=False):
-                        problems.append(f"{entry.path} is not a regular file")
-
-        bad = []
-        for path in paths:
-            top = os.path.join(base, path)
-            problems: list[str] = []
-            if not inside(resolve(top), root):
-                problems.append(f"{top} leads outside the checkpoint")
-            else:
-                try:
-                    scan(top, problems)
-                except (FileNotFoundError, NotADirectoryError):
-                    pass  # missing or not an array: opening it says so, naming the file
-            if problems:
-                bad.append(f"{path!r}: {problems[0]}")
-        return bad
+        but directories and regular files (see :func:`~globalshard.store.containment.escaping`)."""
+        return escaping(self.path, paths)
 
 
 #: How :meth:`LocalStore.read_checked` and :meth:`LocalStore.prefetch` open a file:
@@ -361,39 +311,3 @@ def _cached(path: str) -> bool:
         finally:
             os.close(fd)
     return False
-
-
-def _read_to_end(fd: int, size: int, full: str) -> bytes:
-    """A small file's bytes (one more asked for than ``size``, to see it grow)."""
-    parts, left = [], size + 1
-    while left > 0:
-        part = os.read(fd, min(left, 1 << 24))
-        if not part:
-            break
-        parts.append(part)
-        left -= len(part)
-    data = b"".join(parts)
-    if len(data) > MAX_FILE_BYTES:
-        raise StorageError(f"{full} grew past {MAX_FILE_BYTES} bytes while being read")
-    return data
-
-
-def _is_regular(path: str) -> bool:
-    try:
-        return stat.S_ISREG(os.stat(path).st_mode)
-    except OSError:
-        return False
-
-
-def sync_dir(directory: str) -> None:
-    """Fsync a directory: its new entries are durable only then."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def inside(path: str, root: str) -> bool:
-    """Whether ``path`` is ``root`` or below it (both absolute)."""
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)

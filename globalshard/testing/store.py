@@ -67,6 +67,52 @@ class StoreTests:
         assert store.files("a/b") == ["a/b/c", "a/b/d/e"]
         assert store.read_whole("a/b/d/e") == b"2" * 1000 and store.read_whole("a/missing") is None
 
+    def test_a_file_reads_in_pieces_of_the_size_asked_for(self, store: Store) -> None:
+        from hypothesis import HealthCheck, given, settings
+        from hypothesis import strategies as st
+
+        @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+        @given(st.binary(max_size=300), st.integers(1, 64))
+        def check(data: bytes, piece: int) -> None:
+            store.write("f", data)
+            pieces = store.read_pieces("f", piece)
+            assert pieces is not None
+            got = list(pieces)
+            assert b"".join(got) == data and store.size("f") == len(data)
+            if data:
+                assert all(len(p) == piece for p in got[:-1]) and 0 < len(got[-1]) <= piece
+            else:
+                assert got == [b""]
+
+        check()
+        assert store.read_pieces("missing", 4) is None and store.size("missing") is None
+
+    def test_a_file_written_in_pieces_appears_whole_or_not_at_all(self, store: Store) -> None:
+        with store.open_write("a/f") as out:
+            for k in range(5):
+                out.write(bytes([k]) * 1000)
+            assert store.read("a/f") is None  # not before the block ends
+        assert store.read("a/f") == b"".join(bytes([k]) * 1000 for k in range(5))
+        with pytest.raises(RuntimeError, match="the source failed"), store.open_write("a/f") as out:
+            out.write(b"half of it")
+            raise RuntimeError("the source failed")
+        assert store.read("a/f") == b"".join(bytes([k]) * 1000 for k in range(5))  # what was there stays
+        with pytest.raises(RuntimeError), store.open_write("a/g") as out:
+            out.write(b"half of it")
+            raise RuntimeError("the source failed")
+        assert store.files("a") == ["a/f"]  # nothing else: no file, no temporary one
+
+    def test_copy_file_copies_a_piece_at_a_time_between_stores(self, store: Store, tmp_path: Any) -> None:
+        from globalshard.store import LocalStore
+        from globalshard.store.base import copy_file
+
+        other = LocalStore(tmp_path / "other")
+        store.write("x/data", bytes(range(256)) * 1000)
+        assert copy_file(store, "x/data", other, "y/copy")
+        assert other.read_whole("y/copy") == bytes(range(256)) * 1000
+        assert copy_file(other, "y/copy", store, "x/back") and store.read_whole("x/back") == other.read_whole("y/copy")
+        assert not copy_file(store, "x/missing", other) and other.files("x") == []
+
     def test_a_missing_file_reads_as_none(self, store: Store) -> None:
         assert store.read("metadata.json") is None
         assert store.read_stamped("metadata.json")[0] is None

@@ -109,3 +109,19 @@ def test_only_in_memory_kvstores_are_not_shared_between_processes(tmp_path):
     assert open_root({"driver": "ocdbt", "base": f"file://{tmp_path}/"}).process_shared
     assert not open_root("memory://x/").process_shared
     assert not open_root({"driver": "ocdbt", "base": "memory://y/"}).process_shared
+
+
+def test_a_local_file_read_in_pieces_is_never_read_through_a_link_and_a_shrinking_one_fails(tmp_path):
+    store = LocalStore(tmp_path / "root")
+    store.write("a/data", b"x" * 100)
+    (tmp_path / "outside").write_bytes(b"secret")
+    os.symlink(tmp_path / "outside", tmp_path / "root" / "a" / "link")
+    with pytest.raises(gs.StorageError, match="a/link"):
+        list(store.read_pieces("a/link", 10))
+    with pytest.raises(gs.StorageError, match="a/link.*not a regular file"):
+        store.size("a/link")
+    pieces = store.read_pieces("a/data", 40)
+    assert next(pieces) == b"x" * 40
+    os.truncate(tmp_path / "root" / "a" / "data", 50)  # cut short between two pieces
+    with pytest.raises(gs.StorageError, match="a/data shrank while it was being read"):
+        list(pieces)
