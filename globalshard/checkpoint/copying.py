@@ -33,6 +33,7 @@ from globalshard.format.trainer_state import parse_trainer_state
 from globalshard.format.zarr import PackExpect, array_attributes
 from globalshard.io import open_engine
 from globalshard.store import Store, open_root
+from globalshard.store.base import copy_file
 
 __all__ = ["copy"]
 
@@ -193,20 +194,20 @@ def _copy_array(src: Store, path: str, dst: Store, to: str, save_id: str, ours: 
     if f"{path}/{ZARR_JSON}" not in files:
         raise StorageError(f"{src.describe(path)}: no {ZARR_JSON}, so no array to copy")
     for name in files:
-        # TODO(limitation): each file is held in memory whole while it is copied (up to a
-        # stored region's size), as a tier's drain does.
-        data = src.read_whole(name)
+        if name != f"{path}/{ZARR_JSON}":  # a shard: its bytes as they are, a piece at a time
+            if not copy_file(src, name, dst, to + name[len(path):]):
+                raise StorageError(f"{src.describe(name)} disappeared while it was being copied")
+            continue
+        data = src.read(name)
         if data is None:
             raise StorageError(f"{src.describe(name)} disappeared while it was being copied")
-        if name == f"{path}/{ZARR_JSON}":
-            doc = json.loads(data)
-            attributes = doc.setdefault("attributes", {})
-            if ours is not None:  # version 1 arrays had none: the copy is a version 2 checkpoint
-                attributes["globalshard"] = ours
-            elif isinstance(attributes.get("globalshard"), dict):  # a pack keeps its members
-                attributes["globalshard"]["save_id"] = save_id
-            else:
-                raise StorageError(f"{src.describe(name)}: a pack without its 'globalshard' attributes")
-            data = json.dumps(doc, indent=1).encode("utf-8")
-        dst.write(to + name[len(path):], data)
+        doc = json.loads(data)
+        attributes = doc.setdefault("attributes", {})
+        if ours is not None:  # version 1 arrays had none: the copy is a version 2 checkpoint
+            attributes["globalshard"] = ours
+        elif isinstance(attributes.get("globalshard"), dict):  # a pack keeps its members
+            attributes["globalshard"]["save_id"] = save_id
+        else:
+            raise StorageError(f"{src.describe(name)}: a pack without its 'globalshard' attributes")
+        dst.write(to + name[len(path):], json.dumps(doc, indent=1).encode("utf-8"))
 

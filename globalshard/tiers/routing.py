@@ -1,6 +1,7 @@
 """Where a recovery reads each piece (spec section 5.3): this node's tier
-copy, a peer node's, the persistent tier or a base there; and in which
-exchange a piece read by a peer travels. Pure: the same on every rank."""
+copy, a peer node's, the persistent tier or a base there; in which exchange
+a piece read by a peer travels; and in which pieces and exchanges a tiered
+save's files travel to the next nodes. Pure: the same on every rank."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 from globalshard.dtypes import numpy_dtype
 from globalshard.errors import CommError
 
-__all__ = ["sources_of", "windows_of"]
+__all__ = ["pieces_of", "sources_of", "windows_of"]
 
 
 def sources_of(needs: Sequence[Sequence[Any]], holders: Mapping[str, list[int]], node_of: Callable[[int], int],
@@ -72,4 +73,25 @@ def windows_of(needs: Sequence[Sequence[Any]], sources: Mapping[tuple[int, int],
             sent[w][owner] = sent[w].get(owner, 0) + n
             got[w][rank] = got[w].get(rank, 0) + n
             out[(rank, i)] = w
+    return out
+
+
+def pieces_of(sizes: Sequence[int], limit: int) -> list[tuple[int, int, int, int]]:
+    """A sender's files (their ``sizes``) cut for the exchanges that copy them
+    to the next nodes: ``(file, offset, length, window)`` in file order, each
+    file in pieces of exactly ``limit`` bytes but its last (an empty file one
+    empty piece), the pieces packed in order into windows of at most
+    ``limit`` bytes. Pure: every rank cuts every sender's files alike."""
+    out = []
+    window, used = 0, 0
+    for f, size in enumerate(sizes):
+        offset = 0
+        while True:
+            length = min(limit, size - offset)
+            if used and used + length > limit:
+                window, used = window + 1, 0
+            out.append((f, offset, length, window))
+            used, offset = used + length, offset + length
+            if offset >= size:
+                break
     return out

@@ -11,7 +11,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,7 +28,9 @@ from globalshard.io import IOStats, open_engine
 from globalshard.layout import ShardedTensor
 from globalshard.shared import require_exchange
 from globalshard.store import Store, open_root
+from globalshard.store.base import Sink, copy_file
 from globalshard.tiers.local import LocalTier, Nodes, prune, step_name
+from globalshard.tiers.routing import pieces_of
 
 if TYPE_CHECKING:
     from globalshard.checkpoint.async_save import AsyncSaver
@@ -74,62 +76,82 @@ def _files(store: Store, paths: Sequence[str]) -> list[str]:
 def _replicate(comm: Comm, tier: LocalTier, nodes: Nodes, local: Store, mine: list[str]) -> list[str]:
     """Send the files of this rank's paths to the same local rank of the next
     ``replicas`` nodes and write theirs from the nodes before: returns the
-    paths received. Collective."""
+    paths received. Files travel in pieces, in exchanges of at most _WINDOW
+    bytes from each sender (:func:`~globalshard.tiers.routing.pieces_of`);
+    a received file appears once its last piece is written. Collective."""
     if not tier.peers(nodes, nodes.node_of(comm.rank)):
         return []
     exchanger = require_exchange(comm)
     files = _files(local, mine)
-    sizes = [len(local.read_whole(f) or b"") for f in files]  # read again below, window by window
+
+    def sized() -> dict[str, Any]:
+        sizes = [local.size(f) for f in files]
+        gone = [local.describe(f) for f, n in zip(files, sizes) if n is None]
+        if gone:
+            raise StorageError(f"{gone[0]} is gone from the tier copy before it was copied to the next nodes")
+        return {"paths": mine, "files": files, "sizes": sizes}
+
     # TODO(limitation): every rank's list of files is gathered by every rank (a few
     # hundred bytes a stored array); only the next nodes' ranks need it.
-    _, gathered = run_collectively(comm, "tier save: replication", lambda: {"paths": mine, "files": files,
-                                                                           "sizes": sizes})
+    _, gathered = run_collectively(comm, "tier save: replication", sized)
     node, local_rank = nodes.node_of(comm.rank), comm.rank % nodes.ranks_per_node
     to = [tier.peers(nodes, node)[k] * nodes.ranks_per_node + local_rank for k in range(len(tier.peers(nodes, node)))]
     senders = [s * nodes.ranks_per_node + local_rank for s in tier.sources(nodes, node)]
-    received: list[str] = []
+    # Every rank knows every sender's pieces: the sends and receives of window w meet in one exchange.
+    plan = {r: pieces_of(g["sizes"], _WINDOW) for r, g in enumerate(gathered)}
+    count = max((p[-1][3] + 1 for p in plan.values() if p), default=0)
+    by_window: list[list[tuple[int, int, tuple[int, int, int, int]]]] = [[] for _ in range(count)]
+    for src in [comm.rank, *senders]:
+        for k, piece in enumerate(plan[src]):
+            by_window[piece[3]].append((src, k, piece))
+    reading: dict[int, Iterator[bytes]] = {}  # this rank's files, by index, being read
+    writing: dict[tuple[int, int], tuple[contextlib.ExitStack, Sink]] = {}  # received files being written
+    try:
+        for w in range(count):
+            sends: list[tuple[int, int, np.ndarray]] = []
 
-    def windows(sizes: Sequence[int]) -> list[int]:
-        """The window of each file of a sender's list: greedy, at most _WINDOW bytes (one file at least)."""
-        out, w, size = [], 0, 0
-        for n in sizes:
-            if size and size + n > _WINDOW:
-                w, size = w + 1, 0
-            out.append(w)
-            size += n
-        return out
+            def read(w: int = w, sends: list[tuple[int, int, np.ndarray]] = sends) -> None:
+                for src, k, (f, offset, length, _) in by_window[w]:
+                    if src == comm.rank:
+                        if offset == 0:
+                            reading[f] = local.read_pieces(files[f], _WINDOW) or iter(())
+                        data = next(reading[f], None)
+                        if data is None or len(data) != length:
+                            raise StorageError(f"{local.describe(files[f])} changed while it was being copied "
+                                               "to the next nodes")
+                        sends.extend((peer, k, np.frombuffer(data, np.uint8)) for peer in to)
 
-    # Every rank knows every sender's windows: the sends and receives of window w meet in one exchange.
-    plan = {r: windows(g["sizes"]) for r, g in enumerate(gathered)}
-    count = max((max(w, default=-1) + 1 for w in plan.values()), default=0)
-    for w in range(count):
-        sends: list[tuple[int, int, np.ndarray]] = []
+            # Every rank has its window in memory before any sends: a rank that cannot read
+            # fails the save on every rank, rather than leave its peers waiting for its bytes.
+            run_collectively(comm, "tier save: replication", read)
+            incoming = [(src, k, piece, np.empty(piece[2], np.uint8)) for src, k, piece in by_window[w]
+                        if src != comm.rank]
+            try:
+                exchanger.exchange(sends, [(src, k, buf) for src, k, _, buf in incoming])
+            except Exception as e:
+                raise CommError(f"tier save: sending copies to the next nodes failed: {type(e).__name__}: {e}"
+                                ) from e
 
-        def read(w: int = w, sends: list[tuple[int, int, np.ndarray]] = sends) -> None:
-            for k, f in enumerate(files):
-                if plan[comm.rank][k] == w:
-                    data = np.frombuffer(local.read_whole(f) or b"", np.uint8)
-                    sends.extend((peer, k, data) for peer in to)
+            def write(incoming: list[Any] = incoming) -> None:
+                for src, _, (f, offset, length, _), buf in incoming:
+                    if offset == 0:
+                        stack = contextlib.ExitStack()
+                        writing[(src, f)] = stack, stack.enter_context(local.open_write(gathered[src]["files"][f]))
+                    writing[(src, f)][1].write(buf.data)
+                    if offset + length == gathered[src]["sizes"][f]:  # its last piece: the file appears
+                        writing.pop((src, f))[0].close()
 
-        # Every rank has its window in memory before any sends: a rank that cannot read
-        # fails the save on every rank, rather than leave its peers waiting for its bytes.
-        run_collectively(comm, "tier save: replication", read)
-        incoming = [(src, k, f, np.empty(n, np.uint8)) for src in senders
-                    for k, (f, n) in enumerate(zip(gathered[src]["files"], gathered[src]["sizes"]))
-                    if plan[src][k] == w]
-        try:
-            exchanger.exchange(sends, [(src, k, buf) for src, k, _, buf in incoming])
-        except Exception as e:
-            raise CommError(f"tier save: sending copies to the next nodes failed: {type(e).__name__}: {e}") from e
-
-        def write(incoming: list[Any] = incoming) -> None:
-            for _, _, f, buf in incoming:
-                local.write(f, buf.tobytes())
-
-        run_collectively(comm, "tier save: replication", write)
-    for s in senders:
-        received += gathered[s]["paths"]
-    return received
+            run_collectively(comm, "tier save: replication", write)
+    except BaseException as e:
+        for stack, _ in writing.values():  # the files being written are not renamed into place
+            stack.__exit__(type(e), e, e.__traceback__)
+        raise
+    finally:
+        for r in reading.values():
+            close = getattr(r, "close", None)
+            if close is not None:
+                close()
+    return [p for s in senders for p in gathered[s]["paths"]]
 
 
 def save_tiered(state: Mapping[str, ShardedTensor], step: int, comm: Comm, tier: LocalTier, persistent: Store,
@@ -268,13 +290,9 @@ def _start_drain(comm: Comm, step: int, metadata: Metadata, local: Store, target
         start = time.perf_counter()
         try:
             with held:
-                for f in _files(local, mine):  # each file as it is in the tier copy: the same bytes
-                    # TODO(limitation): a file is held in memory whole while it is copied (a
-                    # stored region's shard: up to the region's size).
-                    data = local.read_whole(f)
-                    if data is None:
+                for f in _files(local, mine):  # each file as it is in the tier copy, a piece at a time
+                    if not copy_file(local, f, target):
                         raise StorageError(f"{local.describe(f)} is gone from the tier copy before it was drained")
-                    target.write(f, data)
                 # TODO(limitation): the marks of a drain that failed stay in the persistent tier
                 # (a few empty objects under .drain/) until removed by hand.
                 persistent.write(f"{marks}/{rank}", b"")

@@ -4,6 +4,7 @@ its bases hold for it copied in, so that it loads once the bases are gone."""
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -177,3 +178,35 @@ def test_every_spec_example_and_vector_copies_to_the_same_values(tmp_path, sourc
         assert np.array_equal(gs.read_array(src, key), gs.read_array(tmp_path / "copy", key), equal_nan=True), key
     assert gs.read_trainer_state(tmp_path / "copy") == gs.read_trainer_state(src)
     assert gs.Checkpoint(tmp_path / "copy").verify()[0] == []
+
+
+def test_a_copy_of_a_region_above_the_small_file_bound_holds_a_piece_at_a_time(tmp_path):
+    """A region of 264 MiB (its shard file above the 256 MiB bound on the
+    small files a load reads whole) copies, its bytes as they are, while the
+    copying process's memory rises by well under the file's size: each file
+    travels a piece at a time. In a process of its own, whose peak resident
+    memory the kernel keeps (``VmHWM``, reset just before the copy)."""
+    script = f"""
+import numpy as np, globalshard as gs
+a = np.arange(66 << 20, dtype=np.float32)
+state = {{"w": gs.ShardedTensor.from_offset("w", a, global_shape=a.shape, global_offset=(0,))}}
+gs.save(state, {str(tmp_path / "src")!r})
+del state
+del a
+def status(key):
+    return int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith(key))) * 1024
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+before = status("VmRSS")
+gs.copy({str(tmp_path / "src")!r}, {str(tmp_path / "dst")!r})
+print(status("VmHWM") - before)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    shards = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "src") for f in fs if f == "0"]
+    assert len(shards) == 1 and os.path.getsize(shards[0]) > 256 << 20
+    rise = int(out.stdout.split()[-1])
+    assert rise < 96 << 20, f"the copy's memory rose by {rise >> 20} MiB for a file of {os.path.getsize(shards[0])}"
+    targets = whole({"w": np.zeros(66 << 20, np.float32)})
+    gs.load(targets, tmp_path / "dst")
+    assert np.array_equal(targets["w"].data, np.arange(66 << 20, dtype=np.float32))
