@@ -63,18 +63,21 @@ def _began(save_id: str) -> int:
     return int(save_id[:12], 16)
 
 
-def _choose(gathered: list[Any]) -> tuple[tuple[int, str, Metadata, dict[str, list[int]], bool] | None, list[str]]:
-    """The newest (step, save) whole in the reachable copies, and why newer ones were not."""
+def _choose(gathered: list[Any], docs: Mapping[tuple[int, str], Any]
+            ) -> tuple[tuple[int, str, Metadata, dict[str, list[int]], bool] | None, list[str]]:
+    """The newest (step, save) whole in the reachable copies, and why newer
+    ones were not: ``gathered``, every rank's report of the copies (paths
+    held) and persisted steps it found; ``docs``, each save's metadata."""
     found: dict[tuple[int, str], dict[str, Any]] = {}
     for node_report in gathered:
         for c in node_report.get("copies", []):
-            entry = found.setdefault((c["step"], c["save_id"]), {"doc": c["metadata"], "holders": {}, "persisted":
-                                                                 False})
+            entry = found.setdefault((c["step"], c["save_id"]), {"holders": {}, "persisted": False})
             for p in c["holds"]:
                 entry["holders"].setdefault(p, []).append(c["node"])
-        for step, doc in node_report.get("persisted", []):
-            entry = found.setdefault((step, doc["save_id"]), {"doc": doc, "holders": {}, "persisted": False})
-            entry["persisted"], entry["doc"] = True, doc
+        for step, save_id in node_report.get("persisted", []):
+            found.setdefault((step, save_id), {"holders": {}, "persisted": False})["persisted"] = True
+    for key, entry in found.items():
+        entry["doc"] = docs[key]
     skipped: list[str] = []
     for (step, save_id), entry in sorted(found.items(), key=lambda kv: (_began(kv[0][1]), kv[0][0]), reverse=True):
         metadata = parse_metadata(json.dumps(entry["doc"]))
@@ -85,6 +88,19 @@ def _choose(gathered: list[Any]) -> tuple[tuple[int, str, Metadata, dict[str, li
         skipped.append(f"step {step} (save {save_id}): {len(missing)} of {len(metadata.paths())} of its paths "
                        f"are on no reachable node and it was not persisted (first: {missing[0]})")
     return None, skipped
+
+
+def _senders(gathered: list[Any]) -> dict[tuple[int, str], int]:
+    """The rank that sends each save's metadata: the first (lowest) rank that
+    reported a copy of it, else one that reported it persisted (rank 0)."""
+    out: dict[tuple[int, str], int] = {}
+    for rank, node_report in enumerate(gathered):
+        for c in node_report.get("copies", []):
+            out.setdefault((c["step"], c["save_id"]), rank)
+    for rank, node_report in enumerate(gathered):
+        for step, save_id in node_report.get("persisted", []):
+            out.setdefault((step, save_id), rank)
+    return out
 
 
 def _in_base_copies(found: Mapping[tuple[int, str], Mapping[str, Any]], metadata: Metadata) -> dict[str, list[int]]:
@@ -172,19 +188,26 @@ def open_latest(comm: Comm, tier: LocalTier, persisted: Callable[[], list[tuple[
     node = nodes.node_of(comm.rank)
     root = tier.root(node)
 
+    mine: dict[tuple[int, str], Metadata] = {}  # the saves this rank reports, found in report()
+
     def report() -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if comm.rank == nodes.lead(node):
-            # TODO(limitation): each node's copies travel whole to every rank (metadata and
-            # the paths held), a few MB at thousands of stored regions per step.
-            out["copies"] = [{"step": s, "save_id": h.metadata.save_id, "holds": sorted(h.holds), "node": node,
-                              "metadata": h.metadata.to_json()} for s, h in scan(root).items()]
-        if comm.rank == 0:
-            out["persisted"] = [(s, m.to_json()) for s, m in persisted()]
-        return out
+        copies = scan(root) if comm.rank == nodes.lead(node) else {}
+        persisted_here = persisted() if comm.rank == 0 else []
+        mine.update({(s, str(m.save_id)): m for s, m in persisted_here})
+        mine.update({(s, str(h.metadata.save_id)): h.metadata for s, h in copies.items()})
+        # TODO(limitation): the paths each node's copies hold travel to every rank (a few
+        # hundred bytes a stored region, times 1 + replicas), though a rank needs only the
+        # holders of the paths it reads.
+        return {"copies": [{"step": s, "save_id": str(h.metadata.save_id), "holds": sorted(h.holds), "node": node}
+                           for s, h in copies.items()],
+                "persisted": [(s, str(m.save_id)) for s, m in persisted_here]}
 
     _, gathered = run_collectively(comm, "recover: finding the newest whole step", report)
-    chosen, skipped = _choose(gathered)
+    # Each save's metadata travels once, from the first rank that reported it: not once a node.
+    senders = _senders(gathered)
+    _, sent = run_collectively(comm, "recover: the steps' metadata", lambda: [
+        [s, sid, m.to_json()] for (s, sid), m in sorted(mine.items()) if senders.get((s, sid)) == comm.rank])
+    chosen, skipped = _choose(gathered, {(s, sid): doc for docs in sent for s, sid, doc in docs})
     for line in skipped:
         if comm.rank == 0:
             _log.warning("recover: passing over %s", line)

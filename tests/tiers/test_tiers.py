@@ -302,3 +302,22 @@ def test_a_region_larger_than_the_small_file_bound_is_copied_drained_and_recover
             return bool((targets["w"].data == 7.0 + comm.rank).all())
 
         assert run_ranks(2, load) == [True, True], lose
+
+
+def test_each_saves_metadata_crosses_once_when_ranks_agree_on_the_step(tmp_path, monkeypatch):
+    """Four nodes hold copies of two steps, which the persistent tier holds
+    too: the ranks learn every node's copies, but each save's metadata is
+    sent by one rank (2 documents in all, not one per node and per tier),
+    and the recovery is as before."""
+    train(tmp_path, [10, 20])
+    docs = []  # the metadata documents each all_gather call sends
+    real = gs.testing.comm.ThreadComm.all_gather
+
+    def all_gather(self, obj):
+        docs.append(json.dumps(obj).count('"tensors"'))
+        return real(self, obj)
+
+    monkeypatch.setattr(gs.testing.comm.ThreadComm, "all_gather", all_gather)
+    out = resume(tmp_path, world=8, per_node=2)
+    check_values(out, 8, 20)
+    assert sum(docs) == 2, docs
