@@ -115,6 +115,7 @@ class AsyncSaver:
     >>> saver.wait()
     >>> float(read_array(d, "w")[0, 0])
     1.0
+    >>> import shutil; shutil.rmtree(d)
     """
 
     def __init__(self, mode: str = "process", *, writer: Writer | None = None) -> None:

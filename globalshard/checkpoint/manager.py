@@ -58,7 +58,8 @@ class CheckpointManager:
     >>> import numpy as np, tempfile
     >>> from globalshard import ShardedTensor
     >>> w = np.ones(4, np.float32)
-    >>> manager = CheckpointManager(tempfile.mkdtemp(), keep_last=2)
+    >>> d = tempfile.mkdtemp()
+    >>> manager = CheckpointManager(d, keep_last=2)
     >>> for step in (100, 200, 300):
     ...     state = {"w": ShardedTensor.from_offset("w", w * step, global_shape=(4,), global_offset=(0,))}
     ...     _ = manager.save(step, state)
@@ -66,6 +67,7 @@ class CheckpointManager:
     [200, 300]
     >>> manager.latest()[0]
     300
+    >>> manager.wait(); import shutil; shutil.rmtree(d)
     """
 
     def __init__(self, root: Any, *, keep_last: int | None = None, comm: Comm | None = None,

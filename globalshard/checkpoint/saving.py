@@ -152,6 +152,7 @@ def save(
     ...      d, trainer_state={"step": 10})
     >>> read_array(d, "w", Box((1, 0), (1, 3)))
     array([[3., 4., 5.]], dtype=float32)
+    >>> import shutil; shutil.rmtree(d)
     """
     # The cyclic GC is paused (see gc_paused): a save makes objects per tensor, none in a cycle.
     with gc_paused():

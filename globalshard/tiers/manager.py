@@ -51,6 +51,7 @@ class TieredManager(CheckpointManager):
     >>> target = {"w": ShardedTensor.from_offset("w", np.zeros(4, np.float32), global_shape=(4,), global_offset=(0,))}
     >>> manager.load_latest(target)["step"], manager.recovery.bytes_local
     (100, 16)
+    >>> import shutil; shutil.rmtree(d)
     """
 
     def __init__(self, *, tiers: Sequence[Any], keep_last: int | None = None, comm: Comm | None = None,

@@ -397,13 +397,11 @@ class GroupedExperts(nn.Module):
         self.amax = state["amax"]
 
 
-def test_a_grouped_experts_modules_state_stays_per_ep_rank_and_an_ep_change_is_named():
-    import tempfile
-
+def test_a_grouped_experts_modules_state_stays_per_ep_rank_and_an_ep_change_is_named(tmp_path):
     from globalshard.testing.comm import run_ranks
 
     rules = gt.ShardingRules([(r".*experts.*", gt.Experts(4, gt.Replicated()))])
-    path = tempfile.mkdtemp()
+    path = str(tmp_path)
 
     def model(ep, ep_rank):
         m = nn.Module()
