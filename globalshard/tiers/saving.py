@@ -106,7 +106,9 @@ def _replicate(comm: Comm, tier: LocalTier, nodes: Nodes, local: Store, mine: li
             by_window[piece[3]].append((src, k, piece))
     reading: dict[int, Iterator[bytes]] = {}  # this rank's files, by index, being read
     writing: dict[tuple[int, int], tuple[contextlib.ExitStack, Sink]] = {}  # received files being written
-    try:
+    # A failure leaves the files being written unwritten (each one's block ends with the error).
+    with contextlib.ExitStack() as unfinished:
+        unfinished.callback(lambda: [getattr(r, "close", lambda: None)() for r in reading.values()])
         for w in range(count):
             sends: list[tuple[int, int, np.ndarray]] = []
 
@@ -135,22 +137,13 @@ def _replicate(comm: Comm, tier: LocalTier, nodes: Nodes, local: Store, mine: li
             def write(incoming: list[Any] = incoming) -> None:
                 for src, _, (f, offset, length, _), buf in incoming:
                     if offset == 0:
-                        stack = contextlib.ExitStack()
+                        stack = unfinished.enter_context(contextlib.ExitStack())
                         writing[(src, f)] = stack, stack.enter_context(local.open_write(gathered[src]["files"][f]))
                     writing[(src, f)][1].write(buf.data)
                     if offset + length == gathered[src]["sizes"][f]:  # its last piece: the file appears
                         writing.pop((src, f))[0].close()
 
             run_collectively(comm, "tier save: replication", write)
-    except BaseException as e:
-        for stack, _ in writing.values():  # the files being written are not renamed into place
-            stack.__exit__(type(e), e, e.__traceback__)
-        raise
-    finally:
-        for r in reading.values():
-            close = getattr(r, "close", None)
-            if close is not None:
-                close()
     return [p for s in senders for p in gathered[s]["paths"]]
 
 

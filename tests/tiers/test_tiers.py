@@ -321,3 +321,39 @@ def test_each_saves_metadata_crosses_once_when_ranks_agree_on_the_step(tmp_path,
     out = resume(tmp_path, world=8, per_node=2)
     check_values(out, 8, 20)
     assert sum(docs) == 2, docs
+
+
+def test_a_replication_that_fails_midway_leaves_no_half_file_and_the_previous_step_whole(tmp_path, monkeypatch):
+    """Files cut into 40-byte pieces, and the link between nodes fails at
+    the third exchange, when some received files are partly written: every
+    rank's save raises, no node holds a temporary or partial file of the
+    step, no node commits it, and the step before it is recovered whole."""
+    train(tmp_path, [10])
+    monkeypatch.setattr("globalshard.tiers.saving._WINDOW", 40)
+    calls = {}
+    real = gs.testing.comm.ThreadComm.exchange
+
+    def exchange(self, sends, recvs):
+        calls[self.rank] = calls.get(self.rank, 0) + 1
+        if calls[self.rank] == 3:
+            raise ConnectionResetError("the link to the next node went down")
+        return real(self, sends, recvs)
+
+    monkeypatch.setattr(gs.testing.comm.ThreadComm, "exchange", exchange)
+
+    def job(comm):
+        manager(tmp_path, comm).save(20, rows_state(values(20), comm.rank, 8))
+
+    errors = run_ranks(8, job)
+    assert all(isinstance(e, gs.GlobalShardError) for e in errors), errors
+    monkeypatch.setattr(gs.testing.comm.ThreadComm, "exchange", real)
+    for node in range(4):
+        step = tmp_path / "local" / f"node{node}" / "iter_0000020"
+        names = list(_files_below(step)) if step.exists() else []
+        assert "holdings.json" not in names and not [n for n in names if ".tmp-" in n], names
+        sender = _files_below(tmp_path / "local" / f"node{(node + 3) % 4}" / "iter_0000020")
+        for n in set(names) & set(sender):  # a file received is whole: equal to its sender's
+            assert open(step / n, "rb").read() == open(sender[n], "rb").read(), n
+    shutil.rmtree(tmp_path / "persistent")
+    out = resume(tmp_path, world=8, per_node=2)
+    check_values(out, 8, 10)
