@@ -51,7 +51,7 @@ def test_a_run_without_a_benchmark_says_so_rather_than_showing_old_figures():
 def test_start_records_the_commit_and_clears_an_earlier_run(tmp_path):
     (tmp_path / "compare.json").write_text("{}")
     (tmp_path / "notes.txt").write_text("kept")
-    pages.start("benchmarks", str(tmp_path))
+    pages.start("benchmarks", str(tmp_path), disk_needed=0)
     assert sorted(os.listdir(tmp_path)) == ["notes.txt", "run.json"]
     run = json.loads((tmp_path / "run.json").read_text())
     assert run["command"] == "make bench" and run["cpus"] == os.cpu_count() and run["commit"]
@@ -119,3 +119,16 @@ def test_the_training_and_cold_load_sections_render_what_their_benchmarks_write(
     cold_part = text.split("## Cold loads in one process")[1].split("\n## ")[0]
     assert "| TP=4 -> 2, one process | 1.23 | 0.45 | 1.34 | 0.92 | 2.71 |" in cold_part
     assert "| TP=4 -> 1, one process | 1.20 | 0.90 | 1.34 | 0.90 | 1.33 (0.91-1.76) |" in cold_part
+
+
+def test_a_bench_run_refuses_to_start_without_the_disk_space_it_fills(tmp_path):
+    """make bench keeps what each benchmark writes until it ends: it checks
+    the free space up front instead of failing half an hour in (it once did,
+    at 25 GB free), and starts nothing then."""
+    import shutil
+
+    free = shutil.disk_usage(tmp_path).free
+    (tmp_path / "compare.json").write_text("{}")
+    with pytest.raises(SystemExit, match=f"the disk of {tmp_path} has .* GiB free: free some space first"):
+        pages.start("benchmarks", str(tmp_path), disk_needed=free + (1 << 30))
+    assert sorted(os.listdir(tmp_path)) == ["compare.json"]  # an earlier run's JSON stays, no run.json
