@@ -72,7 +72,7 @@ class KvStore:
         # TODO(limitation): a kvstore's object is written whole: its bytes are held in memory.
         sink = _Gathered()
         yield sink
-        self.write(name, b"".join(sink.pieces))
+        self.write(name, sink.data)
 
     def _parent(self) -> str:
         path = self.spec.get("path", "")
@@ -128,7 +128,7 @@ class KvStore:
                                f"{MAX_FILE_BYTES} this library reads")
         return bytes(r.value), r.stamp.generation
 
-    def write(self, name: str, data: bytes) -> None:
+    def write(self, name: str, data: bytes | bytearray) -> None:
         """One write, which TensorStore's kvstores apply atomically."""
         try:
             self._kvs().write(name, data).result()
@@ -185,13 +185,14 @@ class KvStore:
 
 
 class _Gathered:
-    """:meth:`KvStore.open_write`'s pieces, until the object is written."""
+    """:meth:`KvStore.open_write`'s bytes, until the object is written: one
+    buffer, grown in place (no second copy of the object to join pieces)."""
 
     def __init__(self) -> None:
-        self.pieces: list[bytes] = []
+        self.data = bytearray()
 
     def write(self, data: bytes | memoryview, /) -> None:
-        self.pieces.append(bytes(data))
+        self.data += data
 
 
 def _in_memory(spec: Any) -> bool:
