@@ -83,23 +83,29 @@ def _replicate(comm: Comm, tier: LocalTier, nodes: Nodes, local: Store, mine: li
         return []
     exchanger = require_exchange(comm)
     files = _files(local, mine)
-
-    def sized() -> dict[str, Any]:
-        sizes = [local.size(f) for f in files]
-        gone = [local.describe(f) for f, n in zip(files, sizes) if n is None]
-        if gone:
-            raise StorageError(f"{gone[0]} is gone from the tier copy before it was copied to the next nodes")
-        return {"paths": mine, "files": files, "sizes": sizes}
-
-    # TODO(limitation): every rank's list of files is gathered by every rank (a few
-    # hundred bytes a stored array); only the next nodes' ranks need it.
-    _, gathered = run_collectively(comm, "tier save: replication", sized)
     node, local_rank = nodes.node_of(comm.rank), comm.rank % nodes.ranks_per_node
     to = [tier.peers(nodes, node)[k] * nodes.ranks_per_node + local_rank for k in range(len(tier.peers(nodes, node)))]
     senders = [s * nodes.ranks_per_node + local_rank for s in tier.sources(nodes, node)]
-    # Every rank knows every sender's pieces: the sends and receives of window w meet in one exchange.
-    plan = {r: pieces_of(g["sizes"], _WINDOW) for r, g in enumerate(gathered)}
-    count = max((p[-1][3] + 1 for p in plan.values() if p), default=0)
+    listing: dict[str, Any] = {"paths": mine, "files": files}
+
+    def sized() -> tuple[dict[int, Any], int]:
+        """This rank's list of files, for the next nodes' ranks; its count of exchanges, for all."""
+        found = [local.size(f) for f in files]
+        gone = [local.describe(f) for f, n in zip(files, found) if n is None]
+        if gone:
+            raise StorageError(f"{gone[0]} is gone from the tier copy before it was copied to the next nodes")
+        listing["sizes"] = sizes = [n or 0 for n in found]
+        cut = pieces_of(sizes, _WINDOW)
+        return dict.fromkeys(to, listing), cut[-1][3] + 1 if cut else 0
+
+    # The lists of files go to the ranks that receive them only; every rank learns how many exchanges
+    # the busiest sender needs, and takes part in each.
+    lists, counts = _send_objects(comm, "tier save: replication", sized)
+    if sorted(lists) != sorted(senders):
+        raise CommError(f"tier save: expected the lists of files of ranks {senders}, got those of {sorted(lists)}")
+    gathered = {comm.rank: listing, **lists}
+    plan = {r: pieces_of(g["sizes"], _WINDOW) for r, g in gathered.items()}
+    count = max(counts, default=0)
     by_window: list[list[tuple[int, int, tuple[int, int, int, int]]]] = [[] for _ in range(count)]
     for src in [comm.rank, *senders]:
         for k, piece in enumerate(plan[src]):
@@ -242,18 +248,49 @@ def _commit_copies(planned: PlannedSave, ops: InProcess, comm: Comm, tier: Local
         metadata = with_references(planned.metadata(), planned.base, planned.frozen, hashed)
         return dataclasses.replace(metadata, trainer_state=ref).to_json()
 
-    _, gathered = run_collectively(comm, "tier save: local commit",
-                                   lambda: {"held": mine + received, "metadata": metadata_doc()})
-    metadata = parse_metadata(json.dumps(gathered[0]["metadata"]))
+    # What each rank holds goes to its node's lead, which commits the node's copy; rank 0's metadata to all.
+    held, docs = _send_objects(comm, "tier save: local commit",
+                               lambda: ({nodes.lead(node): mine + received}, metadata_doc()))
+    metadata = parse_metadata(json.dumps(docs[0]))
 
     def commit_local() -> None:
         if comm.rank == nodes.lead(node):
-            holds = {p for r in nodes.ranks_of(node) for p in gathered[r]["held"]}
+            holds = {p for paths in held.values() for p in paths}
             local.write(HOLDINGS_FILE, Holdings(metadata, frozenset(holds), node).dumps().encode("utf-8"))
             prune(tier.root(node), tier.keep, {step})
 
     run_collectively(comm, "tier save: local commit", commit_local)
     return metadata, mine
+
+
+def _send_objects(comm: Comm, step: str, outgoing: Callable[[], tuple[dict[int, Any], Any]]
+                  ) -> tuple[dict[int, Any], list[Any]]:
+    """Send JSON values point to point: ``outgoing()`` gives this rank's
+    ``{destination rank: value}`` and a small value for every rank (a
+    count, say). Returns the values sent to this rank, by sender, and every
+    rank's small value. Collective: the sizes travel in one all-gather (a
+    few numbers a rank), which fails every rank if ``outgoing`` fails on one."""
+    blobs: dict[int, np.ndarray] = {}
+
+    def sizes() -> dict[str, Any]:
+        values, note = outgoing()
+        blobs.update({d: np.frombuffer(json.dumps(v).encode("utf-8"), np.uint8) for d, v in values.items()})
+        return {"sizes": {str(d): len(b) for d, b in blobs.items()}, "note": note}
+
+    _, gathered = run_collectively(comm, step, sizes)
+    me = str(comm.rank)
+    incoming = {src: np.empty(g["sizes"][me], np.uint8) for src, g in enumerate(gathered)
+                if me in g["sizes"] and src != comm.rank}
+    sends = [(d, 0, b) for d, b in blobs.items() if d != comm.rank]
+    if sends or incoming:  # point to point: a rank with nothing to send or receive takes no part
+        try:
+            require_exchange(comm).exchange(sends, [(src, 0, buf) for src, buf in incoming.items()])
+        except Exception as e:
+            raise CommError(f"{step}: sending to other ranks failed: {type(e).__name__}: {e}") from e
+    received = {src: json.loads(buf.tobytes()) for src, buf in incoming.items()}
+    if comm.rank in blobs:
+        received[comm.rank] = json.loads(blobs[comm.rank].tobytes())
+    return received, [g["note"] for g in gathered]
 
 
 def _committed(target: Store, save_id: str) -> bool:

@@ -247,16 +247,18 @@ def test_files_travel_to_the_next_nodes_in_pieces_of_bounded_size(tmp_path, monk
     alone bring back a lost node."""
     if window is not None:
         monkeypatch.setattr("globalshard.tiers.saving._WINDOW", window)
-    sent = []  # the bytes each exchange call sends (the thread communicator's own exchange does the work)
+    sent = {}  # by rank, the bytes each exchange call sends (the thread communicator's own exchange does the work)
     real = gs.testing.comm.ThreadComm.exchange
 
     def exchange(self, sends, recvs):
-        sent.append(sum(a.nbytes for _, _, a in sends))
+        sent.setdefault(self.rank, []).append(sum(a.nbytes for _, _, a in sends))
         return real(self, sends, recvs)
 
     monkeypatch.setattr(gs.testing.comm.ThreadComm, "exchange", exchange)
     train(tmp_path, [10])
-    assert max(sent) <= window if window is not None else len(sent) == 8  # one exchange a rank: one window
+    # Each rank's first exchange sends its list of files, its last what it holds to its node's lead.
+    windows = [n for calls in sent.values() for n in calls[1:-1]]
+    assert max(windows) <= window if window is not None else len(windows) == 8  # one exchange a rank: one window
     step = "iter_0000010"
     for node in range(4):
         own = _files_below(tmp_path / "local" / f"node{node}" / step)
@@ -357,3 +359,25 @@ def test_a_replication_that_fails_midway_leaves_no_half_file_and_the_previous_st
     shutil.rmtree(tmp_path / "persistent")
     out = resume(tmp_path, world=8, per_node=2)
     check_values(out, 8, 10)
+
+
+def test_the_lists_of_files_and_paths_go_to_the_ranks_that_use_them_not_to_every_rank(tmp_path, monkeypatch):
+    """A tiered save sends each rank's list of files to the ranks of the next
+    nodes that receive them, and what each rank holds to its node's lead,
+    point to point: no rank's list reaches the all-gathers (only their sizes
+    do), and rank 0's metadata alone names the step's arrays there."""
+    payloads = []  # (rank, JSON) of every all_gather call
+    real = gs.testing.comm.ThreadComm.all_gather
+
+    def all_gather(self, obj):
+        payloads.append((self.rank, json.dumps(obj)))
+        return real(self, obj)
+
+    monkeypatch.setattr(gs.testing.comm.ThreadComm, "all_gather", all_gather)
+    train(tmp_path, [10])
+    assert payloads and not [r for r, p in payloads if "zarr.json" in p]
+    assert not [r for r, p in payloads if r != 0 and "/arrays/" in p]
+    monkeypatch.setattr(gs.testing.comm.ThreadComm, "all_gather", real)
+    shutil.rmtree(tmp_path / "local" / "node1")
+    shutil.rmtree(tmp_path / "persistent")
+    check_values(resume(tmp_path, world=6, per_node=2, nodes_map=[0, 2, 3]), 6, 10)
