@@ -91,15 +91,17 @@ def _choose(gathered: list[Any], docs: Mapping[tuple[int, str], Any]
 
 
 def _senders(gathered: list[Any]) -> dict[tuple[int, str], int]:
-    """The rank that sends each save's metadata: the first (lowest) rank that
-    reported a copy of it, else one that reported it persisted (rank 0)."""
+    """The rank that sends each save's metadata: the one that reported it
+    persisted (rank 0), since the persistent tier's commit of a save is its
+    last word (keys removed in place, spec section 2.5); else the first
+    (lowest) rank that reported a copy of it."""
     out: dict[tuple[int, str], int] = {}
-    for rank, node_report in enumerate(gathered):
-        for c in node_report.get("copies", []):
-            out.setdefault((c["step"], c["save_id"]), rank)
     for rank, node_report in enumerate(gathered):
         for step, save_id in node_report.get("persisted", []):
             out.setdefault((step, save_id), rank)
+    for rank, node_report in enumerate(gathered):
+        for c in node_report.get("copies", []):
+            out.setdefault((c["step"], c["save_id"]), rank)
     return out
 
 
@@ -193,8 +195,8 @@ def open_latest(comm: Comm, tier: LocalTier, persisted: Callable[[], list[tuple[
     def report() -> dict[str, Any]:
         copies = scan(root) if comm.rank == nodes.lead(node) else {}
         persisted_here = persisted() if comm.rank == 0 else []
-        mine.update({(s, str(m.save_id)): m for s, m in persisted_here})
         mine.update({(s, str(h.metadata.save_id)): h.metadata for s, h in copies.items()})
+        mine.update({(s, str(m.save_id)): m for s, m in persisted_here})  # a persisted save's own commit wins
         # TODO(limitation): the paths each node's copies hold travel to every rank (a few
         # hundred bytes a stored region, times 1 + replicas), though a rank needs only the
         # holders of the paths it reads.

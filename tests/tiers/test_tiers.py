@@ -381,3 +381,20 @@ def test_the_lists_of_files_and_paths_go_to_the_ranks_that_use_them_not_to_every
     shutil.rmtree(tmp_path / "local" / "node1")
     shutil.rmtree(tmp_path / "persistent")
     check_values(resume(tmp_path, world=6, per_node=2, nodes_map=[0, 2, 3]), 6, 10)
+
+
+def test_a_persisted_steps_own_commit_wins_over_its_tier_copies_metadata(tmp_path):
+    """Keys removed in place from the persisted step (``gs.remove_keys``, one
+    commit of the same save) stay removed in a recovery that reads the tier
+    copies, which still list them: the persistent tier's commit of a save is
+    its last word, as a plain load of it says."""
+    train(tmp_path, [10])
+    gs.remove_keys(tmp_path / "persistent" / "iter_0000010", ["c"])
+
+    def job(comm):
+        return sorted(manager(tmp_path, comm).open_latest().metadata.tensors)
+
+    assert run_ranks(8, job) == [["a", "b"]] * 8
+    out = run_ranks(8, lambda comm: manager(tmp_path, comm).load_latest(
+        rows_state({"c": np.zeros((ROWS, COLS), np.float32)}, comm.rank, 8)))
+    assert all(isinstance(e, gs.MissingKeyError) and "'c'" in str(e) for e in out), out
