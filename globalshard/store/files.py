@@ -116,10 +116,12 @@ def _writing(full: str, step: Callable[[], T]) -> T:
 
 
 def _read_up_to(fd: int, n: int) -> bytes:
-    """``n`` bytes from ``fd``'s position, fewer at the end of the file."""
+    """``n`` bytes from ``fd``'s position, fewer at the end of the file: one
+    read of all of them, as a regular file gives them (then no join copies
+    the parts; a read stops short only past 2 GiB, or at the end)."""
     parts = []
     while n > 0:
-        part = os.read(fd, min(n, 1 << 24))
+        part = os.read(fd, n)
         if not part:
             break
         parts.append(part)
