@@ -87,6 +87,8 @@ def _replicate(comm: Comm, tier: LocalTier, nodes: Nodes, local: Store, mine: li
     to = [tier.peers(nodes, node)[k] * nodes.ranks_per_node + local_rank for k in range(len(tier.peers(nodes, node)))]
     senders = [s * nodes.ranks_per_node + local_rank for s in tier.sources(nodes, node)]
     listing: dict[str, Any] = {"paths": mine, "files": files}
+    # Every rank cuts its own files and its senders': the sends and receives of window w meet in one exchange.
+    plan: dict[int, list[tuple[int, int, int, int]]] = {}
 
     def sized() -> tuple[dict[int, Any], int]:
         """This rank's list of files, for the next nodes' ranks; its count of exchanges, for all."""
@@ -95,7 +97,7 @@ def _replicate(comm: Comm, tier: LocalTier, nodes: Nodes, local: Store, mine: li
         if gone:
             raise StorageError(f"{gone[0]} is gone from the tier copy before it was copied to the next nodes")
         listing["sizes"] = sizes = [n or 0 for n in found]
-        cut = pieces_of(sizes, _WINDOW)
+        plan[comm.rank] = cut = pieces_of(sizes, _WINDOW)
         return dict.fromkeys(to, listing), cut[-1][3] + 1 if cut else 0
 
     # The lists of files go to the ranks that receive them only; every rank learns how many exchanges
@@ -104,7 +106,7 @@ def _replicate(comm: Comm, tier: LocalTier, nodes: Nodes, local: Store, mine: li
     if sorted(lists) != sorted(senders):
         raise CommError(f"tier save: expected the lists of files of ranks {senders}, got those of {sorted(lists)}")
     gathered = {comm.rank: listing, **lists}
-    plan = {r: pieces_of(g["sizes"], _WINDOW) for r, g in gathered.items()}
+    plan.update({r: pieces_of(g["sizes"], _WINDOW) for r, g in lists.items()})
     count = max(counts, default=0)
     by_window: list[list[tuple[int, int, tuple[int, int, int, int]]]] = [[] for _ in range(count)]
     for src in [comm.rank, *senders]:
@@ -274,7 +276,11 @@ def _send_objects(comm: Comm, step: str, outgoing: Callable[[], tuple[dict[int, 
 
     def sizes() -> dict[str, Any]:
         values, note = outgoing()
-        blobs.update({d: np.frombuffer(json.dumps(v).encode("utf-8"), np.uint8) for d, v in values.items()})
+        encoded: dict[int, np.ndarray] = {}  # a value sent to several ranks (a list to each replica) once
+        for d, v in values.items():
+            if id(v) not in encoded:
+                encoded[id(v)] = np.frombuffer(json.dumps(v).encode("utf-8"), np.uint8)
+            blobs[d] = encoded[id(v)]
         return {"sizes": {str(d): len(b) for d, b in blobs.items()}, "note": note}
 
     _, gathered = run_collectively(comm, step, sizes)
