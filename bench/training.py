@@ -10,7 +10,10 @@
    write the same bytes to one file (``_RawWriter``), through the page cache
    (``raw``) and around it (``raw_direct``, ``O_DIRECT`` from the shared
    memory's pages, as the AsyncSaver's writer writes its shards): the cost
-   of writing the bytes at all, without a format. The process mode runs
+   of writing the bytes at all, without a format; and ``raw_chunked``,
+   unbuffered too, doing what the format asks of any writer and nothing
+   more (each tensor cut into its stored chunks, copied, a crc32c each):
+   the floor of a checksummed, chunked writer. The process mode runs
    again with torch on one core fewer (``process_spare``): the writer then
    has a core of its own, as on a GPU trainer's host, whose cores the
    training leaves mostly idle. For the background processes, their CPU
@@ -19,7 +22,7 @@
    Each mode runs in a process of its own, which alternates phases of 8
    steps with a save every 4 steps and phases of 8 steps without, 8 pairs
    (24 for the process mode, whose ratio the target is, and the bare
-   unbuffered writer, its floor; the order alternating), after a first save
+   unbuffered writers, its floors; the order alternating), after a first save
    that starts the writer and sizes the staging pool. A phase's cost is its
    wall time: its steps, the time its saves block the loop and, at its end,
    the wait for its last save's background part (so every slower step a background save causes
@@ -73,14 +76,16 @@ QUICK = "--quick" in sys.argv
 WIDTH, LAYERS, BATCH = (512, 4, 256) if QUICK else (2048, 8, 512)
 PHASE, EVERY = (4, 2) if QUICK else (8, 4)  # steps a phase, a save every EVERY steps
 LORA_WIDTH, LORA_LAYERS, RANK = (1024, 16, 16) if QUICK else (4096, 16, 16)
-MODES = ("sync", "thread", "process", "process_spare", "raw", "raw_direct")
+MODES = ("sync", "thread", "process", "process_spare", "raw", "raw_direct", "raw_chunked")
 #: Torch's threads in the ``process_spare`` mode: one core left to the writer, as a GPU trainer's host leaves them.
 SPARE_THREADS = max(1, (os.cpu_count() or 2) - 1)
 PAIRS = 2 if QUICK else int(os.environ.get("PAIRS", 8))
 #: The modes measured with more pairs: the process mode, whose ratio the target is, and the bare unbuffered
-#: writer beside it (what writing the bytes at all costs). With 8 pairs the median's 95% interval spans about
-#: 0.2 here (1.04-1.23 at 7de0fda), too wide to tell 1.07x from 1.05x; with 30, 0.03 (1.041-1.072).
-TARGET_MODES, TARGET_PAIRS = ("process", "raw_direct"), 2 if QUICK else int(os.environ.get("TARGET_PAIRS", 24))
+#: writers beside it (what writing the bytes at all costs, and the format's own work). With 8 pairs the
+#: median's 95% interval spans about 0.2 here (1.04-1.23 at 7de0fda), too wide to tell 1.07x from 1.05x;
+#: with 30, 0.03 (1.041-1.072).
+TARGET_MODES = ("process", "raw_direct", "raw_chunked")
+TARGET_PAIRS = 2 if QUICK else int(os.environ.get("TARGET_PAIRS", 24))
 CONFIDENCE = 0.95
 
 
@@ -175,9 +180,16 @@ class _RawWriter:
     process that writes the state's bytes, copied into shared memory, to one
     file with ``write`` and ``fsync``: no format, no checksums, no commit.
     ``direct``: with ``O_DIRECT`` from the shared memory's pages (its size
-    rounded up to a page). One save in flight, as for the AsyncSaver."""
+    rounded up to a page). ``chunked``: also unbuffered, but doing the work
+    the format asks of any writer of these tensors, and nothing more: each
+    tensor cut into its stored inner chunks (globalshard's chunk shapes, 512 x
+    512 for a whole 2048 x 2048 float32), each chunk copied into an aligned
+    buffer, its crc32c appended, zeros to the next 4096 bytes, and written,
+    one thread, one file, no directories (the floor of a checksummed, chunked
+    writer). One save in flight, as for the AsyncSaver."""
 
-    def __init__(self, nbytes: int, direct: bool = False) -> None:
+    def __init__(self, nbytes: int, direct: bool = False, chunked: bool = False) -> None:
+        direct = direct or chunked
         nbytes = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE if direct else nbytes
         self.buffer = mmap.mmap(-1, nbytes)  # shared with the child across fork; page-aligned
         self.array = np.frombuffer(self.buffer, np.uint8)
@@ -190,10 +202,14 @@ class _RawWriter:
             with os.fdopen(child_from, "rb") as requests, os.fdopen(child_to, "wb", buffering=0) as replies:
                 flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
                 for line in requests:
-                    fd = os.open(line.decode().strip(), flags, 0o644)
-                    view = memoryview(self.buffer)
-                    for i in range(0, nbytes, 64 << 20):
-                        os.write(fd, view[i:i + (64 << 20)])
+                    request = json.loads(line)
+                    fd = os.open(request["path"], flags, 0o644)
+                    if chunked:
+                        _write_chunked(fd, self.array, request["tensors"])
+                    else:
+                        view = memoryview(self.buffer)
+                        for i in range(0, nbytes, 64 << 20):
+                            os.write(fd, view[i:i + (64 << 20)])
                     os.fsync(fd)
                     os.close(fd)
                     replies.write(b"x")
@@ -204,12 +220,13 @@ class _RawWriter:
 
     def save(self, tensors: list[np.ndarray], path: str) -> None:
         self.wait()
-        offset = 0
+        offset, placed = 0, []
         for t in tensors:
             np.copyto(np.ndarray(t.shape, t.dtype, self.array, offset), t)
+            placed.append([offset, list(t.shape), t.dtype.str])
             offset += t.nbytes
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        os.write(self._to, path.encode() + b"\n")
+        os.write(self._to, json.dumps({"path": path, "tensors": placed}).encode() + b"\n")
         self._pending = True
 
     def wait(self) -> None:
@@ -222,13 +239,38 @@ class _RawWriter:
         os.waitpid(self.pid, 0)
 
 
+def _write_chunked(fd: int, pool: np.ndarray, tensors: list[Any]) -> None:
+    """What ``_RawWriter(chunked=True)`` writes: each tensor ``[offset in pool,
+    shape, dtype]`` in its inner chunks, each copied, followed by its crc32c
+    and zeros to a multiple of 4096 bytes, back to back (``fd`` is ``O_DIRECT``)."""
+    import crc32c
+
+    from globalshard.format.zarr import chunk_shape
+    from globalshard.io.localio.unbuffered import aligned, stride
+
+    for offset, shape, dtype in tensors:
+        dtype = np.dtype(dtype)
+        array = np.ndarray(tuple(shape), dtype, pool, offset)
+        chunk = chunk_shape(array.shape, dtype.itemsize)
+        nbytes = math.prod(chunk) * dtype.itemsize
+        out = aligned(stride(nbytes))
+        for index in np.ndindex(*(-(-s // c) for s, c in zip(array.shape, chunk))):
+            part = array[tuple(slice(i * c, (i + 1) * c) for i, c in zip(index, chunk))]
+            if part.shape != chunk:
+                out[:nbytes] = 0
+            out[:nbytes].view(dtype).reshape(chunk)[tuple(slice(0, s) for s in part.shape)] = part
+            out[nbytes:nbytes + 4] = np.frombuffer(crc32c.crc32c(out[:nbytes]).to_bytes(4, "little"), np.uint8)
+            out[nbytes + 4:] = 0
+            os.write(fd, out)
+
+
 def run_mode(mode: str, root: str) -> dict[str, Any]:
     """One mode's run in this process: pairs of phases with and without checkpoints."""
     import globalshard as gs
     import globalshard_torch as gt
 
-    raw = _RawWriter(3 * 4 * LAYERS * (WIDTH * WIDTH + WIDTH), direct=mode == "raw_direct") \
-        if mode in ("raw", "raw_direct") else None
+    raw = _RawWriter(3 * 4 * LAYERS * (WIDTH * WIDTH + WIDTH), direct=mode == "raw_direct",
+                     chunked=mode == "raw_chunked") if mode.startswith("raw") else None
     if mode == "process_spare":
         torch.set_num_threads(SPARE_THREADS)
     model, opt = _model()
@@ -461,13 +503,15 @@ def main() -> None:
         # A bare process writing the same bytes (write + fsync) in the background, buffered and unbuffered.
         "step_time_raw_writer_vs_none": ratio("raw"),
         "step_time_raw_unbuffered_writer_vs_none": ratio("raw_direct"),
+        # The same, doing the work the format asks of any writer: chunk copies and a crc32c of every byte.
+        "step_time_raw_chunked_writer_vs_none": ratio("raw_chunked"),
         # The process mode with torch on one core fewer: the writer has a core of its own.
         "step_time_async_process_spare_core_vs_none": ratio("process_spare"),
         # Each mode's ratio: the interval that holds the median with at least this confidence.
         "step_time_confidence": CONFIDENCE,
         "step_time_intervals": {mode: median_interval(ratios(mode))[:2] for mode in MODES},
         "background_cpu_s_per_save": {mode: cpu_per_save(mode) for mode in ("process", "process_spare", "raw",
-                                                                            "raw_direct")},
+                                                                            "raw_direct", "raw_chunked")},
         "async_block_vs_memcpy": statistics.median(block) if block else None,
         # What saves add to the same loop's peak: the host's peak over the phases with saves (the
         # trainer, its staging pools and its writer) over the trainer's own peak over the phases without.
@@ -485,7 +529,8 @@ def main() -> None:
         json.dump(report, f, indent=1)
     for key in ("step_time_async_process_vs_none", "step_time_async_thread_vs_none", "step_time_sync_vs_none",
                 "step_time_raw_writer_vs_none", "step_time_raw_unbuffered_writer_vs_none",
-                "step_time_async_process_spare_core_vs_none", "async_block_vs_memcpy", "async_peak_rss_over_state",
+                "step_time_raw_chunked_writer_vs_none", "step_time_async_process_spare_core_vs_none",
+                "async_block_vs_memcpy", "async_peak_rss_over_state",
                 "lora_save_bytes_over_adapter_bytes", "pretrain_save_bytes_saved_fraction"):
         print(f"{key}: {report[key]:.3f}")
 

@@ -146,8 +146,10 @@ def _write_chunks(fd: int, array: np.ndarray, batch: Sequence[tuple[int, ...]], 
             buffers += [data[:whole], out] if whole else [out]
             head = nbytes - whole
         else:  # an edge chunk (zero beyond the array, as zarr stores it), a strided or unaligned one: copied
-            # TODO(limitation): square chunks of whole tensors are copied too (27-29% of the writer's CPU in
-            # bench/training.py); staging them in chunk order made the blocking copy 1.5-1.8x a memcpy.
+            # TODO(limitation): square chunks of whole tensors are copied too (27-31% of the writer's CPU in
+            # bench/training.py); staging them in chunk order made the blocking copy 1.5-1.8x a memcpy. A bare
+            # writer doing only these copies and the crc32c (bench/training.py raw_chunked) costs that loop
+            # as much as this writer does.
             data = out = tails[used:used + step]
             fill_chunk(out[:nbytes], part, chunk)
             buffers.append(out)
