@@ -13,7 +13,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
-import tensorstore as ts
 
 from globalshard.dtypes import cast_into, numpy_dtype
 from globalshard.errors import StorageError, format_problems
@@ -23,7 +22,7 @@ from globalshard.io import localio
 from globalshard.io.base import READ_WINDOW_BYTES, IOStats, OpenedPlan
 from globalshard.io.localio import ArrayFile, ChunkError
 from globalshard.planner import PackedRegion
-from globalshard.store.base import Store, error_text
+from globalshard.store.base import Store, error_text, ts
 
 __all__ = ["at", "read_chunk", "read_plan"]
 

@@ -12,7 +12,6 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import tensorstore as ts
 
 from globalshard.dtypes import numpy_dtype
 from globalshard.errors import MetadataError, StorageError, format_problems
@@ -30,7 +29,7 @@ from globalshard.io.base import (
 )
 from globalshard.io.read import at, read_chunk, read_plan
 from globalshard.planner import LoadPlan
-from globalshard.store.base import CONTEXT, Store, error_text
+from globalshard.store.base import Store, context, error_text, ts
 
 if TYPE_CHECKING:
     from globalshard.io.localio import ArrayFile
@@ -89,7 +88,7 @@ class TensorStoreEngine:
                 source = item.data
             try:
                 opened.append((item.path, source, item.ready if not isinstance(item, PackItem) else None,
-                               ts.open(spec, create=True, delete_existing=True, context=CONTEXT)))
+                               ts.open(spec, create=True, delete_existing=True, context=context())))
             except Exception as e:
                 problems.append(f"{self.store.describe(item.path)}: {error_text(e)}")
         pending: list[tuple[str, Any, int]] = []
@@ -186,8 +185,8 @@ class TensorStoreEngine:
         """Open a stored array (``shape`` None: a pack, of one axis) for reading: a future."""
         spec = {"driver": "zarr3", "kvstore": self.store.kvstore(path), "fill_missing_data_reads": False}
         if shape is None:
-            return ts.open(spec, open=True, read=True, dtype=ts.dtype(dtype), rank=1, context=CONTEXT)
-        return ts.open(spec, open=True, read=True, dtype=ts.dtype(dtype), shape=shape, context=CONTEXT)
+            return ts.open(spec, open=True, read=True, dtype=ts.dtype(dtype), rank=1, context=context())
+        return ts.open(spec, open=True, read=True, dtype=ts.dtype(dtype), shape=shape, context=context())
 
     def _not_the_array(self, path: str, store: Any, want: Expect) -> str | None:
         """Why an opened array may not be read as the one metadata.json names, or None."""

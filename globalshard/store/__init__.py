@@ -6,11 +6,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import tensorstore as ts
-
 from globalshard.errors import StorageError
 from globalshard.format.metadata import check_relative_path
-from globalshard.store.base import Stamp, Store, error_text
+from globalshard.store.base import Stamp, Store, error_text, ts
 from globalshard.store.kvstore import KvStore
 from globalshard.store.local import LocalStore
 

@@ -7,11 +7,9 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import tensorstore as ts
-
 from globalshard.errors import ConcurrentSaveError, GlobalShardError, StorageError
 from globalshard.format.metadata import MAX_FILE_BYTES
-from globalshard.store.base import CONTEXT, PIECE_BYTES, Sink, Stamp, Store, error_text
+from globalshard.store.base import PIECE_BYTES, Sink, Stamp, Store, context, error_text, ts
 
 __all__ = ["KvStore"]
 
@@ -107,7 +105,7 @@ class KvStore:
     def _kvs(self) -> Any:
         if self._kv is None:
             try:
-                self._kv = ts.KvStore.open(self.spec, context=CONTEXT).result()
+                self._kv = ts.KvStore.open(self.spec, context=context()).result()
             except Exception as e:
                 raise StorageError(f"cannot open {self.spec}: {error_text(e)}") from None
         return self._kv

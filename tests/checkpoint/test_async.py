@@ -325,6 +325,22 @@ def test_the_writer_process_writes_shards_around_the_page_cache(tmp_path):
         assert gs.Checkpoint(tmp_path / name).verify()[0] == []
 
 
+def test_a_writer_of_local_saves_never_loads_tensorstore(tmp_path):
+    """TensorStore is imported on first use (store/base.py): the writer
+    process of local saves, whose memory is counted against an async save's,
+    never maps it; a save to a kvstore from the same trainer still works."""
+    s = gs.AsyncSaver("process")
+    state = {"w": _shard("w", np.arange(3 << 18, dtype=np.float32).reshape(768, 1024))}
+    for step in range(2):
+        s.save(state, tmp_path / f"s{step}")
+        s.wait()
+    assert s.last_mode == "process"
+    with open(f"/proc/{s.writer.pid}/maps") as maps:
+        assert "_tensorstore" not in maps.read()
+    gs.save(state, "memory://lazy/ckpt")
+    assert np.array_equal(gs.read_array("memory://lazy/ckpt", "w"), state["w"].data)
+
+
 def test_ranks_sharing_a_writer_start_one_process_and_each_gets_its_own_reply(tmp_path):
     # Ranks run as threads of one process share its writer; before 2026-12-05
     # two that found it not started each started one, and a job sent to the

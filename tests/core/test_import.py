@@ -8,6 +8,23 @@ def test_core_imports_no_framework():
     assert out.strip() == "[]"
 
 
+def test_the_core_imports_tensorstore_only_when_it_is_used():
+    """A process that only touches local files never loads TensorStore
+    (store/base.py imports it on first use)."""
+    code = ("import sys, numpy as np, globalshard as gs, tempfile, os\n"
+            "d = tempfile.mkdtemp()\n"
+            "t = gs.ShardedTensor.from_offset('w', np.ones((4, 3), np.float32), global_shape=(4, 3), "
+            "global_offset=(0, 0))\n"
+            "gs.save({'w': t}, os.path.join(d, 'c'))\n"
+            "gs.load({'w': t}, os.path.join(d, 'c'))\n"
+            "print('tensorstore' in sys.modules)\n"
+            "import shutil; shutil.rmtree(d)\n"
+            "gs.save({'w': t}, 'memory://x/c')\n"
+            "print('tensorstore' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "True"]
+
+
 def test_public_api_names():
     import globalshard as gs
 
