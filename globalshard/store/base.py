@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-__all__ = ["CONTEXT", "PIECE_BYTES", "Sink", "Stamp", "Store", "context", "copy_file", "error_text", "ts"]
+__all__ = ["PIECE_BYTES", "Sink", "Stamp", "Store", "context", "copy_file", "error_text", "ts"]
 
 
 class _OnFirstUse:
@@ -45,16 +45,6 @@ def context() -> ts.Context:
     memory kvstore persists across calls, and the chunk cache is off (every
     byte is read once, straight into its target)."""
     return ts.Context({"cache_pool": {"total_bytes_limit": 0}})
-
-
-if TYPE_CHECKING:
-    CONTEXT: ts.Context
-
-
-def __getattr__(name: str) -> Any:
-    if name == "CONTEXT":  # the name of version 2's eager context, kept for callers
-        return context()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 #: The bytes of a piece a copy holds at a time (:meth:`Store.read_pieces`).

@@ -11,7 +11,7 @@ import pytest
 import tensorstore as ts
 
 from globalshard.errors import ConcurrentSaveError
-from globalshard.store.base import CONTEXT, Store
+from globalshard.store.base import Store, context
 
 __all__ = ["StoreTests"]
 
@@ -180,10 +180,10 @@ class StoreTests:
 
     def test_the_kvstore_of_a_path_holds_what_the_store_wrote_there(self, store: Store) -> None:
         store.write("saves/x/data", b"abc")
-        kv = ts.KvStore.open(store.kvstore("saves/x"), context=CONTEXT).result()
+        kv = ts.KvStore.open(store.kvstore("saves/x"), context=context()).result()
         assert kv.read("data").result().value == b"abc"
         array: Any = ts.open({"driver": "zarr3", "kvstore": store.kvstore("saves/x/arr")}, create=True,
-                             dtype=ts.uint8, shape=[3], context=CONTEXT).result()
+                             dtype=ts.uint8, shape=[3], context=context()).result()
         array.write(np.arange(3, dtype=np.uint8)).result()
         assert "arr" in store.list_dir("saves/x")
 
