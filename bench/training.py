@@ -247,6 +247,7 @@ def _write_chunked(fd: int, pool: np.ndarray, tensors: list[Any]) -> None:
 
     from globalshard.format.zarr import chunk_shape
     from globalshard.io.localio.unbuffered import aligned, stride
+    from globalshard.io.localio.write import fill_chunk
 
     for offset, shape, dtype in tensors:
         dtype = np.dtype(dtype)
@@ -256,9 +257,7 @@ def _write_chunked(fd: int, pool: np.ndarray, tensors: list[Any]) -> None:
         out = aligned(stride(nbytes))
         for index in np.ndindex(*(-(-s // c) for s, c in zip(array.shape, chunk))):
             part = array[tuple(slice(i * c, (i + 1) * c) for i, c in zip(index, chunk))]
-            if part.shape != chunk:
-                out[:nbytes] = 0
-            out[:nbytes].view(dtype).reshape(chunk)[tuple(slice(0, s) for s in part.shape)] = part
+            fill_chunk(out[:nbytes], part, chunk)
             out[nbytes:nbytes + 4] = np.frombuffer(crc32c.crc32c(out[:nbytes]).to_bytes(4, "little"), np.uint8)
             out[nbytes + 4:] = 0
             os.write(fd, out)
