@@ -756,6 +756,35 @@ def state_dict_load_job(rank: int, *, path: str) -> dict[str, Any]:
             "step": state["step"]}
 
 
+def meta_state_dict_job(rank: int, *, path: str, dcp_path: str) -> dict[str, Any]:
+    """2 ranks: DTensor parameters (rows sharded) and a plain tensor saved with
+    globalshard_torch.save and with DCP, then each loaded by its own load into
+    the state dict of a model built on the meta device (columns sharded):
+    what each load left in the state dict, and the DTensors' placements."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    full = torch.arange(30, dtype=torch.float32).reshape(6, 5)
+    state = {"w": distribute_tensor(full, mesh, [Shard(0)]), "scale": torch.full((3,), 0.5)}
+    gt.save({"model": state}, path)
+    dcp.save({"model": state}, checkpoint_id=dcp_path)
+    out: dict[str, Any] = {}
+    loads = {"ours": lambda sd: gt.load(sd, path), "dcp": lambda sd: dcp.load(sd, checkpoint_id=dcp_path)}
+    for name, load in loads.items():
+        local = torch.empty(6, 3 if rank == 0 else 2, device="meta")  # columns 3 + 2, as Shard(1) cuts 5
+        sd = {"model": {"w": DTensor.from_local(local, mesh, [Shard(1)], run_check=False, shape=(6, 5),
+                                                stride=(5, 1)),
+                        "scale": torch.empty(3, device="meta")}}
+        load(sd)
+        w = sd["model"]["w"]
+        out[name] = {"w": w.full_tensor().tolist(), "w_local": w.to_local().tolist(), "w_device": str(w.device),
+                     "w_placements": str(w.placements), "scale": sd["model"]["scale"].tolist(),
+                     "scale_device": str(sd["model"]["scale"].device)}
+    return out
+
+
 def tp_by_dp_job(rank: int, *, path: str, dcp_path: str, dump: str) -> None:
     """World 4, mesh (dp=2, tp=2): tensor parallelism on the "tp" sub-mesh and
     data-parallel copies across it (DDP, or torchtitan's MoE ``expert_bias``

@@ -21,7 +21,7 @@ from globalshard.dtypes import canonical_name, is_exact_cast
 from globalshard.errors import CastError, MismatchError, format_problems
 from globalshard.hf import NameMapping, SafetensorsSource
 from globalshard_torch.comm import resolve_comm
-from globalshard_torch.model import model_entries
+from globalshard_torch.model import model_entries, refuse_meta
 from globalshard_torch.parallel import ParallelLayout
 from globalshard_torch.rules import ShardingRules
 from globalshard_torch.tensors import HostStaging, numpy_view
@@ -70,7 +70,9 @@ def load_hf(directory: str, model: nn.Module | Sequence[nn.Module], layout: Para
     source = SafetensorsSource(directory, mapping)
     staging = HostStaging()
     targets: dict[str, gs.ShardedTensor] = {}
-    for e in model_entries(model, layout, rules):
+    entries = model_entries(model, layout, rules)
+    refuse_meta(entries, "load into the model")
+    for e in entries:
         for name, t in e.shards(e.name, e.key, numpy_view(staging.host(e.tensor, for_save=False))).items():
             if gs.is_padding_key(t.key):
                 t.data[...] = 0  # Hugging Face files hold the true vocabulary only: padding rows are zero

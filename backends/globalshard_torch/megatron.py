@@ -73,7 +73,7 @@ from globalshard.errors import LayoutError
 from globalshard.geometry import Box, Region
 from globalshard.hf import NameMapping, SafetensorsSource
 from globalshard_torch.comm import resolve_comm
-from globalshard_torch.tensors import HostStaging, numpy_view, torch_dtype
+from globalshard_torch.tensors import NO_DATA, HostStaging, load_device, numpy_view, torch_dtype
 
 __all__ = ["ARRAYS", "BACKEND", "VERSION", "LoadStrategy", "SaveStrategy", "arrays_path", "load_hf"]
 
@@ -171,6 +171,8 @@ class SaveStrategy(AsyncSaveShardedStrategy):
         for i, t in enumerate(_tensors(sharded_state_dict)):
             if t.data is None:
                 raise LayoutError(f"{t.key!r}: a ShardedTensor without data cannot be saved")
+            if t.data.device.type == "meta":
+                raise LayoutError(f"{t.key!r}: {NO_DATA}")
             pieces[f"{i}:{t.key}"] = _piece(t, numpy_view(staging.host(t.data, for_save=True)),
                                             tuple(t.global_shape), main=is_main_replica(t.replica_id))
         staging.ready()
@@ -229,11 +231,15 @@ def _wait_for_file(path: str) -> None:
 
 
 def _target(t: MegatronTensor, stored: tuple[int, ...] | None, staging: HostStaging) -> gs.ShardedTensor | None:
-    """The core's piece a load fills ``t.data`` through (made on the CPU when None), or None
-    when ``t`` allows a shape mismatch and lies wholly beyond the ``stored`` array (of that
-    shape; None: not stored): its data is then zeros, as it is beyond the stored part in any case."""
-    if t.data is None:
-        t.init_data("cpu", init_fn=torch.zeros if t.allow_shape_mismatch else torch.empty)
+    """The core's piece a load fills ``t.data`` through (made on the CPU when None; on
+    :func:`load_device` when on the meta device, as DCP makes it: Megatron's torch_dist
+    gives such a target back on the meta device, unfilled), or None when ``t`` allows a shape mismatch and lies wholly beyond the
+    ``stored`` array (of that shape; None: not stored): its data is then zeros, as it is
+    beyond the stored part in any case."""
+    if t.data is None or t.data.device.type == "meta":
+        device = "cpu" if t.data is None else load_device()
+        t.data = None
+        t.init_data(device, init_fn=torch.zeros if t.allow_shape_mismatch else torch.empty)
     else:
         t.data = t.data.detach()
         if t.allow_shape_mismatch:

@@ -63,7 +63,7 @@ from globalshard_torch.checkpoint import TierStep
 from globalshard_torch.comm import resolve_comm
 from globalshard_torch.model import _dtensor_placement, _is_dtensor, outside_mesh, unwrapped_name
 from globalshard_torch.state import from_jsonable, jsonable
-from globalshard_torch.tensors import HostStaging, numpy_view
+from globalshard_torch.tensors import NO_DATA, HostStaging, load_device, numpy_view
 
 __all__ = ["LoadedKeys", "load", "save"]
 
@@ -189,6 +189,29 @@ def _tensor_shards(key: str, t: torch.Tensor, staging: HostStaging, *, for_save:
     return out
 
 
+def _materialized(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor to load a target given on the meta device into, as DCP
+    makes one (a model built on the meta device, whose state dict is loaded
+    rather than initialized): on :func:`load_device`; a DTensor with the same
+    placements and global shape, on its mesh's device type.
+
+    Raises:
+        LayoutError: a torch ShardedTensor on the meta device (as in DCP).
+    """
+    if _is_sharded_tensor(t):
+        raise LayoutError("a ShardedTensor on the meta device: its shards hold no data to load into")
+    if _is_dtensor(t):
+        from torch.distributed.tensor import DTensor
+
+        mesh = t.device_mesh  # type: ignore[attr-defined]
+        kind = mesh.device_type
+        device = torch.device(kind) if kind == "cpu" else torch.device(kind, getattr(torch, kind).current_device())
+        local = torch.empty_like(t.to_local(), device=device)  # type: ignore[attr-defined]
+        return DTensor.from_local(local, mesh, t.placements, run_check=False,  # type: ignore[attr-defined]
+                                  shape=t.size(), stride=t.stride())
+    return torch.empty_like(t, device=load_device())
+
+
 def _named(key: str, shards: list[gs.ShardedTensor]) -> dict[str, gs.ShardedTensor]:
     """Names for a key's shards in one dict: the key, then the key, a NUL and a number
     (no state dict key holds a NUL)."""
@@ -297,7 +320,9 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
         problems: list[str] = []
 
         def visit(key: str, value: Any, _container: Any, _index: Any) -> None:
-            if torch.is_tensor(value):
+            if torch.is_tensor(value) and value.device.type == "meta":
+                problems.append(f"{key}: {NO_DATA}")
+            elif torch.is_tensor(value):
                 mine = _tensor_shards(key, value, staging, for_save=True)
                 shards.update(_named(key, mine))
                 if mine:
@@ -498,6 +523,8 @@ def load(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, all
     staging = HostStaging()
     targets: dict[str, gs.ShardedTensor] = {}
     fills: list[tuple[str, MutableMapping[Any, Any] | list[Any], Any]] = []  # JSON and bytes leaves to replace
+    # Tensors given on the meta device, and the tensors made to load them into: they replace them once loaded.
+    created: list[tuple[str, MutableMapping[Any, Any] | list[Any], Any, torch.Tensor]] = []
     statefuls: list[tuple[Any, dict[str, Any]]] = []
     opened: list[gs.Checkpoint] = []
     missing: list[str] = []
@@ -513,6 +540,13 @@ def load(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, all
 
         def visit(key: str, value: Any, container: Any, index: Any) -> None:
             if torch.is_tensor(value):
+                if value.device.type == "meta":
+                    try:
+                        value = _materialized(value)
+                    except LayoutError as e:
+                        problems.append(f"{key}: {e}")
+                        return
+                    created.append((key, container, index, value))
                 targets.update(_named(key, _tensor_shards(key, value, staging, for_save=False)))
             elif _is_stateful(value):
                 inner = _plain(value.state_dict())
@@ -582,6 +616,9 @@ def load(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, all
             # recorded, where the state dict has them).
             container[index] = _with_tuples(key, value, saved[_TUPLES][key]) if key in saved.get(_TUPLES, {}) \
                 else _like(container[index], value)
+    for key, container, index, tensor in created:
+        if key not in missing:  # a key not loaded stays on the meta device, as it was given
+            container[index] = tensor
     for obj, inner in statefuls:
         obj.load_state_dict(inner)
     return LoadedKeys(sorted(missing), unexpected)

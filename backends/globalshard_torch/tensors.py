@@ -21,7 +21,11 @@ import torch
 import globalshard as gs
 from globalshard.errors import LayoutError
 
-__all__ = ["HostStaging", "numpy_view", "torch_dtype"]
+__all__ = ["HostStaging", "load_device", "numpy_view", "torch_dtype"]
+
+#: What a tensor on the meta device is told: it holds no data, to save or to fill.
+NO_DATA = ("on the meta device: it holds no data (materialize it first, e.g. model.to_empty(device=...), "
+           "then initialize it)")
 
 # torch dtype -> (same-size integer dtype to view through, numpy dtype to view as)
 _VIA_INT: dict[torch.dtype, tuple[torch.dtype, np.dtype]] = {
@@ -59,6 +63,17 @@ def _cuda_register(address: int, nbytes: int) -> None:
 
 def _cuda_unregister(address: int, nbytes: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(address)
+
+
+def load_device() -> torch.device:
+    """Where a load creates a tensor it was given on the meta device, as DCP
+    does: the default process group's device (the current CUDA device under
+    NCCL), else the CPU."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def numpy_view(tensor: torch.Tensor) -> np.ndarray:
@@ -129,6 +144,8 @@ class HostStaging:
 
     def host(self, tensor: torch.Tensor, *, for_save: bool) -> torch.Tensor:
         t = tensor.detach()
+        if t.device.type == "meta":  # callers name the tensor first; this keeps any other from a silent no-op
+            raise LayoutError(f"a tensor of shape {tuple(t.shape)} is {NO_DATA}")
         if t.device.type == "cpu":
             return t
         buf = self.buffer(t.shape, t.dtype) if for_save else torch.empty(

@@ -482,6 +482,19 @@ def conventions(rank: int, *, path: str) -> dict[str, Any]:
          "c": ShardedTensor.from_rank_offsets("TenC", torch.zeros(4))}, mixed, strict=StrictHandling.RETURN_ALL)
     out["strict"] = {"loaded": {k: v.tolist() for k, v in loaded.items()}, "missing": sorted(missing),
                      "unexpected": sorted(unexpected)}
+    # A target on the meta device (a model built there): made on the process group's device and filled,
+    # as DCP makes it (Megatron's torch_dist gives it back on the meta device, unfilled); a save from one
+    # is refused, naming its key.
+    loaded = dist_checkpointing.load({"rigid": ShardedTensor.from_rank_offsets(
+        "keyA", torch.empty(2, 32, dtype=whole.dtype, device="meta"), (1, 0, 1))}, shapes)
+    out["meta"] = {k: [str(v.device), v.tolist()] for k, v in loaded.items()}
+    unsaved = os.path.join(path, "unsaved")
+    os.makedirs(unsaved)
+    try:
+        dist_checkpointing.save({"m": ShardedTensor.from_rank_offsets("keyM", torch.empty(2, device="meta"))},
+                                unsaved, sharded_strategy=strategy)
+    except CheckpointingException as e:
+        out["meta_save"] = f"CheckpointingException: {e}"
     # test_remove_sharded_tensors: the keys with a prefix removed in place (then a warning: none left).
     removing = os.path.join(path, "remove")
     os.makedirs(removing)

@@ -206,6 +206,8 @@ def test_megatrons_own_serialization_tests_pass_with_the_globalshard_strategy(tm
     assert out["flexible_36"] == {"flexible": [list(range(32)) + [0] * 4] * 2}  # zeros beyond, as torch_dist
     assert out["renamed"].startswith("CheckpointingException") and "different_key" in out["renamed"]
     assert out["empty"] == {"common": "common-value"}
+    assert out["meta"] == {"rigid": ["cpu", [list(range(32))] * 2]}
+    assert out["meta_save"].startswith("CheckpointingException") and "'keyM': on the meta device" in out["meta_save"]
     assert out["strict"] == {"loaded": {"a": [0.0, 1.0]}, "missing": ["TenB"], "unexpected": ["TenC"]}
     removed = out["removed"]  # test_remove_sharded_tensors: the prefixed key gone, its arrays too
     assert removed["keys"] == ["keyA"] and removed["files"] == ["keyA"], removed

@@ -251,6 +251,18 @@ def test_load_hf_names_every_missing_key_before_writing(tmp_path):
     assert torch.equal(chunk.layers[0].attn.qkv.weight.detach(), before)
 
 
+def test_load_hf_into_a_model_on_the_meta_device_names_its_tensors(tmp_path):
+    save_file(hf_model(), str(tmp_path / "model.safetensors"))
+    layout = gt.ParallelLayout(num_layers=CFG.layers)
+    with torch.device("meta"):
+        chunk = demo.Chunk(CFG, layout, 0)
+    for layer in chunk.layers:
+        del layer.attn.qkv_lora_A, layer.attn.qkv_lora_B
+    with pytest.raises(gs.LayoutError, match=r"(?s)cannot load into the model: tensors on the meta device.*"
+                                             r"layers\.0\.attn\.qkv\.weight: on the meta device"):
+        gt.load_hf(str(tmp_path), chunk, layout, demo.rules(CFG), mapping="llama")
+
+
 def test_export_then_load_hf_is_the_identity(tmp_path):
     # A checkpoint saved at TP=2 by the torch adapter, exported, loaded at TP=4.
     hf = hf_model(seed=5)

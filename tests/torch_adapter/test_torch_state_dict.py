@@ -249,6 +249,42 @@ def test_what_cannot_be_saved_or_found_is_named(tmp_path):
 
 
 
+def test_a_state_dict_on_the_meta_device_loads_into_tensors_made_for_it_as_dcp_does(tmp_path):
+    # A model built on the meta device, its state dict loaded rather than initialized. Before, the load
+    # returned as if it had filled them, and every tensor stayed on the meta device, holding nothing.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    loader = Loader()
+    gt.save({"model": model.state_dict(), "ema": [model[0].weight.detach() * 2], "loader": loader},
+            tmp_path / "c")
+    with torch.device("meta"):
+        empty = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    sd = {"model": empty.state_dict(), "ema": [torch.empty(3, 4, device="meta")], "loader": Loader()}
+    assert gt.load(sd, tmp_path / "c") == gt.LoadedKeys([], [])
+    for name, value in model.state_dict().items():
+        assert sd["model"][name].device.type == "cpu" and torch.equal(sd["model"][name], value), name
+    assert torch.equal(sd["ema"][0], model[0].weight.detach() * 2)
+    empty.load_state_dict(sd["model"], assign=True)
+    assert torch.equal(empty(torch.ones(2, 4)), model(torch.ones(2, 4)))
+
+
+def test_meta_tensors_not_loaded_stay_as_they_were_and_are_not_saved(tmp_path):
+    gt.save({"w": torch.arange(3.0)}, tmp_path / "c")
+    sd = {"w": torch.empty(3, device="meta"), "extra": torch.empty(2, device="meta")}
+    assert gt.load(sd, tmp_path / "c", strict=False) == gt.LoadedKeys(["extra"], [])
+    assert torch.equal(sd["w"], torch.arange(3.0)) and sd["extra"].is_meta  # not made up: reported missing
+    failing = {"w": torch.empty(4, device="meta")}
+    with pytest.raises(gs.MismatchError, match="global shape"):
+        gt.load(failing, tmp_path / "c")
+    assert failing["w"].is_meta  # a failed load changes nothing
+    with torch.device("meta"):
+        meta_model = nn.Sequential(nn.Linear(4, 3))
+    with pytest.raises(gs.LayoutError, match=r"(?s)model\.0\.weight: on the meta device: it holds no data.*"
+                                             r"model\.0\.bias: on the meta device"):
+        gt.save({"model": meta_model.state_dict()}, tmp_path / "m")
+    assert not (tmp_path / "m").exists()
+
+
 class NamedOptimizer(torch.optim.Optimizer, Stateful):
     """As torchtitan's OptimizersContainer: an Optimizer that declares itself
     Stateful, its state dict keyed by parameter name."""
@@ -343,6 +379,20 @@ def test_dtensor_state_dicts_reshard_between_placements(tmp_path, saver):
         assert got["lr"] == 0.1 and got["step"] == 7
     # And into one process, plain tensors.
     assert np.array_equal(gs.read_array(ckpt, "model.w"), held["w"])
+
+
+def test_dtensors_on_the_meta_device_load_as_dcp_loads_them(tmp_path):
+    # torchtitan's order (a model built on the meta device, sharded) with the load in place of the
+    # initialization: each DTensor is made on its mesh's device with its own placements, as DCP makes it.
+    outcomes = values_of(run(2, "meta_state_dict_job", str(tmp_path / "r"), path=str(tmp_path / "gs"),
+                             dcp_path=str(tmp_path / "dcp")))
+    full = np.arange(30, dtype=np.float32).reshape(6, 5)
+    for rank, got in enumerate(outcomes):
+        assert got["ours"] == got["dcp"], rank
+        assert np.array_equal(np.array(got["ours"]["w"]), full)
+        assert np.array_equal(np.array(got["ours"]["w_local"]), full[:, :3] if rank == 0 else full[:, 3:])
+        assert got["ours"]["w_device"] == got["ours"]["scale_device"] == "cpu"
+        assert got["ours"]["scale"] == [0.5] * 3
 
 
 def test_dtensors_on_a_tp_sub_mesh_with_data_parallel_copies_save_once(tmp_path):

@@ -288,6 +288,23 @@ def test_single_process_round_trip_with_optimizer_and_scheduler(tmp_path):
     assert sched2.state_dict() == sched.state_dict()
 
 
+def test_a_model_on_the_meta_device_is_refused_naming_its_tensors(tmp_path):
+    # Before, a load into a model built on the meta device returned as if it had filled it (every
+    # parameter still on the meta device, holding nothing), and its save failed in torch's copy, unnamed.
+    gt.save_checkpoint(tmp_path / "c", model=_model(), layout=gt.ParallelLayout(), rules=RULES)
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    names = r"\n  - 0\.weight: on the meta device: it holds no data \(materialize it first.*1\.bias: on the meta device"
+    with pytest.raises(gs.LayoutError, match=r"(?s)cannot load into the model: tensors on the meta device" + names):
+        gt.load_checkpoint(tmp_path / "c", model=meta, layout=gt.ParallelLayout(), rules=RULES)
+    with pytest.raises(gs.LayoutError, match=r"(?s)cannot save the model: tensors on the meta device" + names):
+        gt.save_checkpoint(tmp_path / "d", model=meta, layout=gt.ParallelLayout(), rules=RULES)
+    assert not (tmp_path / "d").exists()
+    meta.to_empty(device="cpu")  # materialized: it loads
+    gt.load_checkpoint(tmp_path / "c", model=meta, layout=gt.ParallelLayout(), rules=RULES)
+    assert all(torch.equal(a, b) for a, b in zip(meta.parameters(), _model().parameters()))
+
+
 def test_params_without_state_stay_without_state(tmp_path):
     model = _model()
     opt = torch.optim.AdamW(model.parameters())
