@@ -233,9 +233,9 @@ def _wait_for_file(path: str) -> None:
 def _target(t: MegatronTensor, stored: tuple[int, ...] | None, staging: HostStaging) -> gs.ShardedTensor | None:
     """The core's piece a load fills ``t.data`` through (made on the CPU when None; on
     :func:`load_device` when on the meta device, as DCP makes it: Megatron's torch_dist
-    gives such a target back on the meta device, unfilled), or None when ``t`` allows a shape mismatch and lies wholly beyond the
-    ``stored`` array (of that shape; None: not stored): its data is then zeros, as it is
-    beyond the stored part in any case."""
+    gives such a target back on the meta device, unfilled), or None when ``t`` allows a
+    shape mismatch and lies wholly beyond the ``stored`` array (of that shape; None: not
+    stored): its data is then zeros, as it is beyond the stored part in any case."""
     if t.data is None or t.data.device.type == "meta":
         device = "cpu" if t.data is None else load_device()
         t.data = None
