@@ -37,7 +37,8 @@ from globalshard.dtypes import canonical_name
 from globalshard.errors import LayoutError, format_problems
 from globalshard.geometry import Box, Region, Segment, _int_tuple, cover_problems, flat_range_boxes
 
-__all__ = ["PADDING_SUFFIX", "ShardedStateDict", "ShardedTensor", "is_padding_key", "shards_from_flat_range"]
+__all__ = ["PADDING_SUFFIX", "ShardedStateDict", "ShardedTensor", "is_padding_key", "overlaps_itself",
+           "shards_from_flat_range"]
 
 
 def _as_array(key: str, data: Any) -> np.ndarray:
@@ -46,6 +47,35 @@ def _as_array(key: str, data: Any) -> np.ndarray:
             f"{key!r}: data must be a numpy array (filled in place on load), got {type(data).__name__}"
         )
     return data
+
+
+def overlaps_itself(a: np.ndarray) -> bool:
+    """Whether two elements of ``a`` share memory (a broadcast or expanded
+    view), so that it cannot hold distinct values.
+
+    >>> overlaps_itself(np.broadcast_to(np.zeros(3), (2, 3)))
+    True
+    >>> overlaps_itself(np.zeros((4, 6))[:, ::2].T)
+    False
+    """
+    if a.size <= 1:
+        return False
+    dims = sorted((abs(s), n) for s, n in zip(a.strides, a.shape) if n > 1)
+    if any(s == 0 for s, _ in dims):
+        return True
+    reach = a.itemsize  # bytes spanned by the dims of smaller strides, when each steps over the ones before
+    for stride, n in dims:
+        if stride < reach:
+            break
+        reach += stride * (n - 1)
+    else:
+        return False
+    # Strides that interleave (a view few libraries make): decided from every element's offset.
+    offsets = np.zeros(1, np.int64)
+    for stride, n in dims:
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * stride).ravel()
+    offsets.sort()
+    return bool(np.any(np.diff(offsets) < a.itemsize))
 
 
 #: The suffix of a key's companion tensor of padding rows (spec section 1).

@@ -146,8 +146,11 @@ class HostStaging:
         t = tensor.detach()
         if t.device.type == "meta":  # callers name the tensor first; this keeps any other from a silent no-op
             raise LayoutError(f"a tensor of shape {tuple(t.shape)} is {NO_DATA}")
-        if t.device.type == "cpu":
+        lazy = t.is_conj() or t.is_neg()  # a conjugate or negative view: its memory holds other values
+        if t.device.type == "cpu" and not lazy:
             return t
+        if t.device.type == "cpu" and for_save:
+            return t.resolve_conj().resolve_neg()
         buf = self.buffer(t.shape, t.dtype) if for_save else torch.empty(
             t.shape, dtype=t.dtype, device="cpu", pin_memory=torch.cuda.is_available())
         if not for_save:

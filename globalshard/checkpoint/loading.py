@@ -32,7 +32,7 @@ from globalshard.format.trainer_state import parse_trainer_state
 from globalshard.format.zarr import Expect, PackExpect, array_attributes
 from globalshard.geometry import Box, Region
 from globalshard.io import ArrayEngine, IOStats, OpenedPlan, engine_name, open_engine
-from globalshard.layout import ShardedTensor
+from globalshard.layout import ShardedTensor, overlaps_itself
 from globalshard.planner import LoadPlan, LoadPlanner, PackedRegion, ShardInfo, missing_key
 from globalshard.shared import read_shared, require_exchange
 from globalshard.store import Store, open_root
@@ -282,6 +282,9 @@ class Checkpoint:
             frozen = [n for n, t in entries if not t.data.flags.writeable]
             if frozen:
                 raise LayoutError(f"cannot load into read-only arrays: {frozen}")
+            if shared := [n for n, t in entries if overlaps_itself(t.data)]:
+                raise LayoutError(f"cannot load into arrays whose elements share memory (broadcast or expanded "
+                                  f"views: each element would hold the last value read into it): {shared}")
             opened.append(_open_for(self._store, self._engine, self.metadata, [ShardInfo.of(t) for _, t in entries],
                                     [n for n, _ in entries], allow_lossy_cast, self._io))
 

@@ -168,3 +168,40 @@ def test_flat_ranges_of_segmented_local_tensors_cover_the_global_array_exactly(d
                 gs.load(targets, d)
                 real = want[a:b] != -1  # padding elements keep what they held
                 assert np.array_equal(got[real], want[a:b][real]) and (got[~real] == 7).all()
+
+
+@given(data=st.data())
+def test_overlaps_itself_is_true_exactly_when_two_elements_share_bytes(data):
+    from globalshard.layout import overlaps_itself
+
+    ndim = data.draw(st.integers(0, 3))
+    shape = tuple(data.draw(st.lists(st.integers(0, 4), min_size=ndim, max_size=ndim)))
+    itemsize = data.draw(st.sampled_from([1, 2, 4, 8]))
+    strides = tuple(data.draw(st.lists(st.integers(-3, 12), min_size=ndim, max_size=ndim)))
+    strides = tuple(s * itemsize for s in strides)
+    # A buffer that every element lies in, and a view of it starting where negative strides stay inside.
+    low = sum(s * (n - 1) for s, n in zip(strides, shape) if s < 0 and n)
+    high = sum(s * (n - 1) for s, n in zip(strides, shape) if s > 0 and n)
+    buf = np.zeros(high - low + itemsize, np.uint8)
+    view = np.lib.stride_tricks.as_strided(buf[-low:].view(f"V{itemsize}"), shape, strides)
+    offsets = [sum(i * s for i, s in zip(index, strides)) for index in itertools.product(*map(range, shape))]
+    starts = sorted(offsets)
+    shares = any(b - a < itemsize for a, b in itertools.pairwise(starts))
+    assert overlaps_itself(view) == shares, (shape, strides, itemsize)
+
+
+def test_a_load_into_a_broadcast_view_is_refused_naming_its_key(tmp_path):
+    import globalshard as gs
+
+    full = np.arange(6, dtype=np.float32).reshape(2, 3)
+    gs.save({"w": ShardedTensor.from_offset("w", full, global_shape=(2, 3), global_offset=(0, 0))}, tmp_path / "c")
+    row = np.zeros(3, np.float32)
+    target = np.lib.stride_tricks.as_strided(row, (2, 3), (0, 4), writeable=True)
+    # Before, the load returned with the last row in both: [3, 4, 5].
+    with pytest.raises(LayoutError, match=r"elements share memory .*\['w'\]"):
+        gs.load({"w": ShardedTensor.from_offset("w", target, global_shape=(2, 3), global_offset=(0, 0))},
+                tmp_path / "c")
+    assert row.tolist() == [0, 0, 0]
+    strided = np.zeros((2, 6), np.float32)[:, ::2]  # gaps, no overlap: loads
+    gs.load({"w": ShardedTensor.from_offset("w", strided, global_shape=(2, 3), global_offset=(0, 0))}, tmp_path / "c")
+    assert np.array_equal(strided, full)

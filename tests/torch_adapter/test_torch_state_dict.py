@@ -285,6 +285,25 @@ def test_meta_tensors_not_loaded_stay_as_they_were_and_are_not_saved(tmp_path):
     assert not (tmp_path / "m").exists()
 
 
+def test_an_expanded_target_is_refused_and_lazy_views_round_trip(tmp_path):
+    rows = torch.arange(6.0).reshape(2, 3)
+    z = torch.tensor([1 + 2j, 3 - 4j])
+    # Conjugate and negative views hold other values in their memory: saved as they read. Before, a
+    # RuntimeError from numpy() naming no key.
+    gt.save({"rows": rows, "z": z.conj(), "neg": torch.tensor([1.0, -2.0])._neg_view()}, tmp_path / "c")
+    assert np.array_equal(gs.read_array(tmp_path / "c", "z"), np.array([1 - 2j, 3 + 4j], np.complex64))
+    assert np.array_equal(gs.read_array(tmp_path / "c", "neg"), np.array([-1.0, 2.0], np.float32))
+    row = torch.zeros(3)
+    # Before, the load returned with the last row in both: [3, 4, 5].
+    with pytest.raises(gs.LayoutError, match=r"elements share memory .*'rows'"):
+        gt.load({"rows": row.expand(2, 3), "z": torch.zeros(2, dtype=torch.complex64),
+                 "neg": torch.zeros(2)}, tmp_path / "c")
+    assert row.tolist() == [0.0, 0.0, 0.0]
+    into_z, into_neg = torch.zeros(2, dtype=torch.complex64).conj(), torch.zeros(2)._neg_view()
+    gt.load({"rows": torch.zeros(2, 3), "z": into_z, "neg": into_neg}, tmp_path / "c")
+    assert torch.equal(into_z, z.conj()) and torch.equal(into_neg, torch.tensor([-1.0, 2.0]))
+
+
 class NamedOptimizer(torch.optim.Optimizer, Stateful):
     """As torchtitan's OptimizersContainer: an Optimizer that declares itself
     Stateful, its state dict keyed by parameter name."""
