@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 __all__ = ["POINTER_FILE", "CheckpointManager"]
 
 _log = logging.getLogger("globalshard")
-_ITER = re.compile(r"iter_(\d{7,})")
 #: The pointer at the root: ``{"step": 100, "path": "iter_0000100"}``, replaced after each commit.
 POINTER_FILE = "latest"
 
@@ -82,13 +81,22 @@ class CheckpointManager:
         #: The asynchronous save in flight, published by wait(): (step, its saver).
         self._pending: tuple[int, AsyncSaver] | None = None
 
+    #: The name of a step's checkpoint under the root, and the pattern that finds them (its group: the step).
+    #: A subclass may name them as its trainer does (torchtitan's ``step-<n>``).
+    STEP_NAME = "iter_{step:07d}"
+    STEP_PATTERN = re.compile(r"iter_(\d{7,})")
+
+    def step_name(self, step: int) -> str:
+        """The name of step ``step``'s checkpoint under the root."""
+        return self.STEP_NAME.format(step=step)
+
     def comm(self) -> Comm | None:
         """The communicator of the job (None: one process)."""
         return self._comm
 
     def path(self, step: int) -> Any:
         """Where step ``step`` is saved: a directory, or a kvstore spec."""
-        return self._path(_name(step))
+        return self._path(self.step_name(step))
 
     def _path(self, name: str) -> Any:
         return self.store.child(name)
@@ -142,7 +150,7 @@ class CheckpointManager:
         # committed_only: the saver's error may have been raised by its own wait() already.
         if self._rank() == 0 and (not committed_only or self._committed(step)):
             self._write_pointer(step)
-            self._prune(keep=_name(step))
+            self._prune(keep=self.step_name(step))
             self._remove_leftovers()
         comm = self.comm()
         if comm is not None:
@@ -158,12 +166,12 @@ class CheckpointManager:
 
     def _write_pointer(self, step: int) -> None:
         # Whole or not at all (locally: a temporary file, fsync, rename, fsync of the directory).
-        self.store.write(POINTER_FILE, json.dumps({"step": step, "path": _name(step)}).encode("utf-8"))
+        self.store.write(POINTER_FILE, json.dumps({"step": step, "path": self.step_name(step)}).encode("utf-8"))
 
     def _complete(self) -> list[tuple[int, str, Metadata]]:
         out = []
         for name in self.store.list_dir():
-            m = _ITER.fullmatch(name)
+            m = self.STEP_PATTERN.fullmatch(name)
             if m:
                 try:
                     out.append((int(m.group(1)), name, read_metadata(self._path(name))))
@@ -237,10 +245,6 @@ class CheckpointManager:
             for name in self.store.list_dir():
                 if is_temporary(name, POINTER_FILE):
                     cleanup.remove_quietly(self.store, name, tree=False)
-
-
-def _name(step: int) -> str:
-    return f"iter_{step:07d}"
 
 
 def _began_ms(metadata: Metadata) -> int:

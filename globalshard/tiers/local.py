@@ -134,9 +134,9 @@ def prune(root: Store, keep: int, protect: set[int]) -> None:
     copies = scan(root)
     committed = sorted(copies, reverse=True)
     kept = set(committed[:keep]) | protect
+    saves = {c.metadata.save_id: step for step, c in copies.items()}  # a base's copy is known by its save
     for ref in [ref for step in kept if step in copies for ref in copies[step].metadata.bases]:
-        base = step_of(ref.root)  # references never chain (spec section 5.2): one level
-        if base in copies and copies[base].metadata.save_id == ref.save_id:
+        if (base := saves.get(ref.save_id)) is not None:  # references never chain (spec section 5.2): one level
             kept.add(base)
     names = {step: n for n in root.list_dir() if (step := step_of(n)) is not None}
     newest = max(names, default=None)

@@ -131,7 +131,7 @@ class TieredManager(CheckpointManager):
         # Rank 0's drain, once the persistent commit is done: the plain manager's pointer and retention.
         self._persisted = step
         self._write_pointer(step)
-        self._prune(keep=f"iter_{step:07d}")
+        self._prune(keep=self.step_name(step))
         self._remove_leftovers()
 
     def wait(self) -> None:

@@ -29,7 +29,7 @@ from globalshard.layout import ShardedTensor
 from globalshard.planner import LoadPlan, LoadPlanner, PackedRegion, ReadItem, ShardInfo, TargetPlan
 from globalshard.shared import require_exchange
 from globalshard.store import Store, open_root
-from globalshard.tiers.local import LocalTier, scan, step_name, step_of
+from globalshard.tiers.local import LocalTier, scan, step_name
 from globalshard.tiers.routing import sources_of, windows_of
 
 __all__ = ["Recovery", "TieredCheckpoint", "open_latest"]
@@ -63,8 +63,12 @@ def _began(save_id: str) -> int:
     return int(save_id[:12], 16)
 
 
-def _choose(gathered: list[Any], docs: Mapping[tuple[int, str], Any]
-            ) -> tuple[tuple[int, str, Metadata, dict[str, list[int]], bool] | None, list[str]]:
+#: What :func:`_choose` finds: the step, its save, metadata, the nodes holding each path, whether it was
+#: persisted, and the step of the tier copies each base is read from (by the base's index).
+Chosen = tuple[int, str, Metadata, dict[str, list[int]], bool, dict[int, int]]
+
+
+def _choose(gathered: list[Any], docs: Mapping[tuple[int, str], Any]) -> tuple[Chosen | None, list[str]]:
     """The newest (step, save) whole in the reachable copies, and why newer
     ones were not: ``gathered``, every rank's report of the copies (paths
     held) and persisted steps it found; ``docs``, each save's metadata."""
@@ -83,8 +87,8 @@ def _choose(gathered: list[Any], docs: Mapping[tuple[int, str], Any]
         metadata = parse_metadata(json.dumps(entry["doc"]))
         missing = [p for p in metadata.paths() if p not in entry["holders"]]
         if entry["persisted"] or not missing:
-            holders = {**entry["holders"], **_in_base_copies(found, metadata)}
-            return (step, save_id, metadata, holders, entry["persisted"]), skipped
+            in_bases, base_steps = _in_base_copies(found, metadata)
+            return (step, save_id, metadata, {**entry["holders"], **in_bases}, entry["persisted"], base_steps), skipped
         skipped.append(f"step {step} (save {save_id}): {len(missing)} of {len(metadata.paths())} of its paths "
                        f"are on no reachable node and it was not persisted (first: {missing[0]})")
     return None, skipped
@@ -105,22 +109,25 @@ def _senders(gathered: list[Any]) -> dict[tuple[int, str], int]:
     return out
 
 
-def _in_base_copies(found: Mapping[tuple[int, str], Mapping[str, Any]], metadata: Metadata) -> dict[str, list[int]]:
+def _in_base_copies(found: Mapping[tuple[int, str], Mapping[str, Any]], metadata: Metadata
+                    ) -> tuple[dict[str, list[int]], dict[int, int]]:
     """The nodes that hold each region ``metadata`` references in a base, in
-    a tier copy of the base's step and save that stores the region itself
-    (spec sections 5.2 and 5.3): a recovery reads it there, not from the base
-    in the persistent tier."""
-    out = {}
+    a tier copy of the base's save that stores the region itself (spec
+    sections 5.2 and 5.3; found by the save, whatever the base's root is
+    named): a recovery reads it there, not from the base in the persistent
+    tier. And the step of each base's copies (by the base's index)."""
+    out, steps = {}, {}
+    by_save = {save_id: (step, entry) for (step, save_id), entry in found.items()}
     for b, ref in enumerate(metadata.bases):
-        step = step_of(ref.root)
-        entry = found.get((step, ref.save_id)) if step is not None else None
-        if not entry or not entry["holders"]:
+        step, entry = by_save.get(ref.save_id, (None, None))
+        if step is None or not entry or not entry["holders"]:
             continue
+        steps[b] = step
         theirs = parse_metadata(json.dumps(entry["doc"]))
         for key, t in metadata.tensors.items():
             out.update({r.path: entry["holders"][r.path] for r in t.regions if r.base == b and r.path in
                         entry["holders"] and stores_itself(theirs, key, t.dtype, r)})
-    return out
+    return out, steps
 
 
 def _needs(plan: LoadPlan) -> list[Any]:
@@ -134,9 +141,9 @@ class TieredCheckpoint(Checkpoint):
     :class:`~globalshard.Checkpoint`; :meth:`load` reads each stored read
     from the nearest copy. Made by :func:`open_latest` (collective)."""
 
-    def __init__(self, comm: Comm, tier: LocalTier, found: tuple[int, str, Metadata, dict[str, list[int]], bool],
+    def __init__(self, comm: Comm, tier: LocalTier, found: Chosen,
                  step_store: Callable[[int], Store], skipped: list[str]) -> None:
-        self.step, self.save_id, self.metadata, self._holders, self._persisted = found
+        self.step, self.save_id, self.metadata, self._holders, self._persisted, self._base_steps = found
         self._comm, self._tier, self._skipped = comm, tier, skipped
         self._nodes = tier.nodes(comm)
         node = self._nodes.node_of(comm.rank)
@@ -168,7 +175,7 @@ class TieredCheckpoint(Checkpoint):
                            in_bases)
         node = self._nodes.node_of(comm.rank)
         here = {p: b for p, b in root_of.items() if node in self._holders.get(p, ())}
-        bases = {b: open_root(self._tier.root(node).child(self.metadata.bases[b].root)) for b in here.values()}
+        bases = {b: open_root(self._tier.root(node).child(step_name(self._base_steps[b]))) for b in here.values()}
         result = Recovery(self.step, self.save_id, self.trainer_state, skipped=self._skipped)
         _read(comm, exchanger, self.metadata, plan, needs, sources, [t.data for _, t in entries],
               (self._local, bases, here), self._store, result)

@@ -4,6 +4,7 @@ another layout from the nearest copies; losing nodes."""
 
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -29,13 +30,20 @@ def rows_state(vals, rank, world):
                                             global_offset=(rank * n, 0)) for k, v in vals.items()}
 
 
-def manager(tmp_path, comm, per_node=2, replicas=1, keep=2, nodes_map=None):
+class StepNamed(gs.TieredManager):
+    """Persisted steps named as torchtitan names them (``step-<n>``), bases included."""
+
+    STEP_NAME = "step-{step}"
+    STEP_PATTERN = re.compile(r"step-(\d+)")
+
+
+def manager(tmp_path, comm, per_node=2, replicas=1, keep=2, nodes_map=None, named=gs.TieredManager):
     def node_dir(node):
         physical = nodes_map[node] if nodes_map is not None else node
         return str(tmp_path / "local" / f"node{physical}")
 
     tier = gs.LocalTier(node_dir, replicas=replicas, keep=keep, ranks_per_node=per_node)
-    return gs.TieredManager(tiers=[tier, str(tmp_path / "persistent")], comm=comm, keep_last=3)
+    return named(tiers=[tier, str(tmp_path / "persistent")], comm=comm, keep_last=3)
 
 
 def train(tmp_path, steps, world=8, **kw):
@@ -50,9 +58,9 @@ def train(tmp_path, steps, world=8, **kw):
     assert all(r == steps[-1] for r in results), results
 
 
-def resume(tmp_path, world, per_node, nodes_map=None):
+def resume(tmp_path, world, per_node, nodes_map=None, named=gs.TieredManager):
     def job(comm):
-        m = manager(tmp_path, comm, per_node=per_node, nodes_map=nodes_map)
+        m = manager(tmp_path, comm, per_node=per_node, nodes_map=nodes_map, named=named)
         targets = rows_state({k: np.zeros((ROWS, COLS), np.float32) for k in KEYS}, comm.rank, world)
         trainer = m.load_latest(targets)
         return trainer, {k: t.data for k, t in targets.items()}, m.recovery

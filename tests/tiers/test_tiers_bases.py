@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_tiers import COLS, KEYS, ROWS, manager, resume, rows_state, values
+from test_tiers import COLS, KEYS, ROWS, StepNamed, manager, resume, rows_state, values
 
 import globalshard as gs
 from globalshard.format.holdings import parse_holdings
@@ -28,12 +28,16 @@ def copy_of(tmp_path, node, step):
     return parse_holdings((tmp_path / "local" / f"node{node}" / f"iter_{step:07d}" / "holdings.json").read_bytes())
 
 
-@pytest.mark.parametrize("mode", [None, "process"])
-def test_frozen_keys_are_referenced_in_the_base_never_written_to_the_tiers_and_recovered_from_it(tmp_path, mode):
+@pytest.mark.parametrize("mode,named", [(None, gs.TieredManager), ("process", gs.TieredManager), (None, StepNamed)])
+def test_frozen_keys_are_referenced_in_the_base_never_written_to_the_tiers_and_recovered_from_it(tmp_path, mode,
+                                                                                                named):
+    # named: persisted steps named step-<n> (torchtitan's folders): a base's tier copies are found by its
+    # save, whatever its root's name (before, by parsing iter_<n> from it: read from the persistent tier).
     world = 8
+    name = named.STEP_NAME.format
 
     def job(comm):
-        m = manager(tmp_path, comm)
+        m = manager(tmp_path, comm, named=named)
         m.keep_last = 1  # the base outlives the retention: a kept step references it
         saver = gs.AsyncSaver(mode) if mode else None
         m.save(10, rows_state(values(10), comm.rank, world), saver=saver)
@@ -48,26 +52,27 @@ def test_frozen_keys_are_referenced_in_the_base_never_written_to_the_tiers_and_r
 
     assert gs.testing.comm.run_ranks(world, job) == [30] * world
     persistent = tmp_path / "persistent"
-    md = gs.read_metadata(persistent / "iter_0000030")
-    assert [b.root for b in md.bases] == ["iter_0000010"]
+    md = gs.read_metadata(persistent / name(step=30))
+    assert [b.root for b in md.bases] == [name(step=10)]
     assert all(r.base is not None for k in FROZEN for r in md.tensors[k].regions)
     assert all(r.base is None for r in md.tensors["c"].regions)
-    assert (persistent / "iter_0000010").exists() and not (persistent / "iter_0000020").exists()  # kept as a base
-    assert sorted(p.name for p in persistent.glob("iter_*")) == ["iter_0000010", "iter_0000030"]
+    assert (persistent / name(step=10)).exists() and not (persistent / name(step=20)).exists()  # kept as a base
+    assert sorted(p.name for p in persistent.iterdir() if named.STEP_PATTERN.fullmatch(p.name)) == [
+        name(step=10), name(step=30)]
     own = set(md.paths())
     for node in range(4):  # the tier copies hold what step 30 wrote, nothing of the frozen keys
         held = copy_of(tmp_path, node, 30).holds
         assert held <= own and held
     assert not any("/a/" in p or "/b/" in p for p in own)
-    np.testing.assert_array_equal(gs.read_array(persistent / "iter_0000030", "a"), values(10)["a"])
-    np.testing.assert_array_equal(gs.read_array(persistent / "iter_0000030", "c"), values(30)["c"])
+    np.testing.assert_array_equal(gs.read_array(persistent / name(step=30), "a"), values(10)["a"])
+    np.testing.assert_array_equal(gs.read_array(persistent / name(step=30), "c"), values(30)["c"])
 
     for node in range(4):  # keep=2, and the base's copies, which the kept step 30 references
         assert sorted(p.name for p in (tmp_path / "local" / f"node{node}").iterdir()) == [
             "iter_0000010", "iter_0000020", "iter_0000030"]
 
     shutil.rmtree(tmp_path / "local" / "node2")  # a node lost; the job comes back on 6 ranks, another cut
-    out = resume(tmp_path, world=6, per_node=2, nodes_map=[0, 1, 3])
+    out = resume(tmp_path, world=6, per_node=2, nodes_map=[0, 1, 3], named=named)
     n = ROWS // 6
     for rank, (trainer, got, rec) in enumerate(out):
         assert trainer["step"] == 30 and rec.step == 30
