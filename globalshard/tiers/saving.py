@@ -329,8 +329,6 @@ def _start_drain(comm: Comm, step: int, metadata: Metadata, local: Store, target
                 for f in _files(local, mine):  # each file as it is in the tier copy, a piece at a time
                     if not copy_file(local, f, target):
                         raise StorageError(f"{local.describe(f)} is gone from the tier copy before it was drained")
-                # TODO(limitation): the marks of a drain that failed stay in the persistent tier
-                # (a few empty objects under .drain/) until removed by hand.
                 persistent.write(f"{marks}/{rank}", b"")
                 if rank == 0:
                     deadline = time.monotonic() + DRAIN_TIMEOUT_S
@@ -340,7 +338,10 @@ def _start_drain(comm: Comm, step: int, metadata: Metadata, local: Store, target
                                                "it is not persisted (the tier copies still hold it)")
                         time.sleep(0.05)
                     target.commit(METADATA_FILE, metadata.dumps().encode("utf-8"), stamp)
-                    persistent.delete(marks, tree=True)
+                    # Every mark under it is done with: this drain's ranks have all written theirs, a drain
+                    # that failed before left its own, and no rank drains the next step before rank 0 has
+                    # begun its save, which waits for this drain.
+                    persistent.delete(DRAIN_DIR, tree=True)
                     if on_persisted is not None:
                         on_persisted(step)
                 else:  # this rank's drain ends when the step is committed, by rank 0

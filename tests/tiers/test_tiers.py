@@ -96,7 +96,7 @@ def test_each_node_holds_its_own_arrays_and_the_previous_nodes(tmp_path):
                                 .read_bytes()).holds
     assert union == set(md.paths())  # every path of the step is on some node
     assert not (tmp_path / "local" / "node0" / "iter_0000030" / "metadata.json").exists()  # a copy, not a checkpoint
-    assert not os.path.exists(tmp_path / "persistent" / ".drain" / md.save_id)
+    assert not os.path.exists(tmp_path / "persistent" / ".drain")  # the drain's marks, gone once it committed
     assert json.loads((tmp_path / "persistent" / "latest").read_text())["step"] == 30
 
 
@@ -217,6 +217,15 @@ def test_rank_0_commits_a_drain_only_once_every_mark_is_in_place_not_while_one_i
 
     monkeypatch.setattr(local_store.os, "replace", slow_mark)
     train(tmp_path, [10, 20])  # every rank: step 20 persisted, so step 10's drain did not break the next save
+
+
+def test_the_marks_a_failed_drain_left_go_with_the_next_drain_that_commits(tmp_path):
+    # Before, they stayed in the persistent tier until removed by hand.
+    stale = tmp_path / "persistent" / ".drain" / ("0" * 32)
+    stale.mkdir(parents=True)
+    (stale / "0").write_bytes(b"")  # rank 0's mark of a drain whose other ranks never finished
+    train(tmp_path, [10])
+    assert not (tmp_path / "persistent" / ".drain").exists()
 
 
 def test_small_regions_packed_are_copied_drained_and_recovered_as_packs(tmp_path):
