@@ -22,6 +22,16 @@ refuse what is missing, as DCP does: keys of the checkpoint no state asks for
 (the optimizer, for a model-only load) are left. Hugging Face saves and loads
 (``last_save_in_hf``, ``initial_load_in_hf``) stay torchtitan's.
 
+With ``Config.local_folder`` (a directory on each node's own storage), each
+step is saved there first, and on the next ``local_replicas`` nodes, then
+copied to ``folder`` in the background (a :class:`~globalshard.TieredManager`
+whose persistent tier is ``folder``, its steps named ``step-<n>``); a save
+returns once every node holds its copy, or with ``async_mode`` once the
+tensors are in host memory. A resume (``load()``, no step given) loads the
+newest step whole in the nodes' copies or ``folder``, each array from the
+nearest copy, onto any layout, even if it never reached ``folder``;
+``close()`` waits until the last step has.
+
 A model with frozen parameters (torchtitan's ``LoRAConverter``) stores them
 once: each step references the arrays equal to the step that holds them
 (``Config.reference_unchanged``), after a resume on another layout too, and
@@ -47,6 +57,7 @@ from torchtitan.tools import filesystem
 import globalshard as gs
 from globalshard.errors import MissingKeyError
 from globalshard_torch import state_dict as _state_dict
+from globalshard_torch.checkpoint import TieredManager
 from globalshard_torch.comm import resolve_comm
 
 __all__ = ["CheckpointManager"]
@@ -100,6 +111,14 @@ class _Loaded:
     digests: dict[str, dict[tuple[int, ...], str]]
 
 
+class _StepTiers(TieredManager):
+    """The fast tier in front of torchtitan's folder: steps persisted as
+    ``step-<n>``, as torchtitan names them, and purged by torchtitan."""
+
+    STEP_NAME = "step-{step}"
+    STEP_PATTERN = re.compile(r"step-(\d+)")
+
+
 class _OwnStaging:
     """Stands in for torchtitan's DCP stager, which ``_save`` makes for
     ``async_with_pinned_mem`` (and which needs an accelerator): the
@@ -124,6 +143,19 @@ class CheckpointManager(DcpCheckpointManager):
         the base is written once. The purge keeps every step a kept one
         references. False: every step stores everything."""
 
+        local_folder: str = ""
+        """The fast tier (see the module): a directory on each node's own
+        storage, the same path on every node (``{node}`` in it is replaced by
+        the node's index, for nodes that share a filesystem). A node is
+        ``LOCAL_WORLD_SIZE`` consecutive ranks, as torchrun starts them. Empty:
+        each step is saved to ``folder`` directly."""
+
+        local_replicas: int = 1
+        """How many following nodes also hold a copy of each node's arrays."""
+
+        local_keep: int = 2
+        """Steps each node keeps in ``local_folder`` (and the bases they reference)."""
+
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         self.reference_unchanged = config.reference_unchanged
@@ -133,8 +165,15 @@ class CheckpointManager(DcpCheckpointManager):
         #: The step folder of the last save begun, and the root it may reference: until its background part
         #: commits, its metadata.json (or an earlier version's) does not say so, and the purge must keep it.
         self._saving: tuple[str, str | None] = ("", None)
+        #: The fast tier, when ``local_folder`` is set.
+        self.tiers: _StepTiers | None = None
+        #: Where the last resume read from (:class:`globalshard.Recovery`), with a fast tier.
+        self.recovery: gs.Recovery | None = None
         if self.enable:
             self.stager = _OwnStaging()
+            if config.local_folder:
+                tier = gs.LocalTier(config.local_folder, replicas=config.local_replicas, keep=config.local_keep)
+                self.tiers = _StepTiers(tiers=[tier, self.folder])
 
     def _saver(self, async_mode: AsyncMode) -> gs.AsyncSaver | None:
         if async_mode == AsyncMode.DISABLED:
@@ -152,6 +191,12 @@ class CheckpointManager(DcpCheckpointManager):
         saver: gs.AsyncSaver | None = getattr(self, "_async_saver", None)
         if saver is not None:
             saver.join()
+        tiers: _StepTiers | None = getattr(self, "tiers", None)
+        if tiers is not None:  # the last step, copied to the folder (its drain's threads end with the process)
+            try:
+                tiers.wait()
+            except Exception as e:  # reported, as an async save's failure is at exit
+                logger.error("the last checkpoint was not copied to %s: %s", self.folder, e)
         super()._close()
 
     def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode,
@@ -163,15 +208,22 @@ class CheckpointManager(DcpCheckpointManager):
         if to_hf:
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
         saver = self._saver(async_mode)
+        name = os.path.basename(os.path.normpath(checkpoint_id))
+        step = _step_of(name)
+        # A step of the folder goes through the fast tier, once the step before is in the folder (so that
+        # it may be this one's base).
+        target: Any = checkpoint_id
+        if self.tiers is not None and step is not None and \
+                os.path.dirname(os.path.normpath(checkpoint_id)) == os.path.normpath(self.folder):
+            target = self.tiers.target(step)
         base, digests = self._base(checkpoint_id)
         unchanged = None
         if digests and (loaded := self._as_loaded(checkpoint_id)) is not None:
             base, unchanged = loaded  # what is still as loaded references the step the load read it from
-        name = os.path.basename(os.path.normpath(checkpoint_id))
         self._bases_of.pop(name, None)  # saved anew: read again
         self._saving = (name, None if base is None else os.path.basename(os.path.normpath(base)))
-        _state_dict.save(state_dict, checkpoint_id, overwrite=True, saver=saver, base=base, digests=digests,
-                         unchanged=unchanged)
+        _state_dict.save(state_dict, target, overwrite=target is checkpoint_id, saver=saver, base=base,
+                         digests=digests, unchanged=unchanged)
         if saver is None:
             return None
         saving = _Saving(saver)
@@ -247,11 +299,14 @@ class CheckpointManager(DcpCheckpointManager):
         ``keep_latest_k`` deleted by rank 0's purge thread), keeping every step
         a kept one references (spec section 2.3), and the steps those reference;
         for the step being saved (in the background: torchtitan purges as soon
-        as the save has begun), its base too."""
+        as the save has begun), its base too. The step being saved is one of
+        the newest, whether its folder is there yet or not."""
         if not self._should_purge():
             return
-        steps = sorted((int(m.group(1)), name) for name in filesystem.listdir(self.folder)
-                       if (m := re.search(r"step-(\d+)", name)))
+        found = set(filesystem.listdir(self.folder))
+        # The step being saved counts even before its folder appears (a fast tier's drain makes it later).
+        found |= {self._saving[0]} if _step_of(self._saving[0]) is not None else set()
+        steps = sorted((int(m.group(1)), name) for name in found if (m := re.search(r"step-(\d+)", name)))
         names = [name for _, name in steps]
         needed: set[str] = set()
         pending = names[-self.keep_latest_k:]
@@ -279,21 +334,44 @@ class CheckpointManager(DcpCheckpointManager):
                 self.purge_queue.put(filesystem.join(self.folder, name))
                 self._bases_of.pop(name, None)
 
-    def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+    def _load(self, step: int = -1) -> bool:
+        """Load as torchtitan's checkpointer does; with a fast tier, a resume (``step`` -1) loads the
+        newest step whole in the nodes' copies or the folder, each array from
+        the nearest copy (:attr:`recovery` says where from)."""
+        if self.tiers is None or step != -1:
+            return super()._load(step)
+        self._find_load_step()  # refuses a folder whose newest step is DCP's
+        found = self.tiers.open_latest()  # collective
+        if found is None:  # nothing saved yet: torchtitan's initial load, if any
+            return super()._load(step)
+        logger.info("Loading step %d from the nearest copies (%s and %s).", found.step, self.tiers.tier.path,
+                    self.folder)
+        self.dcp_load(self._states_to_load(found.step == 0), found, from_hf=False, from_quantized=False)
+        self.recovery = found.recovery
+        return True
+
+    def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: Any, from_hf: bool, from_quantized: bool) -> None:
         """Fill ``state_dict`` from the globalshard checkpoint at ``checkpoint_id``
-        (from Hugging Face files, with ``from_hf``, as torchtitan reads them)."""
+        (from Hugging Face files, with ``from_hf``, as torchtitan reads them; or
+        a step of the fast tier, opened)."""
         if from_hf:
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             return
         missing, _ = _state_dict.load(state_dict, checkpoint_id, strict=False)
+        tier_step = getattr(checkpoint_id, "step", None) if isinstance(checkpoint_id, gs.Checkpoint) else None
         if missing:
-            raise MissingKeyError(f"{checkpoint_id} does not hold {len(missing)} keys the training state asks "
+            where = checkpoint_id if tier_step is None else f"step {tier_step} of the fast tier"
+            raise MissingKeyError(f"{where} does not hold {len(missing)} keys the training state asks "
                                   f"for: {missing[:10]}")
         if MODEL in self.states:
             self.states[MODEL].load_state_dict(state_dict)
-        self._loaded = self._what_was_loaded(checkpoint_id)
+        if tier_step is not None:  # a step of the fast tier: named as its folder is (or will be)
+            self._loaded = self._what_was_loaded(filesystem.join(self.folder, f"step-{tier_step}"),
+                                                 checkpoint_id.metadata)
+        else:
+            self._loaded = self._what_was_loaded(checkpoint_id)
 
-    def _what_was_loaded(self, checkpoint_id: str) -> _Loaded | None:
+    def _what_was_loaded(self, checkpoint_id: str, metadata: gs.Metadata | None = None) -> _Loaded | None:
         """After a load from ``checkpoint_id`` (on every rank): the step folder
         that stores the most bytes of keys whole (a LoRA run's: the step
         holding its frozen base), and the digests of the model's keys it
@@ -302,7 +380,7 @@ class CheckpointManager(DcpCheckpointManager):
         off)."""
         if not self._has_frozen():
             return None
-        metadata = gs.read_metadata(checkpoint_id)
+        metadata = metadata if metadata is not None else gs.read_metadata(checkpoint_id)
         holders: dict[int | None, set[str]] = {}
         size: dict[int | None, int] = {}
         for key, t in metadata.tensors.items():

@@ -512,6 +512,38 @@ def test_a_background_save_that_fails_raises_at_the_trainers_wait_and_commits_no
                      "committed_at_close": True}, r
 
 
+@pytest.mark.parametrize("async_mode,model", [("disabled", "llama3"), ("async_with_pinned_mem", "llama3"),
+                                              ("async_with_pinned_mem", "llama3_lora")])
+def test_a_fast_tier_in_front_of_torchtitans_folder_recovers_a_step_that_never_reached_it(tmp_path, async_mode,
+                                                                                          model):
+    # Each rank a node with a directory of its own; steps saved there and on the next node, copied to the
+    # folder in the background. The folder's newest step lost (a job that died before its copy ended) and a
+    # node lost: the resume, at TP=2 instead of dp_shard=2, loads step 4 from the surviving node's copies. With
+    # LoRA, steps 2 to 4 reference step 1's frozen base: its copies stay on the nodes, and it is read there too.
+    import shutil
+
+    import globalshard as gs
+
+    lora = model == "llama3_lora"
+    trained = run(2, "torchtitan_checkpointer_jobs:tiered", str(tmp_path / "t"), work=str(tmp_path), phase="train",
+                  async_mode=async_mode, model=model)
+    base = ["step-1"] if lora else []
+    for r in trained:
+        # keep_latest_k=2 (torchtitan's purge, keeping the base), local_keep=2 (and the base's copies)
+        assert r["folder"] == ["latest", *base, "step-3", "step-4"], r["folder"]
+        assert r["local"] == ["iter_0000001"] * lora + ["iter_0000003", "iter_0000004"], r["local"]
+        assert r["train_state"] == [4, 16] and r["values"] == trained[0]["values"]
+    assert [b.root for b in gs.read_metadata(tmp_path / "ours" / "tiered" / "step-4").bases] == base
+    shutil.rmtree(tmp_path / "ours" / "tiered" / "step-4")
+    shutil.rmtree(tmp_path / "local" / "node1")
+    for r in run(2, "torchtitan_checkpointer_jobs:tiered", str(tmp_path / "r"), work=str(tmp_path), phase="resume",
+                 model=model):
+        assert r["step"] == 4 and r["bytes_persistent"] == 0 and r["bytes_near"] > 0, r
+        assert r["train_state"] == [4, 16]
+        differ = sorted(k for k in trained[0]["values"] if r["values"].get(k) != trained[0]["values"][k])
+        assert differ == [] and len(r["values"]) == len(trained[0]["values"]) > 40, differ
+
+
 def test_torchtitans_hugging_face_last_save_and_initial_load_go_through_our_checkpointer(tmp_path):
     for r in run(2, "torchtitan_checkpointer_jobs:hugging_face", str(tmp_path / "h"), work=str(tmp_path)):
         assert "model.safetensors.index.json" in r["files"] or "model.safetensors" in r["files"], r

@@ -297,3 +297,48 @@ def lora_exported(rank: int, *, work: str, hf: str) -> dict[str, Any]:
         out |= {name: (x - theirs).abs().max().item() / scale
                 for name, x in (("tuned", tuned), ("dropped", dropped), ("started", started))}
     return out
+
+
+def _full_digests(t: dict[str, Any]) -> dict[str, str]:
+    """:func:`_digests` of the model's and the optimizer's full tensors (gathered, on every rank)."""
+    state = {**{f"model.{k}": v for k, v in ModelWrapper(t["parts"]).state_dict().items()},
+             **{f"optimizer.{k}": v for k, v in t["optimizers"].state_dict().items() if torch.is_tensor(v)}}
+    return _digests({k: _local(v.full_tensor() if hasattr(v, "full_tensor") else v).detach().reshape(-1).clone()
+                     for k, v in state.items()})  # 0-d (Adam's step) as 1-d: viewed as bytes
+
+
+def tiered(rank: int, *, work: str, phase: str, async_mode: str = "disabled", model: str = "llama3"
+           ) -> dict[str, Any]:
+    """Our checkpointer with a fast tier (``local_folder``), each rank a node of its
+    own (``LOCAL_WORLD_SIZE=1``, a directory each). ``phase="train"``: at dp_shard=2,
+    steps 1 to 4 saved, then closed; the full values at step 4 (:func:`_full_digests`)
+    and the train state. ``phase="resume"``: at TP=2, into a model of other values,
+    ``load()`` as the trainer calls it: the same, and where the bytes came from.
+    ``model="llama3_lora"``: torchtitan's LoRA, each step referencing step 1's frozen base."""
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    local = os.path.join(work, "local", "node{node}")
+    if phase == "train":
+        t = _trainer("ours", work, 2, 1, 0, async_mode, folder="tiered", model=model, local_folder=local)
+        manager, batches = t["manager"], iter(t["loader"])
+        assert not manager.load(step=-1)
+        for step in range(1, 5):
+            t["train_state"].step = step
+            t["train_state"].ntokens_seen += int(next(batches).numel())
+            _step(t, step)
+            assert manager.save(step)
+        manager.maybe_wait_for_saving()
+        values = _full_digests(t)
+        manager.close()  # the last step copied to the folder before it returns
+        dist.barrier()
+        return {"values": values, "train_state": [t["train_state"].step, t["train_state"].ntokens_seen],
+                "folder": sorted(os.listdir(os.path.join(work, "ours", "tiered"))),
+                "local": sorted(os.listdir(local.format(node=rank)))}
+    t = _trainer("ours", work, 1, 2, 11, "disabled", exclude=("dataloader",), folder="tiered", model=model,
+                 local_folder=local)
+    assert t["manager"].load(step=-1)
+    recovery = t["manager"].recovery
+    out = {"values": _full_digests(t), "train_state": [t["train_state"].step, t["train_state"].ntokens_seen],
+           "step": recovery.step, "bytes_persistent": recovery.bytes_persistent,
+           "bytes_near": recovery.bytes_local + recovery.bytes_peer}
+    t["manager"].close()
+    return out
