@@ -49,6 +49,25 @@ def test_tp1_load_gives_transformers_logits_on_every_position(saved):
         assert torch.equal(ours(ids).logits, reference(ids).logits)
 
 
+def test_a_model_built_on_the_meta_device_loads_its_state_dict_and_gives_the_logits(saved, tmp_path):
+    # transformers' (and accelerate's) empty-weights path: the model built on the meta device, its state
+    # dict loaded, then assigned. Before, gt.load returned with every tensor still on the meta device.
+    # (DCP's own load of a meta state dict, the oracle: tests/torch_adapter, over gloo.)
+    _, reference = saved
+    gt.save(reference.state_dict(), tmp_path / "gs")
+    with torch.device("meta"):
+        empty = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
+    sd = empty.state_dict()
+    assert gt.load(sd, tmp_path / "gs") == gt.LoadedKeys([], [])
+    assert not any(t.is_meta for t in sd.values())
+    empty.load_state_dict(sd, assign=True)
+    empty.model.rotary_emb.to_empty(device="cpu")  # a buffer outside the state dict: made again, as on load
+    empty.model.rotary_emb.__init__(empty.config)
+    ids = torch.randint(0, CONFIG["vocab_size"], (2, 16))
+    with torch.no_grad():
+        assert torch.equal(empty(ids).logits, reference(ids).logits)
+
+
 class Sharded(nn.Module):
     """This rank's tensors under the Hugging Face names, at local shapes."""
 
