@@ -339,6 +339,7 @@ class CheckpointManager(DcpCheckpointManager):
         newest step whole in the nodes' copies or the folder, each array from
         the nearest copy (:attr:`recovery` says where from)."""
         if self.tiers is None or step != -1:
+            # TODO(limitation): load(step=n) reads the folder only, not the nodes' copies of a step not yet in it.
             return super()._load(step)
         self._find_load_step()  # refuses a folder whose newest step is DCP's
         found = self.tiers.open_latest()  # collective
