@@ -335,15 +335,15 @@ class CheckpointManager(DcpCheckpointManager):
                 self._bases_of.pop(name, None)
 
     def _load(self, step: int = -1) -> bool:
-        """Load as torchtitan's checkpointer does; with a fast tier, a resume (``step`` -1) loads the
-        newest step whole in the nodes' copies or the folder, each array from
-        the nearest copy (:attr:`recovery` says where from)."""
-        if self.tiers is None or step != -1:
-            # TODO(limitation): load(step=n) reads the folder only, not the nodes' copies of a step not yet in it.
+        """Load as torchtitan's checkpointer does; with a fast tier, a resume
+        (``step`` -1: the newest step) and ``load(step=n)`` load a step whole in
+        the nodes' copies or the folder, each array from the nearest copy
+        (:attr:`recovery` says where from)."""
+        if self.tiers is None:
             return super()._load(step)
         self._find_load_step()  # refuses a folder whose newest step is DCP's
-        found = self.tiers.open_latest()  # collective
-        if found is None:  # nothing saved yet: torchtitan's initial load, if any
+        found = self.tiers.open_latest(None if step == -1 else step)  # collective
+        if found is None:  # nothing saved yet (torchtitan's initial load, if any), or no such step
             return super()._load(step)
         logger.info("Loading step %d from the nearest copies (%s and %s).", found.step, self.tiers.tier.path,
                     self.folder)

@@ -165,14 +165,15 @@ class TieredManager(CheckpointManager):
         self.recovery = found.recovery
         return trainer
 
-    def open_latest(self) -> TieredCheckpoint | None:
-        """The newest step whole in the tiers this job reaches, opened for
-        loading (a :class:`~globalshard.Checkpoint` whose loads read the nearest
-        copies), or None. Collective. An asynchronous save's tier copies in
-        flight are waited for first (not its drain)."""
+    def open_latest(self, step: int | None = None) -> TieredCheckpoint | None:
+        """The newest step whole in the tiers this job reaches (with ``step``,
+        that step), opened for loading (a :class:`~globalshard.Checkpoint`
+        whose loads read the nearest copies), or None. Collective. An
+        asynchronous save's tier copies in flight are waited for first (not
+        its drain)."""
         self._wait_for_copies()
         return open_latest(self._comm_or_single(), self.tier, self._persisted_steps,
-                           lambda s: open_root(self.path(s)))
+                           lambda s: open_root(self.path(s)), step)
 
     def _persisted_steps(self) -> list[tuple[int, Metadata]]:
         return [(step, metadata) for step, _, metadata in self._complete()]

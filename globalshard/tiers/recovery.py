@@ -68,10 +68,12 @@ def _began(save_id: str) -> int:
 Chosen = tuple[int, str, Metadata, dict[str, list[int]], bool, dict[int, int]]
 
 
-def _choose(gathered: list[Any], docs: Mapping[tuple[int, str], Any]) -> tuple[Chosen | None, list[str]]:
-    """The newest (step, save) whole in the reachable copies, and why newer
-    ones were not: ``gathered``, every rank's report of the copies (paths
-    held) and persisted steps it found; ``docs``, each save's metadata."""
+def _choose(gathered: list[Any], docs: Mapping[tuple[int, str], Any], only: int | None = None
+            ) -> tuple[Chosen | None, list[str]]:
+    """The newest (step, save) whole in the reachable copies (of step ``only``,
+    when given), and why newer ones were not: ``gathered``, every rank's
+    report of the copies (paths held) and persisted steps it found;
+    ``docs``, each save's metadata."""
     found: dict[tuple[int, str], dict[str, Any]] = {}
     for node_report in gathered:
         for c in node_report.get("copies", []):
@@ -84,6 +86,8 @@ def _choose(gathered: list[Any], docs: Mapping[tuple[int, str], Any]) -> tuple[C
         entry["doc"] = docs[key]
     skipped: list[str] = []
     for (step, save_id), entry in sorted(found.items(), key=lambda kv: (_began(kv[0][1]), kv[0][0]), reverse=True):
+        if only is not None and step != only:
+            continue
         metadata = parse_metadata(json.dumps(entry["doc"]))
         missing = [p for p in metadata.paths() if p not in entry["holders"]]
         if entry["persisted"] or not missing:
@@ -187,12 +191,13 @@ class TieredCheckpoint(Checkpoint):
 
 
 def open_latest(comm: Comm, tier: LocalTier, persisted: Callable[[], list[tuple[int, Metadata]]],
-                step_store: Callable[[int], Store]) -> TieredCheckpoint | None:
+                step_store: Callable[[int], Store], step: int | None = None) -> TieredCheckpoint | None:
     """The newest step whole in the tiers this job reaches: this rank's node's
     copies, the other nodes' (through their ranks), and the persistent tier
     (``persisted()``: its committed steps, called on rank 0; ``step_store(step)``:
-    its store). None when no step is whole anywhere; each newer step passed
-    over is logged, with why. Collective."""
+    its store); with ``step``, that step (its newest save whole). None when no
+    such step is whole anywhere; each newer one passed over is logged, with
+    why. Collective."""
     nodes = tier.nodes(comm)
     node = nodes.node_of(comm.rank)
     root = tier.root(node)
@@ -216,7 +221,7 @@ def open_latest(comm: Comm, tier: LocalTier, persisted: Callable[[], list[tuple[
     senders = _senders(gathered)
     _, sent = run_collectively(comm, "recover: the steps' metadata", lambda: [
         [s, sid, m.to_json()] for (s, sid), m in sorted(mine.items()) if senders.get((s, sid)) == comm.rank])
-    chosen, skipped = _choose(gathered, {(s, sid): doc for docs in sent for s, sid, doc in docs})
+    chosen, skipped = _choose(gathered, {(s, sid): doc for docs in sent for s, sid, doc in docs}, step)
     for line in skipped:
         if comm.rank == 0:
             _log.warning("recover: passing over %s", line)

@@ -307,13 +307,14 @@ def _full_digests(t: dict[str, Any]) -> dict[str, str]:
                      for k, v in state.items()})  # 0-d (Adam's step) as 1-d: viewed as bytes
 
 
-def tiered(rank: int, *, work: str, phase: str, async_mode: str = "disabled", model: str = "llama3"
-           ) -> dict[str, Any]:
+def tiered(rank: int, *, work: str, phase: str, async_mode: str = "disabled", model: str = "llama3",
+           step: int = -1) -> dict[str, Any]:
     """Our checkpointer with a fast tier (``local_folder``), each rank a node of its
     own (``LOCAL_WORLD_SIZE=1``, a directory each). ``phase="train"``: at dp_shard=2,
     steps 1 to 4 saved, then closed; the full values at step 4 (:func:`_full_digests`)
     and the train state. ``phase="resume"``: at TP=2, into a model of other values,
-    ``load()`` as the trainer calls it: the same, and where the bytes came from.
+    ``load(step)`` as the trainer calls it (-1: the newest step; else its ``load_step``): the
+    same, and where the bytes came from.
     ``model="llama3_lora"``: torchtitan's LoRA, each step referencing step 1's frozen base."""
     os.environ["LOCAL_WORLD_SIZE"] = "1"
     local = os.path.join(work, "local", "node{node}")
@@ -335,7 +336,7 @@ def tiered(rank: int, *, work: str, phase: str, async_mode: str = "disabled", mo
                 "local": sorted(os.listdir(local.format(node=rank)))}
     t = _trainer("ours", work, 1, 2, 11, "disabled", exclude=("dataloader",), folder="tiered", model=model,
                  local_folder=local)
-    assert t["manager"].load(step=-1)
+    assert t["manager"].load(step=step)
     recovery = t["manager"].recovery
     out = {"values": _full_digests(t), "train_state": [t["train_state"].step, t["train_state"].ntokens_seen],
            "step": recovery.step, "bytes_persistent": recovery.bytes_persistent,

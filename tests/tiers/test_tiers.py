@@ -168,6 +168,32 @@ def test_nothing_anywhere_is_none(tmp_path):
     assert all(trainer is None and rec is None for trainer, _, rec in out)
 
 
+def test_a_step_asked_for_is_read_from_the_nearest_copies_or_the_persistent_tier(tmp_path):
+    train(tmp_path, [10, 20, 30], keep=2)  # the nodes keep 20 and 30; the persistent tier all three
+
+    def job(comm):
+        m = manager(tmp_path, comm)
+        out = {}
+        for step in (20, 10, 40):
+            found = m.open_latest(step)
+            if found is None:
+                out[step] = None
+                continue
+            targets = rows_state({k: np.zeros((ROWS, COLS), np.float32) for k in KEYS}, comm.rank, 8)
+            found.load(targets)
+            out[step] = (found.step, found.recovery.bytes_persistent, {k: t.data for k, t in targets.items()})
+        return out
+
+    n = ROWS // 8
+    for rank, out in enumerate(run_ranks(8, job)):
+        assert out[40] is None
+        for step, from_persistent in ((20, False), (10, True)):
+            got, persistent_bytes, held = out[step]
+            assert got == step and (persistent_bytes > 0) == from_persistent, (step, persistent_bytes)
+            for k, v in values(step).items():
+                assert np.array_equal(held[k], v[rank * n:(rank + 1) * n]), (rank, step, k)
+
+
 def test_a_copy_being_written_is_no_copy(tmp_path):
     train(tmp_path, [10], world=4)
     node = tmp_path / "local" / "node0" / "iter_0000010"
