@@ -40,7 +40,7 @@ from globalshard_torch import extra_state
 from globalshard_torch.comm import default_comm, resolve_comm
 from globalshard_torch.extra_state import finish as extra_state_finish
 from globalshard_torch.extra_state import restore_targets as extra_state_restore
-from globalshard_torch.model import Entry, model_entries, outside_mesh, refuse_meta
+from globalshard_torch.model import Entry, model_entries, outside_mesh, refuse_unusable
 from globalshard_torch.parallel import LAYERS, ParallelLayout
 from globalshard_torch.rules import ShardingRules
 from globalshard_torch.state import from_jsonable, jsonable, rng_state, set_rng_state
@@ -176,7 +176,7 @@ def save_checkpoint(
 
     def describe() -> dict[str, Any]:
         entries = model_entries(model, layout, rules)
-        refuse_meta(entries, "save the model")
+        refuse_unusable(entries, "save the model")
         for e in entries:
             shards.update(e.shards(f"model/{e.name}", e.key, numpy_view(staging.host(e.tensor, for_save=True))))
         membership: dict[str, int] = {}
@@ -315,7 +315,7 @@ def load_checkpoint(
             raise MismatchError(f"{path}: the checkpoint holds no LR scheduler state (it was saved without "
                                 "scheduler=); pass scheduler=None to leave the scheduler as it is")
         entries = model_entries(model, layout, rules)
-        refuse_meta(entries, "load into the model")
+        refuse_unusable(entries, "load into the model")
         for e in entries:
             targets.update(e.shards(f"model/{e.name}", e.key, numpy_view(staging.host(e.tensor, for_save=False))))
         for kind, e, tensor in _shadow_items(shadows, entries):

@@ -21,7 +21,7 @@ from globalshard.dtypes import canonical_name, is_exact_cast
 from globalshard.errors import CastError, MismatchError, format_problems
 from globalshard.hf import NameMapping, SafetensorsSource
 from globalshard_torch.comm import resolve_comm
-from globalshard_torch.model import model_entries, refuse_meta
+from globalshard_torch.model import model_entries, refuse_unusable
 from globalshard_torch.parallel import ParallelLayout
 from globalshard_torch.rules import ShardingRules
 from globalshard_torch.tensors import HostStaging, numpy_view
@@ -71,7 +71,7 @@ def load_hf(directory: str, model: nn.Module | Sequence[nn.Module], layout: Para
     staging = HostStaging()
     targets: dict[str, gs.ShardedTensor] = {}
     entries = model_entries(model, layout, rules)
-    refuse_meta(entries, "load into the model")
+    refuse_unusable(entries, "load into the model")
     for e in entries:
         for name, t in e.shards(e.name, e.key, numpy_view(staging.host(e.tensor, for_save=False))).items():
             if gs.is_padding_key(t.key):

@@ -73,7 +73,7 @@ from globalshard.errors import LayoutError
 from globalshard.geometry import Box, Region
 from globalshard.hf import NameMapping, SafetensorsSource
 from globalshard_torch.comm import resolve_comm
-from globalshard_torch.tensors import NO_DATA, HostStaging, load_device, numpy_view, torch_dtype
+from globalshard_torch.tensors import HostStaging, load_device, numpy_view, torch_dtype, unusable
 
 __all__ = ["ARRAYS", "BACKEND", "VERSION", "LoadStrategy", "SaveStrategy", "arrays_path", "load_hf"]
 
@@ -171,8 +171,8 @@ class SaveStrategy(AsyncSaveShardedStrategy):
         for i, t in enumerate(_tensors(sharded_state_dict)):
             if t.data is None:
                 raise LayoutError(f"{t.key!r}: a ShardedTensor without data cannot be saved")
-            if t.data.device.type == "meta":
-                raise LayoutError(f"{t.key!r}: {NO_DATA}")
+            if (why := unusable(t.data)) is not None:
+                raise LayoutError(f"{t.key!r}: {why}")
             pieces[f"{i}:{t.key}"] = _piece(t, numpy_view(staging.host(t.data, for_save=True)),
                                             tuple(t.global_shape), main=is_main_replica(t.replica_id))
         staging.ready()
@@ -242,6 +242,8 @@ def _target(t: MegatronTensor, stored: tuple[int, ...] | None, staging: HostStag
         t.init_data(device, init_fn=torch.zeros if t.allow_shape_mismatch else torch.empty)
     else:
         t.data = t.data.detach()
+        if (why := unusable(t.data)) is not None:
+            raise LayoutError(f"{t.key!r}: {why}")
         if t.allow_shape_mismatch:
             t.data.zero_()
     assert t.data is not None

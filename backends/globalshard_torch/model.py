@@ -21,7 +21,7 @@ import globalshard as gs
 from globalshard.errors import LayoutError, format_problems
 from globalshard_torch.parallel import LAYERS, ParallelLayout
 from globalshard_torch.rules import Placement, ShardingRules
-from globalshard_torch.tensors import NO_DATA
+from globalshard_torch.tensors import unusable
 
 __all__ = ["Entry", "model_entries", "outside_mesh", "unwrapped_name"]
 
@@ -268,14 +268,14 @@ def model_entries(
     return entries
 
 
-def refuse_meta(entries: Sequence[Entry], doing: str) -> None:
-    """Raises :class:`LayoutError` naming every entry whose tensor is on the
-    meta device (a model built there and not materialized): there is nothing
-    to save from it, and a load into it would leave it empty."""
-    names = [e.name for e in entries if e.tensor.device.type == "meta"]
-    if names:
-        raise LayoutError(format_problems(f"cannot {doing}: tensors on the meta device",
-                                          [f"{n}: {NO_DATA}" for n in names]))
+def refuse_unusable(entries: Sequence[Entry], doing: str) -> None:
+    """Raises :class:`LayoutError` naming every entry whose tensor can be
+    neither saved nor loaded into (:func:`~globalshard_torch.tensors.unusable`:
+    on the meta device, as a model built there and not materialized; sparse;
+    of a dtype the format does not store)."""
+    problems = [f"{e.name}: {why}" for e in entries if (why := unusable(e.tensor)) is not None]
+    if problems:
+        raise LayoutError(format_problems(f"cannot {doing}", problems))
 
 
 #: Components wrappers add to the names of what they wrap, anywhere in a name, as DCP's

@@ -63,7 +63,7 @@ from globalshard_torch.checkpoint import TierStep
 from globalshard_torch.comm import resolve_comm
 from globalshard_torch.model import _dtensor_placement, _is_dtensor, outside_mesh, unwrapped_name
 from globalshard_torch.state import from_jsonable, jsonable
-from globalshard_torch.tensors import NO_DATA, HostStaging, load_device, numpy_view
+from globalshard_torch.tensors import HostStaging, load_device, numpy_view, unusable
 
 __all__ = ["LoadedKeys", "load", "save"]
 
@@ -320,8 +320,8 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
         problems: list[str] = []
 
         def visit(key: str, value: Any, _container: Any, _index: Any) -> None:
-            if torch.is_tensor(value) and value.device.type == "meta":
-                problems.append(f"{key}: {NO_DATA}")
+            if torch.is_tensor(value) and (why := unusable(value)) is not None:
+                problems.append(f"{key}: {why}")
             elif torch.is_tensor(value):
                 mine = _tensor_shards(key, value, staging, for_save=True)
                 shards.update(_named(key, mine))
@@ -547,6 +547,9 @@ def load(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, all
                         problems.append(f"{key}: {e}")
                         return
                     created.append((key, container, index, value))
+                if (why := unusable(value)) is not None:
+                    problems.append(f"{key}: {why}")
+                    return
                 targets.update(_named(key, _tensor_shards(key, value, staging, for_save=False)))
             elif _is_stateful(value):
                 inner = _plain(value.state_dict())

@@ -65,6 +65,19 @@ def _cuda_unregister(address: int, nbytes: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(address)
 
 
+def unusable(t: torch.Tensor) -> str | None:
+    """Why ``t`` can be neither saved nor loaded into, if it cannot: on the meta
+    device, not strided (sparse, nested), or of a dtype the format does not
+    store (spec section 6: quantized, packed sub-byte, ``float8_e8m0fnu``...)."""
+    if t.device.type == "meta":
+        return NO_DATA
+    if t.layout != torch.strided:
+        return f"a {t.layout} tensor: only dense (strided) tensors are stored; pass .to_dense()"
+    if t.dtype not in _BY_NAME.values():
+        return f"dtype {t.dtype} is not one the format stores (spec section 6)"
+    return None
+
+
 def load_device() -> torch.device:
     """Where a load creates a tensor it was given on the meta device, as DCP
     does: the default process group's device (the current CUDA device under

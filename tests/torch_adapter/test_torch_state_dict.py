@@ -304,6 +304,22 @@ def test_an_expanded_target_is_refused_and_lazy_views_round_trip(tmp_path):
     assert torch.equal(into_z, z.conj()) and torch.equal(into_neg, torch.tensor([-1.0, 2.0]))
 
 
+def test_sparse_quantized_and_unstored_dtypes_are_named_by_their_keys(tmp_path):
+    # Before: numpy's TypeError for a sparse tensor, and "unsupported tensor dtype" for the others,
+    # neither naming the key.
+    state = {"dense": torch.ones(2), "sparse": torch.eye(3).to_sparse(),
+             "quantized": torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8),
+             "scales": torch.ones(4).to(torch.float8_e8m0fnu)}
+    with pytest.raises(gs.LayoutError, match=r"(?s)sparse: a torch.sparse_coo tensor: only dense .*to_dense\(\).*"
+                                             r"quantized: dtype torch.qint8 is not one the format stores.*"
+                                             r"scales: dtype torch.float8_e8m0fnu"):
+        gt.save(state, tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+    gt.save({"dense": torch.ones(2), "sparse": torch.ones(3)}, tmp_path / "d")
+    with pytest.raises(gs.MismatchError, match=r"sparse: a torch.sparse_coo tensor"):
+        gt.load({"dense": torch.zeros(2), "sparse": torch.zeros(3).to_sparse()}, tmp_path / "d")
+
+
 class NamedOptimizer(torch.optim.Optimizer, Stateful):
     """As torchtitan's OptimizersContainer: an Optimizer that declares itself
     Stateful, its state dict keyed by parameter name."""
