@@ -21,7 +21,7 @@ import torch
 import globalshard as gs
 from globalshard.errors import LayoutError
 
-__all__ = ["HostStaging", "load_device", "numpy_view", "torch_dtype"]
+__all__ = ["HostStaging", "load_device", "numpy_view", "torch_dtype", "unusable"]
 
 #: What a tensor on the meta device is told: it holds no data, to save or to fill.
 NO_DATA = ("on the meta device: it holds no data (materialize it first, e.g. model.to_empty(device=...), "
