@@ -304,6 +304,7 @@ def test_an_expanded_target_is_refused_and_lazy_views_round_trip(tmp_path):
     assert torch.equal(into_z, z.conj()) and torch.equal(into_neg, torch.tensor([-1.0, 2.0]))
 
 
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")  # deprecated, still made
 def test_sparse_quantized_and_unstored_dtypes_are_named_by_their_keys(tmp_path):
     # Before: numpy's TypeError for a sparse tensor, and "unsupported tensor dtype" for the others,
     # neither naming the key.
