@@ -124,8 +124,14 @@ def _is_float(dtype: str) -> bool:
 
 def _windows(ckpt: Checkpoint, p: HfTensor) -> Iterator[tuple[Box, np.ndarray]]:
     """The piece's values in Hugging Face's order, a window of rows at a time,
-    with its adapter merged and its rotary rows in halves."""
+    with its adapter merged, its rotary rows in halves, its axes transposed;
+    each with the box of the piece's array it holds."""
     stored = numpy_dtype(ckpt.metadata.tensors[p.key].dtype)
+    if p.axes is not None:  # windows of the transposed tensor's rows, each read as the box of the array it is
+        for hf_window in p.to_hf(p.box).row_windows(stored.itemsize, WINDOW_BYTES):
+            window = p.from_hf(hf_window)
+            yield window, _read(ckpt, p, window).transpose(p.axes)
+        return
     if p.rotary is None and p.lora is None:
         for window in p.box.row_windows(stored.itemsize, WINDOW_BYTES):
             yield window, _read(ckpt, p, window)

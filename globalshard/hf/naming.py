@@ -55,6 +55,7 @@ class _Rule:
     lora: Lora | None = None
     groups: int = 1
     stacked: tuple[str, ...] = ()  # fields numbered by the key's leading axes
+    axes: tuple[int, ...] | None = None  # the Hugging Face tensor is the key's array transposed by these
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,9 @@ class HfTensor:
     (a grouped split makes one tensor of several boxes, in order).
     ``lead``: the indices on the key's leading axes that a stacked rule
     numbers (its layers); ``box`` is then a box of the array below them.
+    ``axes``: the Hugging Face tensor is the whole array (``box``)
+    transposed by them, as ``numpy.transpose`` takes them: its axis ``i``
+    is the array's axis ``axes[i]``.
     """
 
     name: str
@@ -77,10 +81,41 @@ class HfTensor:
     lora: Merge | None = None
     at: int = 0
     lead: tuple[int, ...] = ()
+    axes: tuple[int, ...] | None = None
 
     def stored_box(self, box: Box) -> Box:
         """``box`` (a box of this piece's array) as a box of the stored key."""
         return Box(self.lead + box.offset, (1,) * len(self.lead) + box.shape) if self.lead else box
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of this piece in the Hugging Face tensor."""
+        return self.box.shape if self.axes is None else tuple(self.box.shape[a] for a in self.axes)
+
+    def to_hf(self, box: Box) -> Box:
+        """``box`` of this piece's array as a box of the Hugging Face tensor (``axes`` applied)."""
+        if self.axes is None:
+            return box
+        return Box(tuple(box.offset[a] for a in self.axes), tuple(box.shape[a] for a in self.axes))
+
+    def from_hf(self, box: Box) -> Box:
+        """A box of the Hugging Face tensor as a box of this piece's array (:meth:`to_hf` undone)."""
+        if self.axes is None:
+            return box
+        back = _inverse(self.axes)
+        return Box(tuple(box.offset[a] for a in back), tuple(box.shape[a] for a in back))
+
+
+def _inverse(axes: Sequence[int]) -> tuple[int, ...]:
+    """The permutation that undoes ``axes``.
+
+    >>> _inverse((2, 0, 1))
+    (1, 2, 0)
+    """
+    out = [0] * len(axes)
+    for i, a in enumerate(axes):
+        out[a] = i
+    return tuple(out)
 
 
 class NameMapping:
@@ -112,13 +147,16 @@ class NameMapping:
             stacked = self._stacked(t, at)
             if stacked and lora is not None:
                 raise ExportError(f"{at}: a stacked key merges no adapter")
+            axes = self._axes(t, at)
             split = t.get("split")
             if split is None:
                 if not isinstance(t.get("name"), str):
                     raise ExportError(f"{at}: needs a string 'name' or a 'split'")
                 self.rules.append(_Rule(compile_key(t["key"], at), t["key"], t["name"], 0, (), rotary, lora,
-                                        stacked=stacked))
+                                        stacked=stacked, axes=axes))
                 continue
+            if axes is not None:
+                raise ExportError(f"{at}.axes: a split's parts are not transposed (only a rule with a 'name' is)")
             if not isinstance(split, dict) or not isinstance(split.get("parts"), list) or not split["parts"]:
                 raise ExportError(f"{at}.split: needs a non-empty 'parts' list")
             axis = split.get("axis", 0)
@@ -173,6 +211,20 @@ class NameMapping:
         if in_key or len(set(stacked)) != len(stacked):
             raise ExportError(f"{at}.stacked: {stacked} must be distinct fields that the key does not hold")
         return tuple(stacked)
+
+    @staticmethod
+    def _axes(doc: Mapping[str, Any], at: str) -> tuple[int, ...] | None:
+        """``doc["axes"]``: a permutation of the array's axes (its length is checked against each key's)."""
+        axes = doc.get("axes")
+        if axes is None:
+            return None
+        if not isinstance(axes, list) or any(isinstance(a, bool) or not isinstance(a, int) for a in axes) \
+                or sorted(axes) != list(range(len(axes))):
+            raise ExportError(f"{at}.axes: a permutation of the axes (as numpy.transpose takes one: [0, 2, 1]), "
+                              f"got {axes!r}")
+        if doc.get("rotary") is not None or doc.get("lora") is not None:
+            raise ExportError(f"{at}.axes: a transposed tensor has no 'rotary' rows and merges no 'lora' adapter")
+        return tuple(axes)
 
     def _renumbering(self, doc: Any, at: str) -> _Renumber:
         """A ``renumber`` entry: keys under one numbered prefix read as under another, after the
@@ -342,7 +394,10 @@ def _rule_pieces(rule: _Rule, key: str, shape: tuple[int, ...], fields: dict[str
     """The pieces one rule cuts an array of ``shape`` into (the key's, or one
     array of a stacked key's, at ``lead``), and the problems it finds."""
     if rule.name is not None:
-        piece = HfTensor(rule.name.format(**fields), key, Box.full(shape), rule.rotary, lora, lead=lead)
+        piece = HfTensor(rule.name.format(**fields), key, Box.full(shape), rule.rotary, lora, lead=lead, axes=rule.axes)
+        if rule.axes is not None and len(rule.axes) != len(shape):
+            return [], [f"{key!r}: axes {list(rule.axes)} for {'an array' if lead else 'a tensor'} of "
+                        f"{len(shape)} axes {list(shape)}"]
         return [piece], _rotary_problems(piece)
     if rule.axis >= len(shape):
         return [], [f"{key!r}: split on axis {rule.axis} of a {len(shape)}-d tensor"]
@@ -371,7 +426,7 @@ def _hf_shapes(pieces: Sequence[HfTensor]) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {}
     for p in pieces:
         have = out.get(p.name)
-        out[p.name] = p.box.shape if have is None else (have[0] + p.box.shape[0], *have[1:])
+        out[p.name] = p.shape if have is None else (have[0] + p.shape[0], *have[1:])
     return out
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from globalshard.dtypes import numpy_dtype
 from globalshard.errors import MismatchError
 from globalshard.geometry import Box
-from globalshard.hf.naming import DamagedFileError, ExportError, HfTensor, NameMapping, _Rule
+from globalshard.hf.naming import DamagedFileError, ExportError, HfTensor, NameMapping, _inverse, _Rule
 from globalshard.hf.patterns import compile_key, from_halves
 
 #: Our dtype names and safetensors' (which has no fnuz float8 types).
@@ -169,6 +169,13 @@ class SafetensorsSource:
         if len({e.dtype for e in entries}) != 1:
             raise ExportError(f"{key!r}: {names} have different dtypes")
         axis, groups = rule.axis, rule.groups
+        if rule.axes is not None:  # the key's array is the file's tensor transposed back
+            e = entries[0]
+            if len(rule.axes) != len(e.shape):
+                raise ExportError(f"{name!r}: {list(e.shape)} has {len(e.shape)} axes, the mapping transposes "
+                                  f"{key!r} by axes {list(rule.axes)}")
+            below = tuple(e.shape[i] for i in _inverse(rule.axes))
+            return e.dtype, below, [HfTensor(name, key, Box.full(below), lead=lead, axes=rule.axes)]
         shape = list(entries[0].shape)
         if rule.name is None:
             shape[axis] = sum(e.shape[axis] for e in entries)
@@ -223,7 +230,12 @@ class SafetensorsSource:
             inner = Box(part.offset[len(p.lead):], part.shape[len(p.lead):])
             shift = [a - b for a, b in zip(inner.offset, p.box.offset)]
             local = Box((shift[0] + p.at, *shift[1:]) if shift else (), inner.shape)
-            values = _read_rows(e, local) if p.rotary is None else _read_rotary(e, local, p.box.shape[0] // p.rotary)
+            if p.axes is not None:  # the file's rows it spans, transposed back
+                values = _read_rows(e, p.to_hf(local)).transpose(_inverse(p.axes))
+            elif p.rotary is None:
+                values = _read_rows(e, local)
+            else:
+                values = _read_rotary(e, local, p.box.shape[0] // p.rotary)
             dst = out[tuple(slice(a - b, a - b + s) for a, b, s in zip(part.offset, box.offset, part.shape))]
             dst[...] = values if values.dtype == out.dtype else values.astype(out.dtype)
             nbytes += values.nbytes

@@ -617,3 +617,66 @@ def test_a_fused_adapter_merges_into_the_split_weights_it_adapts_as_into_the_fus
             "v": merged[:, per_group + 1].reshape(-1, cols)}
     for x in "qkv":
         assert np.array_equal(got[f"{x}_proj.weight"].numpy(), want[x]), x
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_a_transposed_rule_exports_the_key_transposed_and_reads_any_box_back(tmp_path_factory, data):
+    # As torchtitan's gpt_oss experts ([E, out, in]) are Hugging Face's GptOss experts ([E, in, out]): a rule's
+    # "axes" transpose the key (numpy.transpose's order), stacked or not, in windows of any size.
+    path = tmp_path_factory.mktemp("axes")
+    shape = tuple(data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=4)))
+    axes = data.draw(st.permutations(range(len(shape))))
+    stacked = data.draw(st.booleans()) and len(shape) > 1
+    value = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1))).standard_normal(shape).astype(np.float32)
+    save_global({"w": value}, path / "ckpt")
+    if stacked:  # the first axis numbers the layers; "axes" permute the rest (numbered from 0)
+        rule = {"key": "w", "name": "x.{layer}", "stacked": ["layer"], "axes": [a - 1 for a in axes if a]}
+    else:
+        rule = {"key": "w", "name": "x", "axes": list(axes)}
+    mapping = NameMapping({"tensors": [rule]})
+    import globalshard.hf.exporting as hfmod
+
+    old, hfmod.WINDOW_BYTES = hfmod.WINDOW_BYTES, data.draw(st.sampled_from([hfmod.WINDOW_BYTES, 4, 12]))
+    try:
+        export(str(path / "ckpt"), str(path / "hf"), mapping=mapping)
+    finally:
+        hfmod.WINDOW_BYTES = old
+    _, got = read_all(path / "hf")
+    if stacked:
+        assert got.keys() == {f"x.{i}" for i in range(shape[0])}
+        for i in range(shape[0]):
+            assert np.array_equal(got[f"x.{i}"].numpy(), value[i].transpose(rule["axes"]))
+    else:
+        assert np.array_equal(got["x"].numpy(), value.transpose(axes))
+    source = SafetensorsSource(str(path / "hf"), mapping)
+    assert source.keys["w"][:2] == ("float32", shape)
+    lo = [data.draw(st.integers(0, s - 1)) for s in shape]
+    box = gs.Box(tuple(lo), tuple(data.draw(st.integers(1, s - o)) for s, o in zip(shape, lo)))
+    out = np.zeros(box.shape, np.float32)
+    source.read("w", box, out)
+    assert np.array_equal(out, value[box.slices])
+
+
+@pytest.mark.parametrize("rule,match", [
+    ({"key": "w", "name": "x", "axes": [0, 0]}, r"axes: a permutation of the axes"),
+    ({"key": "w", "name": "x", "axes": [1, 2]}, r"axes: a permutation of the axes"),
+    ({"key": "w", "name": "x", "axes": "1,0"}, r"axes: a permutation of the axes"),
+    ({"key": "w", "name": "x", "axes": [1, 0], "rotary": 2}, r"axes: a transposed tensor has no 'rotary'"),
+    ({"key": "w", "split": {"parts": [{"name": "a"}, {"name": "b"}]}, "axes": [1, 0]},
+     r"axes: a split's parts are not transposed"),
+])
+def test_a_transposed_rule_that_cannot_be_meant_is_refused_naming_it(rule, match):
+    with pytest.raises(ExportError, match=r"tensors\[0\]\." + match):
+        NameMapping({"tensors": [rule]})
+
+
+def test_axes_for_another_number_of_axes_are_named_both_ways(tmp_path):
+    save_global({"w": np.zeros((2, 3), np.float32)}, tmp_path / "ckpt")
+    three = NameMapping({"tensors": [{"key": "w", "name": "x", "axes": [2, 1, 0]}]})
+    with pytest.raises(ExportError, match=r"'w': axes \[2, 1, 0\] for a tensor of 2 axes \[2, 3\]"):
+        export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), mapping=three)
+    export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), mapping=NameMapping({"tensors": [
+        {"key": "w", "name": "x", "axes": [1, 0]}]}))
+    with pytest.raises(ExportError, match=r"'x': \[3, 2\] has 2 axes, the mapping transposes 'w' by axes \[2, 1, 0\]"):
+        SafetensorsSource(str(tmp_path / "hf"), three)
