@@ -25,7 +25,8 @@ globalshard's rules, ``megatron_dist`` for the same saved by Megatron's
 ``megatron_gpt_qwen3``, ``megatron_dist_qwen3`` and ``torchtitan_qwen3`` to
 ``Qwen3ForCausalLM``; ``megatron_dist_qwen3_moe`` and ``torchtitan_qwen3_moe``
 to ``Qwen3MoeForCausalLM``; ``megatron_dist_qwen2_moe`` to ``Qwen2MoeForCausalLM``; ``torchtitan_deepseek_v3`` and
-``megatron_dist_deepseek_v3`` to ``DeepseekV3ForCausalLM``)::
+``megatron_dist_deepseek_v3`` to ``DeepseekV3ForCausalLM``; ``torchtitan_gpt_oss`` to
+``GptOssForCausalLM``)::
 
     {"params": {"heads": 32, "kv_heads": 8, "rope_theta": 500000.0},
      "tensors": [
@@ -79,6 +80,13 @@ matches is left as it is and reported; any other is an error.
   key whose tensors are not all there (every index up to the largest
   present), or disagree in shape, is not offered, and asking for it names
   what is missing.
+* ``axes`` (a permutation, on a rule with a ``name``; no ``split``,
+  ``rotary`` or ``lora``): the Hugging Face tensor is the key's array (below
+  its ``stacked`` axes) transposed, as ``numpy.transpose`` takes the axes:
+  its axis ``i`` is the array's axis ``axes[i]`` (torchtitan's gpt-oss
+  experts ``[experts, out, in]`` as Hugging Face's ``[experts, in, out]``:
+  ``[0, 2, 1]``). Export writes it in windows of its own rows; reading back,
+  a box of the key reads the file's rows it spans.
 * ``config``: written as ``config.json`` beside the files. Values are JSON,
   or one of ``{"$param": name}``, ``{"$shape": hf_name, "axis": i}``
   (``"divide": param`` divides it, or ``"divide": {"$shape": ...}``), ``{"$count": hf_name_with_{layer}}``

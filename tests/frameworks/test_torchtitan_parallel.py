@@ -286,6 +286,52 @@ def test_a_qwen3_transformers_wrote_loads_into_torchtitans_parallel_model_with_i
     assert relative < tolerance, relative
 
 
+def test_a_gpt_oss_exports_to_transformers_gpt_oss_with_torchtitans_logits_and_back(tmp_path):
+    # torchtitan's gpt-oss (attention sinks, biases everywhere, a window of 128 on even layers, YaRN, experts
+    # stored [experts, out, in] with gate and up interleaved) trained at dp_shard=2 x TP=2 x EP=4 and saved,
+    # exported with the shipped mapping (its load-balancing expert bias let go) to transformers' GptOss, whose
+    # experts are [experts, in, out]: the mapping transposes them ("axes").
+    run(4, "torchtitan_jobs:train", str(tmp_path / "train"), work=str(tmp_path), name="gpt_oss", dp_shard=2, tp=2,
+        ep=4)
+    mapping = tmp_path / "without_expert_bias.json"
+    mapping.write_text(json.dumps({"extends": "torchtitan_gpt_oss", "skip": [r"layers\..*\.moe\.expert_bias_E"]}))
+    params = {"heads": 64, "kv_heads": 8, "top_k": 4}
+    (r,) = run(1, "torchtitan_jobs:exported", str(tmp_path / "ranks"), work=str(tmp_path), name="gpt_oss",
+               hf=str(tmp_path / "hf"), mapping=str(mapping), params=params, zero_expert_bias=True, length=160)
+    assert r["architecture"] == "GptOssForCausalLM"
+    # Every tensor torchtitan 0.3's own GptOssStateDictAdapter.to_hf makes, equal; it leaves the experts out (it
+    # names them mlp1_weight, mlp2_weight, which its model's keys, mlp1_weight_EGD and mlp2_weight_EDF, are not).
+    assert r["differ"] == [] and r["only_theirs"] == []
+    assert r["only_ours"] == sorted(f"model.layers.{i}.mlp.experts.{n}" for i in range(2)
+                                    for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"))
+    # 160 tokens, beyond the window: torchtitan's forward (its experts in float32, as transformers computes) is
+    # 5e-7 of the largest logit apart in a trial; exported with a window of 1000, 15%.
+    assert r["logits_diff"] < 1e-5 * r["logits_max"], r
+    # Back, as a fine-tune starts from Hugging Face's weights: a GptOssForCausalLM of these shapes, written by
+    # save_pretrained, read by load_hf into torchtitan's gpt-oss at dp_shard=2 x TP=2 x EP=4 (fused wqkv weight
+    # and bias DTensors, each rank's experts transposed from the files' rows).
+    torch.manual_seed(5)
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        vocab_size=2048, hidden_size=256, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+        intermediate_size=64, num_local_experts=8, num_experts_per_tok=4, num_hidden_layers=2, sliding_window=128,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith("layernorm.weight") or name.endswith(
+                "norm.weight") else 0.0))
+    model.eval().save_pretrained(str(tmp_path / "theirs"))
+    with torch.no_grad():
+        theirs = model(torch.arange(2 * 160).reshape(2, 160) * 37 % 2048).logits.numpy()
+    ranks = run(4, "torchtitan_jobs:from_transformers", str(tmp_path / "back"), work=str(tmp_path),
+                hf=str(tmp_path / "theirs"), dp_shard=2, tp=2, ep=4, name="gpt_oss", mapping=str(mapping),
+                params=params, length=160)
+    for back in ranks:
+        assert back["unread"] == [] and back["skipped"] == ["layers.0.moe.expert_bias_E", "layers.1.moe.expert_bias_E"]
+    ours = np.array(ranks[0]["logits"]).reshape(theirs.shape)
+    assert np.max(np.abs(ours - theirs)) < 1e-5 * np.max(np.abs(theirs))
+
+
 @pytest.fixture(scope="module")
 def deepseek_saved(tmp_path_factory):
     """A small DeepSeek-V3 (multi-latent attention, a dense first layer, 8 routed experts of which 3 per token

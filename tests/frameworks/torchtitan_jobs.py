@@ -10,7 +10,9 @@ when imported ("cuda" without a GPU); here it is the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -216,7 +218,7 @@ def from_hf(rank: int, *, work: str, hf: str, dp_shard: int, tp: int, ep: int = 
 
 
 def from_transformers(rank: int, *, work: str, hf: str, dp_shard: int, tp: int, ep: int, name: str, mapping: str,
-                      params: dict[str, float]) -> dict[str, Any]:
+                      params: dict[str, float], length: int = 16) -> dict[str, Any]:
     """A model transformers wrote (``save_pretrained``) read by ``load_hf`` straight into
     torchtitan's parallelized ``name``, as a fine-tune starts: torchtitan's logits of a fixed
     batch (routed without a MoE's load-balancing bias, which the files do not hold)."""
@@ -225,12 +227,12 @@ def from_transformers(rank: int, *, work: str, hf: str, dp_shard: int, tp: int, 
                      params=params)
     full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in ModelWrapper(model).state_dict().items()}
     full = {k: torch.zeros_like(v) if k.endswith("expert_bias_E") else v for k, v in full.items()}
-    return {"logits": logits([model], name, full).flatten().tolist() if rank == 0 else None,
+    return {"logits": logits([model], name, full, length).flatten().tolist() if rank == 0 else None,
             "skipped": got["skipped"], "unread": got["unread"]}
 
 
 def exported(rank: int, *, work: str, name: str, hf: str, mapping: str, params: dict[str, float],
-             zero_expert_bias: bool = False) -> dict[str, Any]:
+             zero_expert_bias: bool = False, length: int = 16) -> dict[str, Any]:
     """What ``train`` saved, loaded into one process, exported to Hugging Face with
     ``mapping`` and opened by transformers: the largest difference of its logits from
     torchtitan's forward of the same weights, and each exported tensor beside what
@@ -256,19 +258,24 @@ def exported(rank: int, *, work: str, name: str, hf: str, mapping: str, params: 
     full = {k: _local(v) for k, v in ModelWrapper(part).state_dict().items()}
     theirs = model_spec.state_dict_adapter(model_spec.model, None).to_hf(dict(full))
     model = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
-    tokens = (torch.arange(2 * 16).reshape(2, 16) * 37) % 2048
     with torch.no_grad():
-        hf_logits = model(tokens).logits
+        hf_logits = model(tokens(length)).logits
     if zero_expert_bias:
         full = {k: torch.zeros_like(v) if k.endswith("expert_bias_E") else v for k, v in full.items()}
-    diff = (logits([part], name, full) - hf_logits).abs().max().item()
+    diff = (logits([part], name, full, length) - hf_logits).abs().max().item()
     return {"skipped": out["skipped"], "architecture": type(model).__name__, "logits_diff": diff,
             "logits_max": hf_logits.abs().max().item(),
             "only_ours": sorted(set(ours) - set(theirs)), "only_theirs": sorted(set(theirs) - set(ours)),
             "differ": sorted(k for k in set(ours) & set(theirs) if not torch.equal(ours[k], theirs[k]))}
 
 
-def logits(parts: list[Any], name: str = "llama3", full: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+def tokens(length: int = 16) -> torch.Tensor:
+    """The fixed batch the logits are compared on: 2 sequences of ``length`` tokens."""
+    return (torch.arange(2 * length).reshape(2, length) * 37) % 2048
+
+
+def logits(parts: list[Any], name: str = "llama3", full: dict[str, torch.Tensor] | None = None,
+           length: int = 16) -> torch.Tensor:
     """torchtitan's forward of a fixed batch (one document: a causal flex-attention mask), in
     float32: the same weights (or ``full``) in an unparallelized model (FSDP2's mixed precision
     policy would compute in bfloat16)."""
@@ -277,9 +284,44 @@ def logits(parts: list[Any], name: str = "llama3", full: dict[str, torch.Tensor]
         full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
                 for k, v in ModelWrapper(parts).state_dict().items()}
     ModelWrapper(plain).load_state_dict(full)
-    tokens = (torch.arange(2 * 16).reshape(2, 16) * 37) % 2048
-    positions = torch.arange(16).unsqueeze(0).expand(2, 16)
+    positions = torch.arange(length).unsqueeze(0).expand(2, length)
     plain.eval()
-    with torch.no_grad():
-        out = plain(tokens, positions, plain.get_attention_masks(positions))
+    with torch.no_grad(), _gpt_oss_on_cpu(name):
+        out = plain(tokens(length), positions, plain.get_attention_masks(positions))
     return out[0] if isinstance(out, list) else out  # with MTP layers: the main head's, then theirs
+
+
+@contextlib.contextmanager
+def _gpt_oss_on_cpu(name: str) -> Iterator[None]:
+    """gpt-oss's forward on the CPU, in float32 (scoped patches, for ``name`` "gpt_oss" only):
+
+    * flex attention uncompiled: its sinks need the attention's log-sum-exp, and torch.compile's
+      CPU flex attention refuses ``return_lse``;
+    * the experts' grouped matmuls in float32: GptOssGroupedExperts casts its tokens and weights
+      to bfloat16 and returns bfloat16 (which a float32 model cannot scatter-add: "Expected
+      self.dtype to be equal to src.dtype"), so ``Tensor.bfloat16`` is the identity while they run.
+    """
+    if name != "gpt_oss":
+        yield
+        return
+    from torch.nn.attention.flex_attention import flex_attention
+    from torchtitan.models.common.attention import FlexAttention
+    from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
+
+    compiled, experts, bfloat16 = FlexAttention.__dict__["_compiled_flex_attn"], GptOssGroupedExperts.forward, \
+        torch.Tensor.bfloat16
+
+    def in_float32(self: Any, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        torch.Tensor.bfloat16 = lambda t, *a, **k: t  # type: ignore[method-assign]
+        try:
+            return experts(self, x, counts)
+        finally:
+            torch.Tensor.bfloat16 = bfloat16  # type: ignore[method-assign]
+
+    FlexAttention._compiled_flex_attn = staticmethod(flex_attention)
+    GptOssGroupedExperts.forward = in_float32
+    try:
+        yield
+    finally:
+        FlexAttention._compiled_flex_attn = compiled
+        GptOssGroupedExperts.forward = experts

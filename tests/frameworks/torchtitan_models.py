@@ -7,9 +7,10 @@ from typing import Any
 
 from torchtitan.components.lora import LoRAConverter
 from torchtitan.config.configs import ParallelismConfig
-from torchtitan.models import deepseek_v3, llama3, qwen3
+from torchtitan.models import deepseek_v3, gpt_oss, llama3, qwen3
 from torchtitan.models.common.rope import ComplexRoPE
 from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
+from torchtitan.models.gpt_oss.sharding import set_gpt_oss_sharding_config
 from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
@@ -42,6 +43,15 @@ def spec(name: str, parallelism: ParallelismConfig) -> Any:
                                                                  num_mtp_layers=1)
         set_deepseek_v3_sharding_config(out.model, enable_sp=parallelism.enable_sequence_parallel,
                                         enable_ep=parallelism.expert_parallel_degree > 1)
+        return out
+    if name == "gpt_oss":  # debugmodel's attention (64 heads of 64, 8 kv heads, sinks, YaRN, a window of 128 on
+        # even layers), routing and experts, with 8 experts of 64 (not 2880) in 2 layers (not 4)
+        out = gpt_oss.model_registry("debugmodel", attn_backend="flex")
+        out.model.layers = gpt_oss._build_gptoss_layers(
+            dim=out.model.dim, n_layers=2, hidden_dim=64, num_experts=8, top_k=4, load_balance_coeff=1e-3,
+            attn_backend="flex", moe_comm_backend="standard", rope=out.model.layers[0].attention.rope)
+        set_gpt_oss_sharding_config(out.model, enable_sp=parallelism.enable_sequence_parallel,
+                                    enable_ep=parallelism.expert_parallel_degree > 1)
         return out
     if name.endswith("_lora"):  # another model with torchtitan's LoRA on each layer's linears (fused wqkv too)
         out = spec(name[:-len("_lora")], parallelism)

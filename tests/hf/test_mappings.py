@@ -55,7 +55,7 @@ def test_every_shipped_mapping_loads_and_a_name_that_is_none_lists_them():
     from globalshard.hf import shipped_mappings
 
     names = shipped_mappings()
-    assert {"llama", "megatron_dist_qwen2", "megatron_dist_mixtral"} <= set(names) and len(names) == 15
+    assert {"llama", "megatron_dist_qwen2", "megatron_dist_mixtral"} <= set(names) and len(names) == 16
     for name in names:
         reads = param_names(read_mapping(name, ())[0])
         mapping = NameMapping.load(name, {k: v for k, v in {"heads": 4, "kv_heads": 2, "top_k": 2}.items()
@@ -880,3 +880,81 @@ def test_a_megatron_mixtral_with_an_expert_bias_or_a_shared_expert_stops_at_it(t
         export(str(tmp_path / "ckpt"), str(tmp_path / "hf"),
                mapping=NameMapping.load("megatron_dist_mixtral", {"heads": 2, "kv_heads": 1, "top_k": 2}))
     assert not (tmp_path / "hf").exists()
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_torchtitan_gpt_oss_keys_export_to_each_gpt_oss_tensor_exactly_and_read_back(tmp_path_factory, data):
+    # Written from Hugging Face's GptOss names and shapes (transformers' modeling_gpt_oss): experts stacked as
+    # [experts, in, out], gate and up interleaved on the last axis; torchtitan's as [experts, out, in].
+    path = tmp_path_factory.mktemp("gpt_oss")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    layers, kv_heads, hd = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 2)), 2 * data.draw(st.integers(1, 2))
+    heads, hidden = kv_heads * data.draw(st.integers(1, 3)), data.draw(st.integers(1, 5))
+    ffn, experts, vocab = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 4)), data.draw(st.integers(1, 6))
+
+    def w(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    hf = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": w(hidden),
+          "lm_head.weight": w(vocab, hidden)}
+    keys = {"tok_embeddings.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"],
+            "lm_head.weight": hf["lm_head.weight"]}
+    fused = data.draw(st.booleans())
+    for i in range(layers):
+        h, t = f"model.layers.{i}.", f"layers.{i}."
+        hf |= attention_layer(w, h, hidden, heads, kv_heads, hd)
+        hf |= {h + f"self_attn.{x}_proj.bias": w(n * hd) for x, n in (("q", heads), ("k", kv_heads), ("v", kv_heads))}
+        hf |= {h + "self_attn.o_proj.bias": w(hidden), h + "self_attn.sinks": w(heads),
+               h + "mlp.router.weight": w(experts, hidden), h + "mlp.router.bias": w(experts),
+               h + "mlp.experts.gate_up_proj": w(experts, hidden, 2 * ffn), h + "mlp.experts.gate_up_proj_bias":
+               w(experts, 2 * ffn), h + "mlp.experts.down_proj": w(experts, ffn, hidden),
+               h + "mlp.experts.down_proj_bias": w(experts, hidden)}
+        keys |= {t + "attention_norm.weight": hf[h + "input_layernorm.weight"],
+                 t + "ffn_norm.weight": hf[h + "post_attention_layernorm.weight"],
+                 t + "attention.wo.weight": hf[h + "self_attn.o_proj.weight"],
+                 t + "attention.wo.bias": hf[h + "self_attn.o_proj.bias"],
+                 t + "attention.sinks": hf[h + "self_attn.sinks"],
+                 t + "moe.router.gate.weight": hf[h + "mlp.router.weight"],
+                 t + "moe.router.gate.bias": hf[h + "mlp.router.bias"]}
+        e = t + "moe.routed_experts.inner_experts."
+        keys |= {e + "mlp1_weight_EGD": np.ascontiguousarray(hf[h + "mlp.experts.gate_up_proj"].transpose(0, 2, 1)),
+                 e + "mlp1_bias_EG": hf[h + "mlp.experts.gate_up_proj_bias"],
+                 e + "mlp2_weight_EDF": np.ascontiguousarray(hf[h + "mlp.experts.down_proj"].transpose(0, 2, 1)),
+                 e + "mlp2_bias_ED": hf[h + "mlp.experts.down_proj_bias"]}
+        for kind in ("weight", "bias"):
+            q, k, v = (hf[h + f"self_attn.{x}_proj.{kind}"] for x in "qkv")
+            if fused:  # the parameter: per kv group, its query heads, then its key and value head
+                rest = q.shape[1:]
+                keys[t + f"attention.qkv_linear.wqkv.{kind}"] = np.concatenate(
+                    [a.reshape(kv_heads, -1, *rest) for a in (q, k, v)], axis=1).reshape(-1, *rest)
+            else:
+                keys |= {t + f"attention.qkv_linear.w{x}.{kind}": a for x, a in zip("qkv", (q, k, v))}
+    # Trained with load balancing (every gpt_oss flavor): Hugging Face's GptOss routes without the bias, so the
+    # shipped mapping stops at it, and exports once it is let go as its description says.
+    biases = {f"layers.{i}.moe.expert_bias_E": w(experts) for i in range(layers)}
+    save_global(keys | biases, path / "ckpt")
+    params = {"heads": heads, "kv_heads": kv_heads, "top_k": 1}
+    with pytest.raises(ExportError, match=r"layers\.0\.moe\.expert_bias_E"):
+        export(str(path / "ckpt"), str(path / "refused"), mapping=NameMapping.load("torchtitan_gpt_oss", params))
+    mapping = NameMapping.load(write(path / "let_go.json", {
+        "extends": "torchtitan_gpt_oss", "skip": [r"layers\..*\.moe\.expert_bias_E"]}), params)
+    index = export(str(path / "ckpt"), str(path / "hf"), mapping=mapping)
+    assert index["skipped"] == sorted(biases)
+    _, got = read_all(path / "hf")
+    assert got.keys() == hf.keys()
+    for n, value in hf.items():
+        assert np.array_equal(got[n].numpy(), value), n
+    config = index["config"]
+    assert config["architectures"] == ["GptOssForCausalLM"] and config["num_local_experts"] == experts
+    assert (config["head_dim"], config["intermediate_size"], config["num_hidden_layers"]) == (hd, ffn, layers)
+    assert config["hidden_size"] == hidden and config["tie_word_embeddings"] is False
+    source = SafetensorsSource(str(path / "hf"), mapping)
+    for k, value in keys.items():
+        assert source.keys[k][1] == value.shape, k
+        lo = [data.draw(st.integers(0, n - 1)) for n in value.shape]
+        box = gs.Box(tuple(lo), tuple(data.draw(st.integers(1, n - a)) for a, n in zip(lo, value.shape)))
+        out = np.empty(box.shape, np.float32)
+        source.read(k, box, out)
+        assert np.array_equal(out, value[box.slices]), (k, box)
+
