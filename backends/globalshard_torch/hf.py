@@ -127,7 +127,7 @@ def fill_from_safetensors(source: SafetensorsSource, targets: dict[str, gs.Shard
     for t in targets.values():
         covered = np.zeros(t.data.shape, bool) if t.allow_padding else None
         for r in t.regions:
-            nbytes += source.read(t.key, r.global_box, t.data[r.local_box.slices])
+            nbytes += source.read(t.key, r.global_box, r.local_box.view(t.data))  # a view, 0-d too
             if covered is not None:
                 covered[r.local_box.slices] = True
         if covered is not None:

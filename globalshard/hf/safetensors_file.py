@@ -236,7 +236,7 @@ class SafetensorsSource:
                 values = _read_rows(e, local)
             else:
                 values = _read_rotary(e, local, p.box.shape[0] // p.rotary)
-            dst = out[tuple(slice(a - b, a - b + s) for a, b, s in zip(part.offset, box.offset, part.shape))]
+            dst = Box(tuple(a - b for a, b in zip(part.offset, box.offset)), part.shape).view(out)  # 0-d too
             dst[...] = values if values.dtype == out.dtype else values.astype(out.dtype)
             nbytes += values.nbytes
         return nbytes

@@ -680,3 +680,21 @@ def test_axes_for_another_number_of_axes_are_named_both_ways(tmp_path):
         {"key": "w", "name": "x", "axes": [1, 0]}]}))
     with pytest.raises(ExportError, match=r"'x': \[3, 2\] has 2 axes, the mapping transposes 'w' by axes \[2, 1, 0\]"):
         SafetensorsSource(str(tmp_path / "hf"), three)
+
+
+def test_a_zero_d_tensor_of_the_files_loads_as_the_others_do(tmp_path):
+    # A model with a 0-d parameter (CLIP's logit_scale, a learned temperature), its files written by the
+    # safetensors package: load_hf fills it, as SafetensorsSource reads it, transposed by no axes or by [].
+    model = torch.nn.Module()
+    model.proj = torch.nn.Linear(3, 2)
+    model.logit_scale = torch.nn.Parameter(torch.tensor(0.0))
+    files = {"proj.weight": np.arange(6, dtype=np.float32).reshape(2, 3), "proj.bias": np.ones(2, np.float32),
+             "logit_scale": np.array(2.6592, np.float32)}
+    save_file(files, str(tmp_path / "model.safetensors"))
+    gt.load_hf(str(tmp_path), model, gt.ParallelLayout(), gt.ShardingRules([(r".*", gt.Replicated())]))
+    assert model.logit_scale.item() == np.float32(2.6592) and torch.equal(model.proj.bias, torch.ones(2))
+    for mapping in (None, NameMapping({"tensors": [{"key": "logit_scale", "name": "logit_scale", "axes": []}],
+                                       "skip": ["proj.*"]})):
+        out = np.zeros((), np.float32)
+        SafetensorsSource(str(tmp_path), mapping).read("logit_scale", gs.Box((), ()), out)
+        assert out == np.float32(2.6592)
