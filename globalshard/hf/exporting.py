@@ -42,7 +42,15 @@ def export(checkpoint: str | Checkpoint, out: str, *, mapping: NameMapping | Non
     not write, the index, and ``config.json`` when this export writes one)
     is replaced once the new files are in place, so that no reader picks a
     stale ``model.safetensors`` over the new index; nothing else in ``out``
-    is touched.
+    is touched. The files are written under temporary names and renamed
+    only once all of them are written (the disk holds both exports until
+    then): an export that fails (a damaged chunk, a value the ``dtype``
+    cannot hold) leaves the earlier one whole.
+
+    Raises:
+        ExportError: the mapping does not fit, or a finite value would
+            become infinite or NaN in ``dtype`` (float16 above 65504,
+            float8_e4m3fn above 448): a broken model, not a rounded one.
 
     Returns:
         The index written to ``model.safetensors.index.json``, plus
@@ -82,9 +90,19 @@ def export(checkpoint: str | Checkpoint, out: str, *, mapping: NameMapping | Non
              [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
     weight_map: dict[str, str] = {}
     total = 0
-    for name, members in zip(names, files):
-        total += _write_file(ckpt, os.path.join(out, name), members, out_dtype, progress)
-        weight_map |= {p.name: name for p in members}
+    written: list[tuple[str, str]] = []  # (temporary, final): renamed once every file is written
+    try:
+        for name, members in zip(names, files):
+            final = os.path.join(out, name)
+            written.append((f"{final}.tmp-{os.getpid()}", final))
+            total += _write_file(ckpt, written[-1][0], members, out_dtype, progress)
+            weight_map |= {p.name: name for p in members}
+        for tmp, final in written:
+            os.replace(tmp, final)
+    finally:
+        for tmp, _ in written:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     index = {"metadata": {"total_size": total, "format": "pt", "source": "globalshard",
                           "save_id": ckpt.metadata.save_id},
              "weight_map": dict(sorted(weight_map.items()))}
@@ -178,27 +196,45 @@ def _write_file(ckpt: Checkpoint, path: str, pieces: Sequence[HfTensor], out_dty
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(len(raw).to_bytes(8, "little") + raw)
-            for p in pieces:
-                stored = ckpt.metadata.tensors[p.key].dtype
-                for window, buf in _windows(ckpt, p):
-                    if out_dtype[p.name] != stored:
-                        buf = buf.astype(numpy_dtype(out_dtype[p.name]))
-                    if buf.size:  # little-endian bytes, written from the array itself (no copy)
-                        f.write(np.ascontiguousarray(buf.astype(buf.dtype.newbyteorder("<"), copy=False))
-                                .reshape(-1).view(np.uint8).data)
-                    if progress is not None:
-                        progress(window.volume * numpy_dtype(stored).itemsize)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for p in pieces:
+            stored = ckpt.metadata.tensors[p.key].dtype
+            for window, buf in _windows(ckpt, p):
+                if out_dtype[p.name] != stored:
+                    with np.errstate(over="ignore", invalid="ignore"):  # checked below
+                        converted = buf.astype(numpy_dtype(out_dtype[p.name]))
+                    _refuse_overflow(p, window, buf, converted, stored, out_dtype[p.name])
+                    buf = converted
+                if buf.size:  # little-endian bytes, written from the array itself (no copy)
+                    f.write(np.ascontiguousarray(buf.astype(buf.dtype.newbyteorder("<"), copy=False))
+                            .reshape(-1).view(np.uint8).data)
+                if progress is not None:
+                    progress(window.volume * numpy_dtype(stored).itemsize)
+        f.flush()
+        os.fsync(f.fileno())
     return offset
+
+
+def _refuse_overflow(p: HfTensor, window: Box, buf: np.ndarray, converted: np.ndarray, stored: str,
+                     dtype: str) -> None:
+    """Raise naming the first finite value of ``buf`` (a window of piece ``p``, in Hugging Face's
+    order) that ``converted`` holds as inf or NaN, at its place in the Hugging Face tensor."""
+    if not _is_float(stored) or buf.dtype.kind not in "fc":
+        return
+    bad = np.isfinite(buf) & ~np.isfinite(converted)
+    if not bad.any():
+        return
+    at = tuple(int(i) for i in np.argwhere(bad)[0])
+    if p.axes is not None:
+        start = p.to_hf(window).offset
+    else:
+        start = tuple(w - b for w, b in zip(window.offset, p.box.offset))
+        start = (start[0] + p.at, *start[1:]) if start else ()
+    where = [s + i for s, i in zip(start, at)]
+    name = repr(p.name) if p.name == p.key else f"{p.name!r} (checkpoint key {p.key!r})"
+    raise ExportError(f"{name}: {where} is {float(buf[at]):g} in {stored}, {float(converted[at])} in {dtype}, "
+                      f"which cannot hold it: export in a wider dtype (bfloat16 has float32's range)")
 
 
 def _write_atomically(path: str, data: bytes) -> None:

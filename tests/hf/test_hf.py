@@ -140,6 +140,58 @@ def test_export_converts_floats_to_bf16_and_keeps_integers(tmp_path):
     assert np.array_equal(got["w"].float().numpy(), expected)
 
 
+@pytest.mark.parametrize("dtype,value,became", [("float16", 70000.0, "inf"), ("float8_e4m3fn", 500.0, "nan"),
+                                                 ("float8_e5m2", -1e6, "-inf")])
+def test_an_export_that_would_overflow_a_value_to_inf_or_nan_is_refused_naming_it(tmp_path, dtype, value, became):
+    # Rounding is what --dtype asks for; a finite weight that becomes inf or NaN (float16 above 65504, e4m3fn
+    # above 448, which has no inf) is a broken model, not a rounded one. An earlier export stays as it was.
+    w = np.array([[1.0, 2.0], [3.0, value]], np.float32)
+    save_global({"a": np.ones(4, np.float32), "w": w}, tmp_path / "ckpt")
+    export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), dtype="bfloat16", max_shard_size=16)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
+    with pytest.raises(ExportError, match=re.escape(f"'w': [1, 1] is {value:g} in float32, {became} in {dtype}")):
+        export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), dtype=dtype, max_shard_size=16)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == before
+    earlier = w.astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(read_all(tmp_path / "hf")[1]["w"].float().numpy(), earlier)
+    inf = np.array([np.inf, -np.inf, np.nan], np.float32)  # what was not finite already converts as it is
+    save_global({"w": inf}, tmp_path / "nonfinite")
+    export(str(tmp_path / "nonfinite"), str(tmp_path / "hf2"), dtype="float16")
+    np.testing.assert_array_equal(read_all(tmp_path / "hf2")[1]["w"].float().numpy(), inf)
+
+
+@pytest.mark.parametrize("rule,at,named", [
+    ({"key": "w", "name": "x", "axes": [0, 2, 1]}, (1, 2, 3), "'x' (checkpoint key 'w'): [1, 3, 2]"),
+    ({"key": "w", "split": {"axis": 1, "parts": [{"name": "a"}, {"name": "b"}]}}, (1, 2, 3),
+     "'b' (checkpoint key 'w'): [1, 0, 3]"),
+    ({"key": "w", "name": "x.{layer}", "stacked": ["layer"]}, (1, 2, 3), "'x.1' (checkpoint key 'w'): [2, 3]"),
+])
+def test_a_value_a_dtype_cannot_hold_is_named_where_the_hugging_face_tensor_holds_it(tmp_path, rule, at, named):
+    w = np.zeros((2, 4, 4), np.float32)
+    w[at] = 1e5
+    save_global({"w": w}, tmp_path / "ckpt")
+    with pytest.raises(ExportError, match=re.escape(f"{named} is 100000 in float32, inf in float16")):
+        export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), dtype="float16", mapping=NameMapping({"tensors": [rule]}))
+    assert not (tmp_path / "hf").exists() or not any((tmp_path / "hf").iterdir())
+
+
+def test_an_export_that_fails_midway_leaves_the_earlier_export_whole(tmp_path):
+    # Two files; the second tensor's chunk is damaged: nothing of the new export may replace the earlier
+    # one's first file under its index (a model of two exports' tensors).
+    save_global({"a": np.ones(4, np.float32), "b": np.ones(4, np.float32)}, tmp_path / "old")
+    save_global({"a": np.full(4, 2.0, np.float32), "b": np.full(4, 2.0, np.float32)}, tmp_path / "new")
+    export(str(tmp_path / "old"), str(tmp_path / "hf"), max_shard_size=16)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
+    region = gs.read_metadata(str(tmp_path / "new")).tensors["b"].regions[0]
+    chunk = tmp_path / "new" / region.path / "c" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[0] ^= 1
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(gs.StorageError, match="crc32c"):
+        export(str(tmp_path / "new"), str(tmp_path / "hf"), max_shard_size=16)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == before
+
+
 def test_export_in_windows_smaller_than_a_tensor(tmp_path, monkeypatch):
     import globalshard.hf.exporting as hfmod
 
