@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from globalshard.hf.naming import ExportError, HfTensor, NameMapping, _hf_shapes
+from globalshard.hf.naming import ExportError, NameMapping
 from globalshard.hf.patterns import compile_key
+from globalshard.hf.pieces import HfTensor, _hf_shapes
 
 
 def hf_config(mapping: NameMapping, pieces: Sequence[HfTensor], out_dtype: Mapping[str, str]) -> dict[str, Any] | None:

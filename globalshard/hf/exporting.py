@@ -20,8 +20,9 @@ from globalshard.dtypes import canonical_name, numpy_dtype
 from globalshard.geometry import Box
 from globalshard.hf.adapters import b_rows
 from globalshard.hf.config import hf_config
-from globalshard.hf.naming import ExportError, HfTensor, NameMapping, _hf_shapes
+from globalshard.hf.naming import ExportError, NameMapping
 from globalshard.hf.patterns import to_halves
+from globalshard.hf.pieces import HfTensor, _hf_shapes
 from globalshard.hf.safetensors_file import SAFETENSORS_DTYPES
 
 #: Bytes of one tensor read and written at a time by :func:`export`.

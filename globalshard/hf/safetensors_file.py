@@ -21,8 +21,9 @@ import numpy as np
 from globalshard.dtypes import numpy_dtype
 from globalshard.errors import MismatchError
 from globalshard.geometry import Box
-from globalshard.hf.naming import DamagedFileError, ExportError, HfTensor, NameMapping, _inverse, _Rule
+from globalshard.hf.naming import DamagedFileError, ExportError, NameMapping
 from globalshard.hf.patterns import compile_key, from_halves
+from globalshard.hf.pieces import HfTensor, _inverse, _Rule
 
 #: Our dtype names and safetensors' (which has no fnuz float8 types).
 # TODO(limitation): float8_e4m3fnuz, float8_e5m2fnuz and complex128 have no safetensors
