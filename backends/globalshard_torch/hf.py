@@ -23,10 +23,13 @@ from globalshard.hf import NameMapping, SafetensorsSource
 from globalshard_torch.comm import resolve_comm
 from globalshard_torch.model import model_entries, refuse_unusable
 from globalshard_torch.parallel import ParallelLayout
-from globalshard_torch.rules import ShardingRules
+from globalshard_torch.rules import Replicated, ShardingRules
 from globalshard_torch.tensors import HostStaging, numpy_view
 
 __all__ = ["load_hf", "fill_from_safetensors"]
+
+#: ``load_hf``'s rules when none are given: every tensor that is not a DTensor is whole.
+_WHOLE = ShardingRules([(r".*", Replicated())])
 
 
 def load_hf(directory: str, model: nn.Module | Sequence[nn.Module], layout: ParallelLayout,
@@ -40,7 +43,9 @@ def load_hf(directory: str, model: nn.Module | Sequence[nn.Module], layout: Para
         model: this rank's model, or its virtual-pipeline chunks in local order,
             filled in place.
         layout: this rank's place; local layer indices become global ones.
-        rules: how non-DTensor tensors are cut (None: a model of DTensors only).
+        rules: how non-DTensor tensors are cut (None: DTensors place themselves and
+            any other tensor is whole on every rank, as DCP takes a plain tensor;
+            one that is in fact a piece fails the shape check, naming it).
         mapping: a :class:`~globalshard.hf.NameMapping`, a mapping file or a shipped
             mapping's name (``"llama"``); None: the names are the checkpoint keys.
         params: values for the mapping's ``params`` (``{"heads": 32, "kv_heads": 8}``).
@@ -70,7 +75,8 @@ def load_hf(directory: str, model: nn.Module | Sequence[nn.Module], layout: Para
     source = SafetensorsSource(directory, mapping)
     staging = HostStaging()
     targets: dict[str, gs.ShardedTensor] = {}
-    entries = model_entries(model, layout, rules)
+    # Unlike a save, a load may take a plain tensor as whole: were it a piece, its shape would not be the files'.
+    entries = model_entries(model, layout, rules if rules is not None else _WHOLE)
     refuse_unusable(entries, "load into the model")
     for e in entries:
         for name, t in e.shards(e.name, e.key, numpy_view(staging.host(e.tensor, for_save=False))).items():

@@ -750,3 +750,18 @@ def test_a_zero_d_tensor_of_the_files_loads_as_the_others_do(tmp_path):
         out = np.zeros((), np.float32)
         SafetensorsSource(str(tmp_path), mapping).read("logit_scale", gs.Box((), ()), out)
         assert out == np.float32(2.6592)
+
+
+def test_load_hf_without_rules_takes_each_plain_tensor_whole_and_a_piece_fails_the_shape_check(tmp_path):
+    # rules=None: DTensors place themselves, and any other tensor is whole on every rank, as DCP takes a plain
+    # tensor (torchtitan's MoE keeps its expert_bias_E buffer a plain tensor once TP is 1). A plain tensor that
+    # is in fact a piece (a TP shard without rules) has another shape than the files' tensor: named, not read.
+    save_file({"proj.weight": np.arange(6, dtype=np.float32).reshape(2, 3), "proj.bias": np.ones(2, np.float32)},
+              str(tmp_path / "model.safetensors"))
+    model = torch.nn.Linear(3, 2)
+    model = torch.nn.ModuleDict({"proj": model})
+    gt.load_hf(str(tmp_path), model, gt.ParallelLayout(), None)
+    assert torch.equal(model.proj.weight, torch.arange(6.0).reshape(2, 3))
+    piece = torch.nn.ModuleDict({"proj": torch.nn.Linear(3, 1)})
+    with pytest.raises(gs.MismatchError, match=r"'proj.weight': global shape \(1, 3\) here, \(2, 3\) in"):
+        gt.load_hf(str(tmp_path), piece, gt.ParallelLayout(), None)
