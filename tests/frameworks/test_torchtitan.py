@@ -6,6 +6,8 @@ torch DCP; every model and optimizer tensor equal to DCP's load. Saved in the
 background too (``saver=`` against DCP's ``async_save``) while a training
 step runs: both hold the state of the call."""
 
+import json
+
 import pytest
 
 pytest.importorskip("torchtitan.models.llama3")  # needs triton installed to import
@@ -243,10 +245,12 @@ def test_our_checkpointer_bases_a_step_on_the_step_holding_the_bytes(tmp_path, c
     assert base(4) == (None, True) and "references no base" in caplog.text
 
 
-def test_a_torchtitan_qwen3_with_lora_exports_merged_with_its_logits(tmp_path):
-    # torchtitan's LoRAConverter on a Qwen3 (its fused wqkv, wo, w1, w3, w2 of each layer), its adapters as
-    # training leaves them, saved (wqkv's weight as wq, wk, wv, its adapter fused) and exported by
-    # torchtitan_qwen3: transformers runs the merged model with torchtitan's logits.
+@pytest.mark.parametrize("name", ["qwen3_tied_lora", "gpt_oss_lora"])
+def test_a_torchtitan_model_with_lora_exports_merged_with_its_logits(tmp_path, name):
+    # torchtitan's LoRAConverter on a Qwen3 (its fused wqkv, wo, w1, w3, w2 of each layer) or a gpt-oss (wqkv
+    # and wo: its experts are not Linear modules), its adapters as training leaves them, saved (wqkv's weight
+    # as wq, wk, wv, its adapter fused) and exported by the shipped mapping: transformers runs the merged model
+    # with torchtitan's logits.
     import transformers
     from torchtitan.config.configs import ParallelismConfig
     from torchtitan_jobs import logits
@@ -256,29 +260,35 @@ def test_a_torchtitan_qwen3_with_lora_exports_merged_with_its_logits(tmp_path):
 
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = spec("qwen3_tied_lora", ParallelismConfig()).model.build()
+        model = spec(name, ParallelismConfig()).model.build()
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(buffer_device=None)
-        for name, p in model.named_parameters():
-            if "lora_b" in name:  # torchtitan starts B at zero; training moves it
+        for n, p in model.named_parameters():
+            if "lora_b" in n:  # torchtitan starts B at zero; training moves it
                 p.normal_(0.0, 0.02)
+            elif name == "gpt_oss_lora":  # weights of a trained model's scale (its initial ones give flat logits)
+                p.normal_(1.0 if n.endswith("norm.weight") else 0.0, 0.02 if "lora_a" in n else 0.1)
     state = {k: v.clone() for k, v in ModelWrapper(model).state_dict().items()}
     gt.save(state, tmp_path / "ckpt")
-    params = {"heads": 16, "kv_heads": 8}
-    # Asked for once, not for each of the 2 layers' wq, wk, wv, wo, w1, w3 and w2.
+    if name == "gpt_oss_lora":  # its expert bias let go (zero after init_weights), as Hugging Face's GptOss has none
+        (tmp_path / "map.json").write_text(json.dumps({"extends": "torchtitan_gpt_oss",
+                                                       "skip": [r"layers\..*\.moe\.expert_bias_E"]}))
+        mapping, params, merging, adapted = str(tmp_path / "map.json"), {"heads": 64, "kv_heads": 8, "top_k": 4}, 8, 2
+    else:
+        mapping, params, merging, adapted = "torchtitan_qwen3", {"heads": 16, "kv_heads": 8}, 14, 5
+    # Asked for once, not for each of the 2 layers' adapted tensors (wq, wk, wv, wo, and w1, w3, w2).
     with pytest.raises(ExportError, match=r"params 'lora_scale' is not set: .*lora_a\.weight.*"
-                                          r"\(14 tensors merge an adapter scaled by it\).*--param lora_scale="):
-        export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), mapping=NameMapping.load("torchtitan_qwen3", params))
+                                          rf"\({merging} tensors merge an adapter scaled by it\).*--param lora_scale="):
+        export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), mapping=NameMapping.load(mapping, params))
     out = export(str(tmp_path / "ckpt"), str(tmp_path / "hf"),
-                 mapping=NameMapping.load("torchtitan_qwen3", params | {"lora_scale": 2.0}))  # alpha 16 / rank 8
-    assert out["merged"] == sorted(k for k in state if "lora_" in k) and len(out["merged"]) == 2 * 5 * 2
+                 mapping=NameMapping.load(mapping, params | {"lora_scale": 2.0}))  # alpha 16 / rank 8
+    assert out["merged"] == sorted(k for k in state if "lora_" in k) and len(out["merged"]) == 2 * adapted * 2
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     with torch.no_grad():
         theirs = hf((torch.arange(2 * 16).reshape(2, 16) * 37) % 2048).logits
     scale = theirs.abs().max().item()
-    tuned = logits([model], "qwen3_tied_lora", state)
-    dropped = logits([model], "qwen3_tied_lora", {k: torch.zeros_like(v) if "lora_b" in k else v
-                                                  for k, v in state.items()})
+    tuned = logits([model], name, state)
+    dropped = logits([model], name, {k: torch.zeros_like(v) if "lora_b" in k else v for k, v in state.items()})
     assert (tuned - theirs).abs().max().item() / scale < 1e-5 < 100 * 1e-5 < \
         (dropped - theirs).abs().max().item() / scale

@@ -293,7 +293,7 @@ def logits(parts: list[Any], name: str = "llama3", full: dict[str, torch.Tensor]
 
 @contextlib.contextmanager
 def _gpt_oss_on_cpu(name: str) -> Iterator[None]:
-    """gpt-oss's forward on the CPU, in float32 (scoped patches, for ``name`` "gpt_oss" only):
+    """gpt-oss's forward on the CPU, in float32 (scoped patches, for ``name`` "gpt_oss*" only):
 
     * flex attention uncompiled: its sinks need the attention's log-sum-exp, and torch.compile's
       CPU flex attention refuses ``return_lse``;
@@ -301,7 +301,7 @@ def _gpt_oss_on_cpu(name: str) -> Iterator[None]:
       to bfloat16 and returns bfloat16 (which a float32 model cannot scatter-add: "Expected
       self.dtype to be equal to src.dtype"), so ``Tensor.bfloat16`` is the identity while they run.
     """
-    if name != "gpt_oss":
+    if not name.startswith("gpt_oss"):
         yield
         return
     from torch.nn.attention.flex_attention import flex_attention

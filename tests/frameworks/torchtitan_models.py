@@ -53,9 +53,11 @@ def spec(name: str, parallelism: ParallelismConfig) -> Any:
         set_gpt_oss_sharding_config(out.model, enable_sp=parallelism.enable_sequence_parallel,
                                     enable_ep=parallelism.expert_parallel_degree > 1)
         return out
-    if name.endswith("_lora"):  # another model with torchtitan's LoRA on each layer's linears (fused wqkv too)
+    if name.endswith("_lora"):  # another model with torchtitan's LoRA on each layer's linears (fused wqkv too;
+        # gpt-oss's experts are not Linear modules)
         out = spec(name[:-len("_lora")], parallelism)
-        lora = LoRAConverter.Config(rank=8, alpha=16.0, target_modules=["wqkv", "wo", "w1", "w3", "w2"])
+        linears = ["wqkv", "wo"] if name.startswith("gpt_oss") else ["wqkv", "wo", "w1", "w3", "w2"]
+        lora = LoRAConverter.Config(rank=8, alpha=16.0, target_modules=linears)
         out.model = lora.build().convert(out.model)
         return out
     if name == "qwen3_tied":  # debugmodel: tied embeddings, fused QKV with 8 KV heads of 16; 2 layers (not 8)
