@@ -101,21 +101,36 @@ class SafetensorsSource:
     def __init__(self, directory: str, mapping: NameMapping | None = None) -> None:
         self.directory = directory
         index = os.path.join(directory, "model.safetensors.index.json")
+        weight_map: dict[str, str] | None = None
         if os.path.exists(index):
             try:
                 with open(index, encoding="utf-8") as f:
-                    files = sorted(set(json.load(f)["weight_map"].values()))
+                    weight_map = dict(json.load(f)["weight_map"])
+                files = sorted(set(weight_map.values()))
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ExportError(f"{index}: not a safetensors index ({e})") from None
         else:
             files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
         if not files:
             raise ExportError(f"{directory}: no .safetensors files")
-        self.entries: dict[str, _Entry] = {}
+        headers: dict[str, dict[str, _Entry]] = {}
         for name in files:
-            if os.path.basename(name) != name:
+            if not isinstance(name, str) or os.path.basename(name) != name:
                 raise ExportError(f"{index}: file name {name!r} is not inside the directory")
-            self.entries |= read_header(os.path.join(directory, name))
+            headers[name] = read_header(os.path.join(directory, name))
+        self.entries: dict[str, _Entry] = {}
+        if weight_map is not None:  # each name from the file the index names, as transformers reads them
+            for tensor, file in sorted(weight_map.items()):
+                if tensor not in headers[file]:
+                    raise DamagedFileError(f"{index} names {tensor!r} in {file}, which does not hold it")
+                self.entries[tensor] = headers[file][tensor]
+        else:
+            for name, header in headers.items():
+                if twice := sorted(set(header) & set(self.entries)):
+                    raise DamagedFileError(f"{directory}: {twice[0]!r} is in both "
+                                           f"{os.path.basename(self.entries[twice[0]].file)} and {name} "
+                                           "(and no model.safetensors.index.json says which holds it)")
+                self.entries |= header
         self.mapping = mapping or NameMapping.identity()
         #: Stacked keys the files hold only some of, or in disagreeing shapes: why each is not in ``keys``.
         self.incomplete: dict[str, str] = {}

@@ -765,3 +765,24 @@ def test_load_hf_without_rules_takes_each_plain_tensor_whole_and_a_piece_fails_t
     piece = torch.nn.ModuleDict({"proj": torch.nn.Linear(3, 1)})
     with pytest.raises(gs.MismatchError, match=r"'proj.weight': global shape \(1, 3\) here, \(2, 3\) in"):
         gt.load_hf(str(tmp_path), piece, gt.ParallelLayout(), None)
+
+
+def test_the_index_decides_which_file_holds_a_tensor_and_a_name_in_two_files_without_one_is_refused(tmp_path):
+    # As transformers reads a sharded checkpoint: each name from the file its index names, even when another
+    # listed file also holds that name (a stale tensor); an index naming a file that lacks the tensor is damage.
+    # Without an index, two files holding one name are ambiguous.
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    save_file({"x": np.ones(2, np.float32)}, str(tmp_path / first))
+    save_file({"x": np.full(2, 7.0, np.float32), "y": np.zeros(2, np.float32)}, str(tmp_path / second))
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {"x": first, "y": second}}))
+    out = np.zeros(2, np.float32)
+    SafetensorsSource(str(tmp_path)).read("x", gs.Box((0,), (2,)), out)
+    assert np.array_equal(out, np.ones(2, np.float32))
+    assert sorted(SafetensorsSource(str(tmp_path)).entries) == ["x", "y"]
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {"x": first, "y": first}}))
+    with pytest.raises(gs.StorageError, match=rf"index.json names 'y' in {first}, which does not hold it"):
+        SafetensorsSource(str(tmp_path))
+    index.unlink()
+    with pytest.raises(gs.StorageError, match=rf"'x' is in both {first} and {second}"):
+        SafetensorsSource(str(tmp_path))
