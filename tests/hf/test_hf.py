@@ -154,6 +154,10 @@ def test_an_export_that_would_overflow_a_value_to_inf_or_nan_is_refused_naming_i
     assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == before
     earlier = w.astype(ml_dtypes.bfloat16).astype(np.float32)
     np.testing.assert_array_equal(read_all(tmp_path / "hf")[1]["w"].float().numpy(), earlier)
+    big = np.array([1.0, 1e6], ml_dtypes.bfloat16)  # bfloat16 has float32's range, float16 not
+    save_global({"w": big}, tmp_path / "bf16")
+    with pytest.raises(ExportError, match=re.escape("'w': [1] is 999424 in bfloat16, inf in float16")):
+        export(str(tmp_path / "bf16"), str(tmp_path / "hf3"), dtype="float16")
     inf = np.array([np.inf, -np.inf, np.nan], np.float32)  # what was not finite already converts as it is
     save_global({"w": inf}, tmp_path / "nonfinite")
     export(str(tmp_path / "nonfinite"), str(tmp_path / "hf2"), dtype="float16")
