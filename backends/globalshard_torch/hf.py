@@ -122,7 +122,7 @@ def fill_from_safetensors(source: SafetensorsSource, targets: dict[str, gs.Shard
     if problems:
         raise MismatchError(format_problems("the safetensors do not fit the model", problems))
     comm = resolve_comm(comm)
-    asked = sorted({p.name for t in targets.values() for p in source.keys[t.key][2]})
+    asked = sorted({n for t in targets.values() for n in source.names(t.key)})
     read = {name for names in comm.all_gather(asked) for name in names}
     unread = sorted(set(source.entries) - read)
     if strict and unread:

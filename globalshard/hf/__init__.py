@@ -87,6 +87,14 @@ matches is left as it is and reported; any other is an error.
   experts ``[experts, out, in]`` as Hugging Face's ``[experts, in, out]``:
   ``[0, 2, 1]``). Export writes it in windows of its own rows; reading back,
   a box of the key reads the file's rows it spans.
+* ``mxfp4`` (the name of a scales tensor, on a rule with a ``name`` and
+  nothing else): reading files back only, the name holds MXFP4 blocks
+  (``uint8 [..., groups, bytes]``, two 4-bit E2M1 values a byte, the low
+  bits first) and the scales their groups' exponents (``uint8 [...,
+  groups]``, biased by 127); the key is them dequantized, ``[..., groups *
+  bytes * 2]``, as bfloat16 (every such value is one), as transformers'
+  ``convert_moe_packed_tensors`` dequantizes them. Only the groups a box
+  spans are read. Export refuses a key whose first rule is one.
 * ``config``: written as ``config.json`` beside the files. Values are JSON,
   or one of ``{"$param": name}``, ``{"$shape": hf_name, "axis": i}``
   (``"divide": param`` divides it, or ``"divide": {"$shape": ...}``), ``{"$count": hf_name_with_{layer}}``

@@ -56,12 +56,17 @@ class NameMapping:
             if stacked and lora is not None:
                 raise ExportError(f"{at}: a stacked key merges no adapter")
             axes = self._axes(t, at)
+            mxfp4 = t.get("mxfp4")
+            if mxfp4 is not None and (not isinstance(mxfp4, str) or not isinstance(t.get("name"), str) or
+                                      any(t.get(f) is not None for f in ("rotary", "lora", "axes", "stacked"))):
+                raise ExportError(f"{at}.mxfp4: the name of the scales of the MXFP4 blocks 'name' holds, on a rule "
+                                  f"without rotary, lora, axes or stacked; got {mxfp4!r}")
             split = t.get("split")
             if split is None:
                 if not isinstance(t.get("name"), str):
                     raise ExportError(f"{at}: needs a string 'name' or a 'split'")
                 self.rules.append(_Rule(compile_key(t["key"], at), t["key"], t["name"], 0, (), rotary, lora,
-                                        stacked=stacked, axes=axes))
+                                        stacked=stacked, axes=axes, mxfp4=mxfp4))
                 continue
             if axes is not None:
                 raise ExportError(f"{at}.axes: a split's parts are not transposed (only a rule with a 'name' is)")
@@ -241,6 +246,10 @@ class NameMapping:
                             problems += lora_problems(key, shape, a, shapes[a], b, shapes[b], rule.lora.rows)
                     elif a in shapes or b in shapes:
                         problems.append(f"{key!r}: the checkpoint has only one of its adapter's {a!r} and {b!r}")
+                if rule.mxfp4 is not None:
+                    problems.append(f"{key!r}: its rule ({rule.key!r} as MXFP4 {rule.name!r}) only reads files; "
+                                    "export writes no MXFP4 (put a rule that writes the key before it)")
+                    break
                 n = len(rule.stacked)
                 if len(shape) < n:
                     problems.append(f"{key!r}: {len(shape)} axes, fewer than its stacked fields {list(rule.stacked)}")

@@ -44,6 +44,7 @@ class _Rule:
     groups: int = 1
     stacked: tuple[str, ...] = ()  # fields numbered by the key's leading axes
     axes: tuple[int, ...] | None = None  # the Hugging Face tensor is the key's array transposed by these
+    mxfp4: str | None = None  # the name is MXFP4 blocks and this its scales (read only)
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,10 @@ class HfTensor:
     numbers (its layers); ``box`` is then a box of the array below them.
     ``axes``: the Hugging Face tensor is the whole array (``box``)
     transposed by them, as ``numpy.transpose`` takes them: its axis ``i``
-    is the array's axis ``axes[i]``.
+    is the array's axis ``axes[i]``. ``mxfp4``: the name holds MXFP4 blocks
+    (``[..., groups, 16]`` bytes, two 4-bit values each) and this names their
+    scales (``[..., groups]``, exponents biased by 127); the array is them
+    dequantized, ``[..., groups * 32]`` (read only).
     """
 
     name: str
@@ -70,6 +74,7 @@ class HfTensor:
     at: int = 0
     lead: tuple[int, ...] = ()
     axes: tuple[int, ...] | None = None
+    mxfp4: str | None = None
 
     def stored_box(self, box: Box) -> Box:
         """``box`` (a box of this piece's array) as a box of the stored key."""

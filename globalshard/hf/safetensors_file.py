@@ -185,6 +185,16 @@ class SafetensorsSource:
         if len({e.dtype for e in entries}) != 1:
             raise ExportError(f"{key!r}: {names} have different dtypes")
         axis, groups = rule.axis, rule.groups
+        if rule.mxfp4 is not None:  # the key's array is the blocks dequantized by their scales
+            e = entries[0]
+            scales = _fill(rule.mxfp4, _fields(rule, name))
+            s = self.entries.get(scales)
+            if e.dtype != "uint8" or len(e.shape) < 2 or s is None or s.dtype != "uint8" or s.shape != e.shape[:-1]:
+                raise ExportError(f"{name!r}: MXFP4 blocks are uint8 [..., groups, bytes] beside their uint8 scales "
+                                  f"[..., groups] {scales!r}; the files hold {e.dtype} {list(e.shape)} and "
+                                  f"{'nothing' if s is None else f'{s.dtype} {list(s.shape)}'}")
+            below = (*e.shape[:-2], e.shape[-2] * e.shape[-1] * 2)
+            return "bfloat16", below, [HfTensor(name, key, Box.full(below), lead=lead, mxfp4=scales)]
         if rule.axes is not None:  # the key's array is the file's tensor transposed back
             e = entries[0]
             if len(rule.axes) != len(e.shape):
@@ -246,7 +256,9 @@ class SafetensorsSource:
             inner = Box(part.offset[len(p.lead):], part.shape[len(p.lead):])
             shift = [a - b for a, b in zip(inner.offset, p.box.offset)]
             local = Box((shift[0] + p.at, *shift[1:]) if shift else (), inner.shape)
-            if p.axes is not None:  # the file's rows it spans, transposed back
+            if p.mxfp4 is not None:
+                values = _read_mxfp4(e, self.entries[p.mxfp4], local)
+            elif p.axes is not None:  # the file's rows it spans, transposed back
                 values = _read_rows(e, p.to_hf(local)).transpose(_inverse(p.axes))
             elif p.rotary is None:
                 values = _read_rows(e, local)
@@ -257,9 +269,45 @@ class SafetensorsSource:
             nbytes += values.nbytes
         return nbytes
 
+    def names(self, key: str) -> set[str]:
+        """The files' tensors that :meth:`read` reads for ``key`` (MXFP4 scales too)."""
+        return {n for p in self.keys[key][2] for n in (p.name, p.mxfp4) if n is not None}
+
 
 def _fill(template: str, fields: Mapping[str, str]) -> str:
     return template.format(**fields)
+
+
+def _fields(rule: _Rule, name: str) -> dict[str, str]:
+    """The fields of ``rule``'s name that ``name`` holds."""
+    m = compile_key(rule.name or "", "mapping").fullmatch(name)
+    return m.groupdict() if m is not None else {}
+
+
+#: The 16 values of a 4-bit MXFP4 element (E2M1), by its bits.
+_FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def _read_mxfp4(blocks: _Entry, scales: _Entry, box: Box) -> np.ndarray:
+    """``box`` of MXFP4 ``blocks`` dequantized (float32), as the OCP MX format and transformers'
+    ``convert_moe_packed_tensors`` read them: in each group of ``2 * bytes`` values along the last
+    axis, byte ``j`` holds value ``2j`` in its low 4 bits and ``2j + 1`` in its high ones, each scaled
+    by 2 ** (the group's scale - 127). Only the groups the box spans are read."""
+    per = blocks.shape[-1] * 2
+    first, last = box.offset[-1] // per, -(-(box.offset[-1] + box.shape[-1]) // per)
+    lead = (box.offset[:-1], box.shape[:-1])
+    raw = _read_rows(blocks, Box((*lead[0], first, 0), (*lead[1], last - first, blocks.shape[-1])))
+    exp = _read_rows(scales, Box((*lead[0], first), (*lead[1], last - first)))
+    if (exp == 255).any():  # E8M0's NaN
+        raise DamagedFileError(f"{scales.file}: an MXFP4 scale is 255, which is no number (NaN)")
+    values = np.empty((*raw.shape[:-1], per), np.float32)
+    values[..., 0::2] = _FP4[raw & 0x0F]
+    values[..., 1::2] = _FP4[raw >> 4]
+    values = np.ldexp(values, exp.astype(np.int32)[..., None] - 127).reshape(*raw.shape[:-2], -1)
+    if not np.isfinite(values).all():
+        raise DamagedFileError(f"{scales.file}: MXFP4 values beyond float32's range (scales above 254 - 127)")
+    start = box.offset[-1] - first * per
+    return values[..., start:start + box.shape[-1]]
 
 
 def _read_rotary(e: _Entry, box: Box, unit: int) -> np.ndarray:

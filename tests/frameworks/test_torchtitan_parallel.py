@@ -307,32 +307,49 @@ def test_a_gpt_oss_exports_to_transformers_gpt_oss_with_torchtitans_logits_and_b
     # 160 tokens, beyond the window: torchtitan's forward (its experts in float32, as transformers computes) is
     # 5e-7 of the largest logit apart in a trial; exported with a window of 1000, 15%.
     assert r["logits_diff"] < 1e-5 * r["logits_max"], r
-    # Back, as a fine-tune starts from Hugging Face's weights: a GptOssForCausalLM of these shapes, written by
-    # save_pretrained, read by load_hf into torchtitan's gpt-oss at dp_shard=2 x TP=2 x EP=4 (fused wqkv weight
-    # and bias DTensors, each rank's experts transposed from the files' rows), and at dp_shard=2 x EP=2, where
-    # torchtitan keeps the expert bias a plain tensor (load_hf refused it before, "not a DTensor").
+    # Back, as a fine-tune starts from Hugging Face's weights: a GptOssForCausalLM of these shapes whose experts
+    # are MXFP4 values (random blocks and scales dequantized by transformers' own convert_moe_packed_tensors), read
+    # by load_hf into torchtitan's gpt-oss: at dp_shard=2 x TP=2 x EP=4 from what save_pretrained wrote (fused
+    # wqkv weight and bias DTensors, each rank's experts transposed from the files' rows), and at dp_shard=2 x
+    # EP=2 from the same model's files as the released gpt-oss checkpoints store their experts (blocks and
+    # scales), where torchtitan keeps the expert bias a plain tensor (load_hf refused it before, "not a DTensor").
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
     torch.manual_seed(5)
     model = transformers.GptOssForCausalLM(transformers.GptOssConfig(
         vocab_size=2048, hidden_size=256, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
         intermediate_size=64, num_local_experts=8, num_experts_per_tok=4, num_hidden_layers=2, sliding_window=128,
         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}))
+    mxfp4 = {}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith("layernorm.weight") or name.endswith(
-                "norm.weight") else 0.0))
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith("norm.weight") else 0.0))
+        for i, layer in enumerate(model.model.layers):
+            for proj, rows, cols in (("gate_up_proj", 128, 256), ("down_proj", 256, 64)):  # [experts, rows, cols]
+                blocks = torch.randint(0, 256, (8, rows, cols // 32, 16), dtype=torch.uint8)
+                scales = torch.randint(120, 124, (8, rows, cols // 32), dtype=torch.uint8)  # values of about 0.1
+                getattr(layer.mlp.experts, proj).copy_(convert_moe_packed_tensors(blocks, scales).float())
+                mxfp4 |= {f"model.layers.{i}.mlp.experts.{proj}_blocks": blocks,
+                          f"model.layers.{i}.mlp.experts.{proj}_scales": scales}
     model.eval().save_pretrained(str(tmp_path / "theirs"))
+    (tmp_path / "theirs_mxfp4").mkdir()
+    (tmp_path / "theirs_mxfp4" / "config.json").write_text((tmp_path / "theirs" / "config.json").read_text())
+    plain = load_file(str(tmp_path / "theirs" / "model.safetensors"))
+    save_file({k: v for k, v in plain.items() if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+              | mxfp4, str(tmp_path / "theirs_mxfp4" / "model.safetensors"))
     with torch.no_grad():
         theirs = model(torch.arange(2 * 160).reshape(2, 160) * 37 % 2048).logits.numpy()
-    for world, tp, ep in ((4, 2, 4), (2, 1, 2)):
+    for world, tp, ep, files in ((4, 2, 4, "theirs"), (2, 1, 2, "theirs_mxfp4")):
         ranks = run(world, "torchtitan_jobs:from_transformers", str(tmp_path / f"back{world}"), work=str(tmp_path),
-                    hf=str(tmp_path / "theirs"), dp_shard=2, tp=tp, ep=ep, name="gpt_oss", mapping=str(mapping),
+                    hf=str(tmp_path / files), dp_shard=2, tp=tp, ep=ep, name="gpt_oss", mapping=str(mapping),
                     params=params, length=160)
-        for back in ranks:
+        for back in ranks:  # the scales too are read (strict: nothing of the files left unread)
             assert back["unread"] == [] and back["skipped"] == ["layers.0.moe.expert_bias_E",
                                                                 "layers.1.moe.expert_bias_E"]
         ours = np.array(ranks[0]["logits"]).reshape(theirs.shape)
-        assert np.max(np.abs(ours - theirs)) < 1e-5 * np.max(np.abs(theirs)), (tp, ep)
+        assert np.max(np.abs(ours - theirs)) < 1e-5 * np.max(np.abs(theirs)), files
 
 
 @pytest.fixture(scope="module")

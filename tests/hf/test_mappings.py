@@ -958,3 +958,78 @@ def test_torchtitan_gpt_oss_keys_export_to_each_gpt_oss_tensor_exactly_and_read_
         source.read(k, box, out)
         assert np.array_equal(out, value[box.slices]), (k, box)
 
+
+
+def mxfp4_by_element(blocks, scales):
+    """MXFP4 dequantized one element at a time, from the OCP Microscaling format: a 4-bit E2M1 value (sign,
+    2 exponent bits biased by 1, 1 mantissa bit; exponent 0 is subnormal), two to a byte, the low bits first,
+    times 2 ** (its group's 8-bit scale - 127)."""
+    def e2m1(bits):
+        sign = -1.0 if bits & 8 else 1.0
+        exponent, mantissa = (bits >> 1) & 3, bits & 1
+        return sign * (mantissa * 0.5 if exponent == 0 else (1 + mantissa / 2) * 2.0 ** (exponent - 1))
+
+    out = np.zeros((*blocks.shape[:-2], blocks.shape[-2] * blocks.shape[-1] * 2), np.float32)
+    for index in np.ndindex(*blocks.shape):
+        *lead, group, byte = index
+        scale = 2.0 ** (int(scales[(*lead, group)]) - 127)
+        for half, bits in enumerate((blocks[index] & 15, blocks[index] >> 4)):
+            out[(*lead, group * blocks.shape[-1] * 2 + 2 * byte + half)] = e2m1(int(bits)) * scale
+    return out
+
+
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_gpt_oss_experts_read_from_mxfp4_blocks_are_dequantized_in_any_box(tmp_path_factory, data):
+    # The released gpt-oss checkpoints store the experts as MXFP4 blocks and scales ([experts, rows, groups,
+    # 16] and [experts, rows, groups]): torchtitan_gpt_oss reads them back as the dequantized [experts, rows,
+    # groups * 32], which is torchtitan's own [experts, out, in] (no transpose), as bfloat16.
+    path = tmp_path_factory.mktemp("mxfp4")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    experts, rows, groups = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 4)), data.draw(st.integers(1, 3))
+    blocks = rng.integers(0, 256, (experts, rows, groups, 16), dtype=np.uint8)
+    scales = rng.integers(100, 150, (experts, rows, groups), dtype=np.uint8)
+    h = "model.layers.0.mlp.experts."
+    save_file({h + "down_proj_blocks": blocks, h + "down_proj_scales": scales}, str(path / "model.safetensors"))
+    source = SafetensorsSource(str(path), NameMapping.load("torchtitan_gpt_oss", {"heads": 1, "kv_heads": 1}))
+    key = "layers.0.moe.routed_experts.inner_experts.mlp2_weight_EDF"
+    expected = mxfp4_by_element(blocks, scales)
+    assert source.keys[key][:2] == ("bfloat16", expected.shape) and source.names(key) == {
+        h + "down_proj_blocks", h + "down_proj_scales"}
+    lo = [data.draw(st.integers(0, n - 1)) for n in expected.shape]
+    box = gs.Box(tuple(lo), tuple(data.draw(st.integers(1, n - a)) for a, n in zip(lo, expected.shape)))
+    for b in (gs.Box.full(expected.shape), box):
+        out = np.empty(b.shape, np.float32)
+        source.read(key, b, out)
+        assert np.array_equal(out, expected[b.slices]), b
+
+
+@pytest.mark.parametrize("case,match", [
+    ("nan scale", r"an MXFP4 scale is 255"),
+    ("no scales", r"MXFP4 blocks are uint8 \[\.\.\., groups, bytes\] beside their uint8 scales .* and nothing"),
+    ("not bytes", r"the files hold float32"),
+])
+def test_mxfp4_blocks_that_cannot_be_read_are_named(tmp_path, case, match):
+    h = "model.layers.0.mlp.experts."
+    blocks, scales = np.zeros((1, 2, 1, 16), np.uint8), np.full((1, 2, 1), 127, np.uint8)
+    files = {h + "down_proj_blocks": blocks, h + "down_proj_scales": scales}
+    if case == "nan scale":
+        files[h + "down_proj_scales"] = np.full((1, 2, 1), 255, np.uint8)
+    elif case == "no scales":
+        del files[h + "down_proj_scales"]
+    else:
+        files[h + "down_proj_blocks"] = blocks.astype(np.float32)
+    save_file(files, str(tmp_path / "model.safetensors"))
+    with pytest.raises(gs.StorageError if case == "nan scale" else ExportError, match=match):
+        source = SafetensorsSource(str(tmp_path), NameMapping.load("torchtitan_gpt_oss", {"heads": 1, "kv_heads": 1}))
+        source.read("layers.0.moe.routed_experts.inner_experts.mlp2_weight_EDF", gs.Box((0, 0, 0), (1, 2, 32)),
+                    np.empty((1, 2, 32), np.float32))
+
+
+def test_a_rule_that_reads_mxfp4_writes_nothing_and_takes_no_other_option(tmp_path):
+    save_global({"w": np.zeros((2, 32), np.float32)}, tmp_path / "ckpt")
+    reading = NameMapping({"tensors": [{"key": "w", "name": "w_blocks", "mxfp4": "w_scales"}]})
+    with pytest.raises(ExportError, match=r"'w': its rule \('w' as MXFP4 'w_blocks'\) only reads files"):
+        export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), mapping=reading)
+    with pytest.raises(ExportError, match=r"tensors\[0\]\.mxfp4: the name of the scales"):
+        NameMapping({"tensors": [{"key": "w", "name": "w_blocks", "mxfp4": "w_scales", "axes": [1, 0]}]})
