@@ -16,7 +16,8 @@ from globalshard.hf.errors import ExportError
 
 # TODO(limitation): shipped mappings cover Llama, Qwen2 (and Qwen2-MoE and Mixtral from Megatron-Core), Qwen3 (dense
 # and MoE, a MoE's expert bias only by skipping it: Hugging Face's Qwen3 MoE has none) and DeepSeek-V3 from torchtitan
-# and Megatron-Core (routed with a sigmoid); other architectures need a mapping file of their own.
+# and Megatron-Core (routed with a sigmoid), and gpt-oss from torchtitan (its expert bias only by skipping it too);
+# other architectures need a mapping file of their own.
 MAPPINGS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "mappings")
 
 

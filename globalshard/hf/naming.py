@@ -246,7 +246,7 @@ class NameMapping:
                             problems += lora_problems(key, shape, a, shapes[a], b, shapes[b], rule.lora.rows)
                     elif a in shapes or b in shapes:
                         problems.append(f"{key!r}: the checkpoint has only one of its adapter's {a!r} and {b!r}")
-                if rule.mxfp4 is not None:
+                if rule.mxfp4 is not None:  # TODO(limitation): export writes no MXFP4 (gpt-oss's are read only)
                     problems.append(f"{key!r}: its rule ({rule.key!r} as MXFP4 {rule.name!r}) only reads files; "
                                     "export writes no MXFP4 (put a rule that writes the key before it)")
                     break
