@@ -257,7 +257,7 @@ class SafetensorsSource:
             shift = [a - b for a, b in zip(inner.offset, p.box.offset)]
             local = Box((shift[0] + p.at, *shift[1:]) if shift else (), inner.shape)
             if p.mxfp4 is not None:
-                values = _read_mxfp4(e, self.entries[p.mxfp4], local)
+                values = _read_mxfp4(e, self.entries[p.mxfp4], local, p.mxfp4)
             elif p.axes is not None:  # the file's rows it spans, transposed back
                 values = _read_rows(e, p.to_hf(local)).transpose(_inverse(p.axes))
             elif p.rotary is None:
@@ -288,24 +288,27 @@ def _fields(rule: _Rule, name: str) -> dict[str, str]:
 _FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 
 
-def _read_mxfp4(blocks: _Entry, scales: _Entry, box: Box) -> np.ndarray:
+def _read_mxfp4(blocks: _Entry, scales: _Entry, box: Box, name: str) -> np.ndarray:
     """``box`` of MXFP4 ``blocks`` dequantized (float32), as the OCP MX format and transformers'
     ``convert_moe_packed_tensors`` read them: in each group of ``2 * bytes`` values along the last
     axis, byte ``j`` holds value ``2j`` in its low 4 bits and ``2j + 1`` in its high ones, each scaled
-    by 2 ** (the group's scale - 127). Only the groups the box spans are read."""
+    by 2 ** (the group's scale - 127). Only the groups the box spans are read. ``name``: the
+    scales' tensor, for errors."""
     per = blocks.shape[-1] * 2
     first, last = box.offset[-1] // per, -(-(box.offset[-1] + box.shape[-1]) // per)
     lead = (box.offset[:-1], box.shape[:-1])
     raw = _read_rows(blocks, Box((*lead[0], first, 0), (*lead[1], last - first, blocks.shape[-1])))
     exp = _read_rows(scales, Box((*lead[0], first), (*lead[1], last - first)))
     if (exp == 255).any():  # E8M0's NaN
-        raise DamagedFileError(f"{scales.file}: an MXFP4 scale is 255, which is no number (NaN)")
+        raise DamagedFileError(f"{scales.file}: {name!r}: an MXFP4 scale is 255, which is no number (NaN)")
     values = np.empty((*raw.shape[:-1], per), np.float32)
     values[..., 0::2] = _FP4[raw & 0x0F]
     values[..., 1::2] = _FP4[raw >> 4]
-    values = np.ldexp(values, exp.astype(np.int32)[..., None] - 127).reshape(*raw.shape[:-2], -1)
+    with np.errstate(over="ignore"):  # checked below
+        values = np.ldexp(values, exp.astype(np.int32)[..., None] - 127).reshape(*raw.shape[:-2], -1)
     if not np.isfinite(values).all():
-        raise DamagedFileError(f"{scales.file}: MXFP4 values beyond float32's range (scales above 254 - 127)")
+        raise DamagedFileError(f"{scales.file}: {name!r}: MXFP4 values beyond float32's range (a scale of "
+                               f"2 ** {int(exp.max()) - 127})")
     start = box.offset[-1] - first * per
     return values[..., start:start + box.shape[-1]]
 

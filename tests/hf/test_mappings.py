@@ -1005,7 +1005,8 @@ def test_gpt_oss_experts_read_from_mxfp4_blocks_are_dequantized_in_any_box(tmp_p
 
 
 @pytest.mark.parametrize("case,match", [
-    ("nan scale", r"an MXFP4 scale is 255"),
+    ("nan scale", r"down_proj_scales': an MXFP4 scale is 255"),
+    ("huge scale", r"down_proj_scales': MXFP4 values beyond float32's range \(a scale of 2 \*\* 127\)"),
     ("no scales", r"MXFP4 blocks are uint8 \[\.\.\., groups, bytes\] beside their uint8 scales .* and nothing"),
     ("not bytes", r"the files hold float32"),
 ])
@@ -1013,14 +1014,15 @@ def test_mxfp4_blocks_that_cannot_be_read_are_named(tmp_path, case, match):
     h = "model.layers.0.mlp.experts."
     blocks, scales = np.zeros((1, 2, 1, 16), np.uint8), np.full((1, 2, 1), 127, np.uint8)
     files = {h + "down_proj_blocks": blocks, h + "down_proj_scales": scales}
-    if case == "nan scale":
-        files[h + "down_proj_scales"] = np.full((1, 2, 1), 255, np.uint8)
+    if case in ("nan scale", "huge scale"):  # 6 * 2 ** 127 is beyond float32
+        files[h + "down_proj_scales"] = np.full((1, 2, 1), 255 if case == "nan scale" else 254, np.uint8)
+        files[h + "down_proj_blocks"] = np.full((1, 2, 1, 16), 0x77, np.uint8)
     elif case == "no scales":
         del files[h + "down_proj_scales"]
     else:
         files[h + "down_proj_blocks"] = blocks.astype(np.float32)
     save_file(files, str(tmp_path / "model.safetensors"))
-    with pytest.raises(gs.StorageError if case == "nan scale" else ExportError, match=match):
+    with pytest.raises(gs.StorageError if case.endswith("scale") else ExportError, match=match):
         source = SafetensorsSource(str(tmp_path), NameMapping.load("torchtitan_gpt_oss", {"heads": 1, "kv_heads": 1}))
         source.read("layers.0.moe.routed_experts.inner_experts.mlp2_weight_EDF", gs.Box((0, 0, 0), (1, 2, 32)),
                     np.empty((1, 2, 32), np.float32))
