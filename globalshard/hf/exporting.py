@@ -221,18 +221,11 @@ def _refuse_overflow(p: HfTensor, window: Box, buf: np.ndarray, converted: np.nd
                      dtype: str) -> None:
     """Raise naming the first finite value of ``buf`` (a window of piece ``p``, in Hugging Face's
     order) that ``converted`` holds as inf or NaN, at its place in the Hugging Face tensor."""
-    if not _is_float(stored):  # bfloat16 and the float8s included (their numpy kind is "V")
-        return
     bad = np.isfinite(buf) & ~np.isfinite(converted)
     if not bad.any():
         return
     at = tuple(int(i) for i in np.argwhere(bad)[0])
-    if p.axes is not None:
-        start = p.to_hf(window).offset
-    else:
-        start = tuple(w - b for w, b in zip(window.offset, p.box.offset))
-        start = (start[0] + p.at, *start[1:]) if start else ()
-    where = [s + i for s, i in zip(start, at)]
+    where = [s + i for s, i in zip(p.to_hf(window).offset, at)]
     name = repr(p.name) if p.name == p.key else f"{p.name!r} (checkpoint key {p.key!r})"
     raise ExportError(f"{name}: {where} is {float(buf[at]):g} in {stored}, {float(converted[at])} in {dtype}, "
                       f"which cannot hold it: export in a wider dtype (bfloat16 has float32's range)")

@@ -86,17 +86,22 @@ class HfTensor:
         return self.box.shape if self.axes is None else tuple(self.box.shape[a] for a in self.axes)
 
     def to_hf(self, box: Box) -> Box:
-        """``box`` of this piece's array as a box of the Hugging Face tensor (``axes`` applied)."""
+        """``box`` of this piece's array (within :attr:`box`) as a box of the Hugging Face
+        tensor: from where the piece starts in it (``at``), ``axes`` applied."""
+        offset = tuple(o - b for o, b in zip(box.offset, self.box.offset))
+        offset = (offset[0] + self.at, *offset[1:]) if offset else ()
         if self.axes is None:
-            return box
-        return Box(tuple(box.offset[a] for a in self.axes), tuple(box.shape[a] for a in self.axes))
+            return Box(offset, box.shape)
+        return Box(tuple(offset[a] for a in self.axes), tuple(box.shape[a] for a in self.axes))
 
     def from_hf(self, box: Box) -> Box:
         """A box of the Hugging Face tensor as a box of this piece's array (:meth:`to_hf` undone)."""
-        if self.axes is None:
-            return box
-        back = _inverse(self.axes)
-        return Box(tuple(box.offset[a] for a in back), tuple(box.shape[a] for a in back))
+        offset, shape = box.offset, box.shape
+        if self.axes is not None:
+            back = _inverse(self.axes)
+            offset, shape = tuple(offset[a] for a in back), tuple(shape[a] for a in back)
+        offset = (offset[0] - self.at, *offset[1:]) if offset else ()
+        return Box(tuple(o + b for o, b in zip(offset, self.box.offset)), shape)
 
 
 def _inverse(axes: Sequence[int]) -> tuple[int, ...]:

@@ -148,6 +148,8 @@ class SafetensorsSource:
         others = self.mapping.renumbered_from()  # from these numbers on, a renumbered prefix's layers
         for rule in self.mapping.rules:
             targets = [rule.name] if rule.name is not None else [p.name for p in rule.parts]
+            if rule.mxfp4 is not None:  # its scales, filled with the blocks' fields
+                targets.append(rule.mxfp4)
             first = compile_key(targets[0], "mapping")
             stacks: dict[str, dict[tuple[int, ...], tuple[str, tuple[int, ...], list[HfTensor]]]] = {}
             for name in sorted(self.entries):
@@ -178,16 +180,8 @@ class SafetensorsSource:
     def _pieces(self, rule: _Rule, key: str, names: list[str], name: str,
                 lead: tuple[int, ...]) -> tuple[str, tuple[int, ...], list[HfTensor]]:
         """The dtype, shape and pieces of the array ``names`` make under ``rule``."""
-        missing = [n for n in names if n not in self.entries]
-        if missing:
-            raise ExportError(f"{key!r}: {self.directory} lacks {missing} (needed with {name!r})")
-        entries = [self.entries[n] for n in names]
-        if len({e.dtype for e in entries}) != 1:
-            raise ExportError(f"{key!r}: {names} have different dtypes")
-        axis, groups = rule.axis, rule.groups
         if rule.mxfp4 is not None:  # the key's array is the blocks dequantized by their scales
-            e = entries[0]
-            scales = _fill(rule.mxfp4, _fields(rule, name))
+            e, scales = self.entries[name], names[1]
             s = self.entries.get(scales)
             if e.dtype != "uint8" or len(e.shape) < 2 or s is None or s.dtype != "uint8" or s.shape != e.shape[:-1]:
                 raise ExportError(f"{name!r}: MXFP4 blocks are uint8 [..., groups, bytes] beside their uint8 scales "
@@ -195,6 +189,13 @@ class SafetensorsSource:
                                   f"{'nothing' if s is None else f'{s.dtype} {list(s.shape)}'}")
             below = (*e.shape[:-2], e.shape[-2] * e.shape[-1] * 2)
             return "bfloat16", below, [HfTensor(name, key, Box.full(below), lead=lead, mxfp4=scales)]
+        missing = [n for n in names if n not in self.entries]
+        if missing:
+            raise ExportError(f"{key!r}: {self.directory} lacks {missing} (needed with {name!r})")
+        entries = [self.entries[n] for n in names]
+        if len({e.dtype for e in entries}) != 1:
+            raise ExportError(f"{key!r}: {names} have different dtypes")
+        axis, groups = rule.axis, rule.groups
         if rule.axes is not None:  # the key's array is the file's tensor transposed back
             e = entries[0]
             if len(rule.axes) != len(e.shape):
@@ -253,13 +254,11 @@ class SafetensorsSource:
             if part is None or part.volume == 0:
                 continue
             e = self.entries[p.name]
-            inner = Box(part.offset[len(p.lead):], part.shape[len(p.lead):])
-            shift = [a - b for a, b in zip(inner.offset, p.box.offset)]
-            local = Box((shift[0] + p.at, *shift[1:]) if shift else (), inner.shape)
+            local = p.to_hf(Box(part.offset[len(p.lead):], part.shape[len(p.lead):]))  # in the file's tensor
             if p.mxfp4 is not None:
                 values = _read_mxfp4(e, self.entries[p.mxfp4], local, p.mxfp4)
             elif p.axes is not None:  # the file's rows it spans, transposed back
-                values = _read_rows(e, p.to_hf(local)).transpose(_inverse(p.axes))
+                values = _read_rows(e, local).transpose(_inverse(p.axes))
             elif p.rotary is None:
                 values = _read_rows(e, local)
             else:
@@ -276,12 +275,6 @@ class SafetensorsSource:
 
 def _fill(template: str, fields: Mapping[str, str]) -> str:
     return template.format(**fields)
-
-
-def _fields(rule: _Rule, name: str) -> dict[str, str]:
-    """The fields of ``rule``'s name that ``name`` holds."""
-    m = compile_key(rule.name or "", "mapping").fullmatch(name)
-    return m.groupdict() if m is not None else {}
 
 
 #: The 16 values of a 4-bit MXFP4 element (E2M1), by its bits.
