@@ -48,6 +48,13 @@ def shapes(draw: Any, min_dims: int = 1, max_dims: int = 3, max_side: int = 9) -
 
 
 @st.composite
+def box_within(draw: Any, shape: tuple[int, ...]) -> gs.Box:
+    """A box inside an array of ``shape`` (no side empty; ``shape`` has none)."""
+    lo = [draw(st.integers(0, n - 1)) for n in shape]
+    return gs.Box(tuple(lo), tuple(draw(st.integers(1, n - a)) for a, n in zip(lo, shape)))
+
+
+@st.composite
 def grid_boxes(draw: Any, shape: tuple[int, ...]) -> list[gs.Box]:
     """A random grid partition of an array: every element in exactly one box."""
     if not shape:

@@ -16,6 +16,7 @@ from test_hf import attention_layer, read_all, save_global
 import globalshard as gs
 from globalshard.hf import ExportError, NameMapping, SafetensorsSource, export
 from globalshard.hf.files import param_names, read_mapping
+from globalshard.testing.strategies import box_within
 
 
 def write(path, doc):
@@ -218,8 +219,7 @@ def test_torchtitan_qwen3_keys_export_to_each_qwen3_tensor_exactly_and_read_back
     assert set(keys) <= set(source.keys)
     for k, value in keys.items():
         assert source.keys[k][1] == value.shape, k
-        lo = [data.draw(st.integers(0, n - 1)) for n in value.shape]
-        box = gs.Box(tuple(lo), tuple(data.draw(st.integers(1, n - a)) for a, n in zip(lo, value.shape)))
+        box = data.draw(box_within(value.shape))
         for b in (gs.Box.full(value.shape), box):
             out = np.empty(b.shape, np.float32)
             source.read(k, b, out)
@@ -952,8 +952,7 @@ def test_torchtitan_gpt_oss_keys_export_to_each_gpt_oss_tensor_exactly_and_read_
     source = SafetensorsSource(str(path / "hf"), mapping)
     for k, value in keys.items():
         assert source.keys[k][1] == value.shape, k
-        lo = [data.draw(st.integers(0, n - 1)) for n in value.shape]
-        box = gs.Box(tuple(lo), tuple(data.draw(st.integers(1, n - a)) for a, n in zip(lo, value.shape)))
+        box = data.draw(box_within(value.shape))
         out = np.empty(box.shape, np.float32)
         source.read(k, box, out)
         assert np.array_equal(out, value[box.slices]), (k, box)
@@ -996,8 +995,7 @@ def test_gpt_oss_experts_read_from_mxfp4_blocks_are_dequantized_in_any_box(tmp_p
     expected = mxfp4_by_element(blocks, scales)
     assert source.keys[key][:2] == ("bfloat16", expected.shape) and source.names(key) == {
         h + "down_proj_blocks", h + "down_proj_scales"}
-    lo = [data.draw(st.integers(0, n - 1)) for n in expected.shape]
-    box = gs.Box(tuple(lo), tuple(data.draw(st.integers(1, n - a)) for a, n in zip(lo, expected.shape)))
+    box = data.draw(box_within(expected.shape))
     for b in (gs.Box.full(expected.shape), box):
         out = np.empty(b.shape, np.float32)
         source.read(key, b, out)
