@@ -19,8 +19,13 @@ def test_its_steps_run_end_to_end_and_write_one_json(tmp_path):
     subprocess.run([sys.executable, SCRIPT, str(out), "--cpu"], check=True, capture_output=True, text=True,
                    cwd=ROOT, timeout=300)
     report = json.loads(out.read_text())
-    assert set(report) >= {"staging", "async_save", "load_to_gpu", "state_bytes"}
+    assert set(report) >= {"staging", "async_save", "load_to_gpu", "state_bytes", "training_loop",
+                           "step_time_async_process_vs_none", "step_time_async_thread_vs_none"}
     assert report["async_save"]["mode"] == "process" and report["load_to_gpu"]["gbs"] > 0
+    for mode in ("process", "thread"):  # the training loop ran its pairs with saves in each mode
+        loop = report["training_loop"][mode]
+        assert loop["mode"] == mode and len(loop["ratios"]) == 2 and loop["save_every"] >= 4
+        assert report[f"step_time_async_{mode}_vs_none"] == loop["ratio"] > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the script measures it instead")
