@@ -565,8 +565,6 @@ def _add_flat(into: dict[str, gs.ShardedTensor], fs: FlatShard, e: Entry, item: 
     if data.ndim == 0:
         into[f"flat/{item}/{e.name}/{fs.start}"] = _scalar_shard(key, data, scalar_main and fs.start == 0)
         return
-    # TODO(limitation): a flat piece's elements in vocabulary padding rows are not kept
-    # (regions() holds the true rows only); they load as zeros.
     local_shape, regions = e.regions()
     for replica in (False, True):  # regions this rank holds as main, then those another TP rank also holds
         part = [r for r, shared in regions if shared == replica]
@@ -576,6 +574,13 @@ def _add_flat(into: dict[str, gs.ShardedTensor], fs: FlatShard, e: Entry, item: 
                 key, data, global_shape=e.placement.global_shape, start=fs.start, local_shape=local_shape,
                 regions=part, replica_id=0 if main and not replica else 1)):
             into[f"flat/{item}/{e.name}/{fs.start}/{int(replica)}/{i}"] = t
+    padding = e.padding()  # the piece's elements in vocabulary padding rows, in the key's companion
+    if padding is not None:
+        shape, region = padding
+        for i, t in enumerate(gs.shards_from_flat_range(
+                key + gs.PADDING_SUFFIX, data, global_shape=shape, start=fs.start, local_shape=local_shape,
+                regions=[region], replica_id=0 if main else 1)):
+            into[f"flat/{item}/{e.name}/{fs.start}/padding/{i}"] = t
 
 
 def _zero_targets(optimizer: Any, entries: list[Entry], metadata: gs.Metadata) -> list[FlatShard]:

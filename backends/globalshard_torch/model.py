@@ -80,21 +80,37 @@ class Entry:
             raise LayoutError(f"{key!r}: local shape {data.shape} differs from the parameter's "
                               f"{tuple(self.tensor.shape)}")
 
+    def padding(self) -> tuple[tuple[int, ...], gs.Region] | None:
+        """Where this rank's padding rows go (spec section 1): the ``#padding``
+        companion's global shape, and the region of the local tensor's padding
+        rows in it; None when the layout pads none of this rank's rows."""
+        p = self.placement
+        if p.padded_rows is None:
+            return None
+        shape = tuple(self.tensor.shape)
+        vocab, start, rest = p.global_shape[0], p.global_offset[0], shape[1:]
+        true_rows = max(0, min(shape[0], vocab - start))
+        if true_rows == shape[0]:
+            return None
+        rows, zeros = shape[0] - true_rows, (0,) * len(rest)
+        return (p.padded_rows - vocab, *rest), gs.Region(gs.Box((true_rows, *zeros), (rows, *rest)),
+                                                         gs.Box((start + true_rows - vocab, *zeros), (rows, *rest)))
+
     def _padded(self, name: str, key: str, data: np.ndarray) -> dict[str, gs.ShardedTensor]:
         """The true rows under ``key`` and the padding rows under its
         ``#padding`` companion (spec section 1), never both over one row."""
         p = self.placement
-        assert p.padded_rows is not None
         self._check_shape(key, data)
-        vocab, start, rest = p.global_shape[0], p.global_offset[0], tuple(data.shape[1:])
-        true_rows = max(0, min(data.shape[0], vocab - start))
+        padding = self.padding()
+        true_rows = data.shape[0] if padding is None else padding[1].local_box.offset[0]
         replica = 0 if self.main else 1
         out = {name: gs.ShardedTensor.from_offset(key, data[:true_rows], global_shape=p.global_shape,
                                                   global_offset=p.global_offset, replica_id=replica)}
-        if true_rows < data.shape[0]:
+        if padding is not None:
+            shape, region = padding
             out[f"{name}#padding"] = gs.ShardedTensor.from_offset(
-                key + gs.PADDING_SUFFIX, data[true_rows:], global_shape=(p.padded_rows - vocab, *rest),
-                global_offset=(start + true_rows - vocab, *(0,) * len(rest)), replica_id=replica)
+                key + gs.PADDING_SUFFIX, data[true_rows:], global_shape=shape, global_offset=region.global_box.offset,
+                replica_id=replica)
         return out
 
     def shard(self, key: str, data: np.ndarray) -> gs.ShardedTensor:

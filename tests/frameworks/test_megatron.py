@@ -79,6 +79,10 @@ DISTOPT = [
     # bf16 parameters (Float16Module) with the optimizer's fp32 main copies, stored as "master".
     dict(name="distopt_bf16_dp2_to_tp2", save=dict(tp=1, pp=1), load=dict(tp=2, pp=1), model={**DENSE, "bf16": True},
          distopt=True),
+    # A vocabulary of 60 padded to 64 at both TPs: the padding rows' Adam moments and main copies, which
+    # Megatron's load keeps, carry over from TP=2 (the last 4 rows of rank 1) to TP=1.
+    dict(name="distopt_padded_vocab_tp2_to_tp1", save=dict(tp=2, pp=1), load=dict(tp=1, pp=1),
+         model={**DENSE, "true_vocab": 60}, distopt=True),
 ]
 # A MoE distributed optimizer traded between EP=2 (a dense and an expert optimizer, chained) and TP=2 (one
 # optimizer, fewer param groups), which dist_checkpointing does not load across: a round trip through the

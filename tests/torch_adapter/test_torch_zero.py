@@ -5,11 +5,12 @@ communicator (every save/load code path is the multi-rank one), and ZeRO over
 gloo processes."""
 
 import itertools
+import tempfile
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch_harness import run, values_of
@@ -65,9 +66,9 @@ class Layer(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, tp, layers):
+    def __init__(self, tp, layers, vocab_rows=None):
         super().__init__()
-        self.embedding = nn.Embedding(-(-VOCAB // tp), H)
+        self.embedding = nn.Embedding(vocab_rows or -(-VOCAB // tp), H)
         self.layers = nn.ModuleList(Layer(tp) for _ in range(layers))
 
 
@@ -80,14 +81,18 @@ def reference(seed):
     return {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
 
 
-def local_slice(key, g, tp, r):
-    """Rank r's local tensor of global g (padding rows zero), written from the rules' definitions."""
+def local_slice(key, g, tp, r, pad=None, rows=None):
+    """Rank r's local tensor of global g, written from the rules' definitions: the
+    vocabulary (``rows`` a rank, by default the fewest that hold it) has its padding
+    rows zero, or the first rows of ``pad`` (a #padding companion)."""
     if key.startswith("embedding"):
-        rows = -(-VOCAB // tp)
-        out = np.zeros((rows, H), np.float32)
-        real = g[r * rows:(r + 1) * rows]
-        out[:len(real)] = real
-        return out
+        rows = rows or -(-VOCAB // tp)
+        full = np.zeros((rows * tp, H), np.float32)
+        full[:VOCAB] = g
+        if pad is not None:
+            n = min(len(pad), rows * tp - VOCAB)
+            full[VOCAB:VOCAB + n] = pad[:n]
+        return full[r * rows:(r + 1) * rows]
     if key.endswith("qkv.weight"):
         q, kv = HEADS * HD // tp, KV * HD // tp
         return np.concatenate([g[r * q:(r + 1) * q], g[HEADS * HD + r * kv:HEADS * HD + (r + 1) * kv],
@@ -98,17 +103,17 @@ def local_slice(key, g, tp, r):
     return g
 
 
-def build(tp, pp, tp_rank, pp_rank, dp_rank=0, dp=1, fill=None):
+def build(tp, pp, tp_rank, pp_rank, dp_rank=0, dp=1, fill=None, vocab_rows=None):
     layout = gt.ParallelLayout(tp_rank=tp_rank, tp_size=tp, pp_rank=pp_rank, pp_size=pp, dp_rank=dp_rank,
                                dp_size=dp, num_layers=LAYERS)
-    model = Model(tp, LAYERS // pp)
+    model = Model(tp, LAYERS // pp, vocab_rows)
     if pp > 1 and pp_rank > 0:
         del model.embedding  # the embedding lives on the first stage
     if fill is not None:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 key = layout.global_name(name, 0)
-                p.copy_(torch.from_numpy(local_slice(key, fill[key], tp, tp_rank)))
+                p.copy_(torch.from_numpy(local_slice(key, fill[key], tp, tp_rank, rows=vocab_rows)))
     return layout, model
 
 
@@ -116,8 +121,9 @@ def keyed_params(layout, model):
     return [(layout.global_name(n, 0), p) for n, p in model.named_parameters()]
 
 
-def do_shards(layout, model, moments, bucket_size, empty=False):
-    """This rank's Megatron-style pieces of every moment, from the global moments."""
+def do_shards(layout, model, moments, bucket_size, empty=False, pads=None):
+    """This rank's Megatron-style pieces of every moment, from the global moments (and
+    the embedding's padding rows of each, ``pads``)."""
     key_of = {id(p): k for k, p in keyed_params(layout, model)}
     pieces = []
     for p, start, stop in gt.megatron_param_ranges([p for _, p in keyed_params(layout, model)],
@@ -126,7 +132,10 @@ def do_shards(layout, model, moments, bucket_size, empty=False):
         key = key_of[id(p)]
         state = {}
         for item in ITEMS:
-            flat = local_slice(key, moments[item][key], layout.tp_size, layout.tp_rank).reshape(-1)[start:stop]
+            pad = None if pads is None else pads[item]
+            rows = p.shape[0] if key.startswith("embedding") else None
+            local = local_slice(key, moments[item][key], layout.tp_size, layout.tp_rank, pad, rows)
+            flat = local.reshape(-1)[start:stop]
             state[item] = torch.zeros(stop - start) if empty else torch.from_numpy(flat.copy())
         state["step"] = torch.tensor(0.0 if empty else 3.0)
         pieces.append(gt.FlatShard(p, start, stop, state))
@@ -178,6 +187,55 @@ def test_distributed_optimizer_state_reshards_across_dp_tp_and_pp(tmp_path, save
         return wrong
 
     assert run_ranks(tp * pp * dp, load_rank) == [[]] * (tp * pp * dp)
+
+
+@settings(max_examples=25)
+@given(st.sampled_from([(4, 1, 1), (4, 2, 1), (2, 2, 4), (2, 1, 1), (1, 2, 4)]),
+       st.sampled_from([(4, 1, 1), (4, 2, 4), (2, 1, 1), (2, 2, 4), (1, 2, 1)]),
+       st.none() | st.integers(20, 200), st.none() | st.integers(20, 200))
+def test_a_distributed_optimizers_vocabulary_padding_rows_keep_their_state(save, load, save_bucket, load_bucket):
+    """Megatron-Core trains its vocabulary's padding rows (the loss runs over them), so
+    their Adam state is not zero: a distributed optimizer's pieces keep it in each
+    key's #padding companion, and a load on a layout that pads takes the rows it
+    shares with the saving layout's padding, the rest zero (spec section 1).
+    Layouts are (TP, DP, d): the vocabulary of 10 padded to a multiple of d x TP, as
+    Megatron's make_vocab_size_divisible_by pads it (none to 6 padding rows)."""
+    moments = {item: reference(40 + i) for i, item in enumerate(ITEMS)}
+
+    def rows(tp, d):  # a rank's rows
+        return -(-VOCAB // (d * tp)) * d
+
+    tp, dp, d = save
+    rng = np.random.default_rng(7)
+    pads = {item: rng.standard_normal((rows(tp, d) * tp - VOCAB, H)).astype(np.float32) for item in ITEMS}
+    with tempfile.TemporaryDirectory() as tmp:
+        def save_rank(comm):
+            t, s, r = topology(tp, 1, dp)[comm.rank]
+            layout, model = build(tp, 1, t, s, r, dp, fill=reference(1), vocab_rows=rows(tp, d))
+            gt.save_checkpoint(tmp, model=model, layout=layout, rules=RULES, comm=comm, overwrite=True,
+                               optimizer=torch.optim.AdamW([nn.Parameter(torch.zeros(1))]),
+                               optimizer_shards=do_shards(layout, model, moments, save_bucket, pads=pads))
+
+        assert all(r is None for r in run_ranks(tp * dp, save_rank)), "a saving rank failed"
+        stored = gs.read_metadata(tmp).tensors
+        for item in ITEMS:
+            key = f"optimizer.{item}.embedding.weight#padding"
+            assert np.array_equal(gs.read_array(tmp, key), pads[item]) if len(pads[item]) else key not in stored
+
+        def load_rank(comm, tp=load[0], dp=load[1], d=load[2]):
+            t, s, r = topology(tp, 1, dp)[comm.rank]
+            layout, model = build(tp, 1, t, s, r, dp, vocab_rows=rows(tp, d))
+            pieces = do_shards(layout, model, moments, load_bucket, empty=True)
+            for piece in pieces:  # what a load must overwrite, padding rows included
+                for item in ITEMS:
+                    piece.state[item].fill_(5.0)
+            gt.load_checkpoint(tmp, model=model, layout=layout, rules=RULES, comm=comm, optimizer_shards=pieces,
+                               optimizer=torch.optim.AdamW([nn.Parameter(torch.zeros(1))]))
+            want = do_shards(layout, model, moments, load_bucket, pads=pads)
+            return [f"{item} [{got.start}, {got.stop})" for got, exp in zip(pieces, want) for item in ITEMS
+                    if not torch.equal(got.state[item], exp.state[item])]
+
+        assert run_ranks(load[0] * load[1], load_rank) == [[]] * (load[0] * load[1])
 
 
 def test_distributed_optimizer_and_plain_adamw_load_each_other(tmp_path):
