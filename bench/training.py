@@ -488,6 +488,16 @@ def main() -> None:
             return None
         return sum(p["background_cpu_s"] for p in phases) / sum(p["saves"] for p in phases)
 
+    def steps_after_a_save(mode: str) -> dict[str, float]:
+        """Median seconds of the steps that begin right after a save (index a
+        multiple of EVERY) and of the other steps, in the phases with saves and
+        at the same places in those without: where the background part's cost lands."""
+        def median(phase: str, after: bool) -> float:
+            return statistics.median(s for p in runs[mode]["pairs"] for i, s in enumerate(p[phase]["steps_s"])
+                                     if (i % EVERY == 0) == after)
+        return {"after_save": median(mode, True), "after_save_without": median("none", True),
+                "other": median(mode, False), "other_without": median("none", False)}
+
     process = runs["process"]
     block = [b / m for p in process["pairs"] for b, m in zip(p["process"]["blocking_s"], p["process"]["memcpy_s"])]
     state = process["state_bytes"]
@@ -511,6 +521,7 @@ def main() -> None:
         "step_time_intervals": {mode: median_interval(ratios(mode))[:2] for mode in MODES},
         "background_cpu_s_per_save": {mode: cpu_per_save(mode) for mode in ("process", "process_spare", "raw",
                                                                             "raw_direct", "raw_chunked")},
+        "steps_after_a_save": {mode: steps_after_a_save(mode) for mode in MODES if mode != "sync"},
         "async_block_vs_memcpy": statistics.median(block) if block else None,
         # What saves add to the same loop's peak: the host's peak over the phases with saves (the
         # trainer, its staging pools and its writer) over the trainer's own peak over the phases without.
