@@ -100,6 +100,8 @@ matches is left as it is and reported; any other is an error.
   (``"divide": param`` divides it, or ``"divide": {"$shape": ...}``), ``{"$count": hf_name_with_{layer}}``
   (how many layers have it), ``{"$indices": hf_name_with_{layer}}`` (the
   sorted layer numbers that have it), ``{"$range": n}`` (``[0, ..., n - 1]``),
+  ``{"$cycle": [a, b], "count": n}`` (``n`` values, ``a, b, a, b, ...``:
+  gpt-oss's ``layer_types``),
   ``{"$present": hf_name}``, ``{"$absent": hf_name}``, ``{"$equal": [a,
   b]}`` (true or false; with ``"then": a, "else": b``, the value ``a`` or
   ``b``, themselves JSON or directives; ``$param`` too chooses so, by

@@ -24,7 +24,8 @@ def hf_config(mapping: NameMapping, pieces: Sequence[HfTensor], out_dtype: Mappi
     lists the values its one field takes (the layers that have it). ``$present``,
     ``$absent``, ``$param`` (a number other than 0) and ``$equal`` (two values)
     choose between ``then`` and ``else``; ``$error`` (in a branch) refuses the
-    export with its message; ``$range`` is ``[0, 1, ..., n - 1]``.
+    export with its message; ``$range`` is ``[0, 1, ..., n - 1]``; ``$cycle``
+    repeats its list's values, in order, until there are ``count`` of them.
     """
     if mapping.config is None:
         return None
@@ -88,6 +89,14 @@ def hf_config(mapping: NameMapping, pieces: Sequence[HfTensor], out_dtype: Mappi
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise ExportError(f"{where}: {at}: $range counts up to a whole number, got {n!r}")
             return list(range(n))
+        if kind == "$cycle":
+            n = value(v.get("count"), f"{at}.count")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ExportError(f"{where}: {at}: $cycle needs a whole number as its count, got {n!r}")
+            if not isinstance(arg, list) or not arg:
+                raise ExportError(f"{where}: {at}: $cycle repeats a list of values, got {arg!r}")
+            values = value(arg, f"{at}.$cycle")
+            return [values[i % len(values)] for i in range(n)]
         if kind == "$count":
             return len(named(arg, at))
         if kind == "$indices":

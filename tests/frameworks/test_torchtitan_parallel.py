@@ -299,6 +299,9 @@ def test_a_gpt_oss_exports_to_transformers_gpt_oss_with_torchtitans_logits_and_b
     (r,) = run(1, "torchtitan_jobs:exported", str(tmp_path / "ranks"), work=str(tmp_path), name="gpt_oss",
                hf=str(tmp_path / "hf"), mapping=str(mapping), params=params, zero_expert_bias=True, length=160)
     assert r["architecture"] == "GptOssForCausalLM"
+    # The config's layer_types (written, not left to transformers' default) say which layers torchtitan windows.
+    assert r["windows"] == [128, None] and r["sliding_window"] == 128
+    assert r["layer_types"] == ["sliding_attention" if w else "full_attention" for w in r["windows"]]
     # Every tensor torchtitan 0.3's own GptOssStateDictAdapter.to_hf makes, equal; it leaves the experts out (it
     # names them mlp1_weight, mlp2_weight, which its model's keys, mlp1_weight_EGD and mlp2_weight_EDF, are not).
     assert r["differ"] == [] and r["only_theirs"] == []

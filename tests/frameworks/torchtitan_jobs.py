@@ -263,8 +263,13 @@ def exported(rank: int, *, work: str, name: str, hf: str, mapping: str, params: 
     if zero_expert_bias:
         full = {k: torch.zeros_like(v) if k.endswith("expert_bias_E") else v for k, v in full.items()}
     diff = (logits([part], name, full, length) - hf_logits).abs().max().item()
+    # Each layer's attention window in torchtitan's model config (gpt_oss), and as transformers read the export.
+    windows = [getattr(getattr(layer, "attention", None), "sliding_window_size", None)
+               for layer in getattr(model_spec.model, "layers", [])]
     return {"skipped": out["skipped"], "architecture": type(model).__name__, "logits_diff": diff,
-            "logits_max": hf_logits.abs().max().item(),
+            "logits_max": hf_logits.abs().max().item(), "windows": windows,
+            "layer_types": getattr(model.config, "layer_types", None),
+            "sliding_window": getattr(model.config, "sliding_window", None),
             "only_ours": sorted(set(ours) - set(theirs)), "only_theirs": sorted(set(theirs) - set(ours)),
             "differ": sorted(k for k in set(ours) & set(theirs) if not torch.equal(ours[k], theirs[k]))}
 

@@ -481,17 +481,19 @@ def test_renumber_reads_a_prefix_as_another_after_an_offset_both_ways(tmp_path):
         NameMapping({**doc, "renumber": [{"key": "M.{n}.", "as": "L.{layer}."}]})
 
 
-def test_equal_compares_two_values_and_range_counts_up_to_one(tmp_path):
+def test_equal_compares_two_values_range_counts_up_to_one_and_cycle_repeats(tmp_path):
     # Dense layers first (first_k_dense_replace) is: their indices are range(their count).
     first = {"$equal": [{"$indices": "L.{layer}.dense"}, {"$range": {"$count": "L.{layer}.dense"}}],
              "then": {"$count": "L.{layer}.dense"}, "else": {"$error": "dense layers not first"}}
     config = {"per_group": {"$param": "top_k", "divide": "groups"},
               "pair": {"$equal": [{"$param": "top_k", "divide": "groups"}, 2], "then": "two", "else": "other"},
-              "gated": {"$equal": [{"$indices": "L.{layer}.gate"}, [0, 2]]}, "r": {"$range": 3}}
+              "gated": {"$equal": [{"$indices": "L.{layer}.gate"}, [0, 2]]}, "r": {"$range": 3},
+              "kinds": {"$cycle": ["a", {"$param": "groups"}], "count": {"$count": "L.{layer}.dense"}}}
     save_global({n: np.zeros((2, 2), np.float32) for n in ("L.0.dense", "L.1.dense", "L.2.gate")}, tmp_path / "a")
     doc = {"tensors": [{"key": "{name}", "name": "{name}"}], "config": {**config, "first": first}}
     out = export(str(tmp_path / "a"), str(tmp_path / "ha"), mapping=NameMapping(doc, params={"top_k": 8, "groups": 4}))
-    assert out["config"] == {"per_group": 2, "pair": "two", "gated": False, "r": [0, 1, 2], "first": 2}
+    assert out["config"] == {"per_group": 2, "pair": "two", "gated": False, "r": [0, 1, 2], "first": 2,
+                             "kinds": ["a", 4]}
     out = export(str(tmp_path / "a"), str(tmp_path / "hb"), mapping=NameMapping(doc, params={"top_k": 6, "groups": 1}))
     assert out["config"]["pair"] == "other" and out["config"]["per_group"] == 6
     with pytest.raises(ExportError, match=r"config\.per_group: params\.top_k 6 does not divide by 4"):
@@ -500,7 +502,9 @@ def test_equal_compares_two_values_and_range_counts_up_to_one(tmp_path):
     with pytest.raises(ExportError, match=r"config\.first\.else: dense layers not first"):
         export(str(tmp_path / "b"), str(tmp_path / "hd"), mapping=NameMapping(doc, params={"top_k": 8, "groups": 4}))
     for bad, match in (({"$equal": [1]}, r"config\.x: \$equal compares a list of two values, got \[1\]"),
-                       ({"$range": -1}, r"config\.x: \$range counts up to a whole number, got -1")):
+                       ({"$range": -1}, r"config\.x: \$range counts up to a whole number, got -1"),
+                       ({"$cycle": ["a"]}, r"config\.x: \$cycle needs a whole number as its count, got None"),
+                       ({"$cycle": [], "count": 2}, r"config\.x: \$cycle repeats a list of values, got \[\]")):
         with pytest.raises(ExportError, match=match):
             export(str(tmp_path / "a"), str(tmp_path / "he"), mapping=NameMapping(
                 {"tensors": [{"key": "{name}", "name": "{name}"}], "config": {"x": bad}}))
@@ -949,6 +953,9 @@ def test_torchtitan_gpt_oss_keys_export_to_each_gpt_oss_tensor_exactly_and_read_
     assert config["architectures"] == ["GptOssForCausalLM"] and config["num_local_experts"] == experts
     assert (config["head_dim"], config["intermediate_size"], config["num_hidden_layers"]) == (hd, ffn, layers)
     assert config["hidden_size"] == hidden and config["tie_word_embeddings"] is False
+    # torchtitan's gpt_oss: a sliding window on even layers (its model's layer_id % 2 == 0), full attention on odd
+    assert config["layer_types"] == ["sliding_attention", "full_attention"] * (layers // 2) + \
+        ["sliding_attention"] * (layers % 2)
     source = SafetensorsSource(str(path / "hf"), mapping)
     for k, value in keys.items():
         assert source.keys[k][1] == value.shape, k
