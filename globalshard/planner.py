@@ -506,8 +506,8 @@ def _assign_writers(
     writes = []
     firsts = [int(g.ranks[0]) for g in groups]
     for key, region in items:
-        # TODO(limitation): replicas are trusted to hold equal values; whichever
-        # one balances the bytes is written, and no check compares them.
+        # TODO(limitation): replicas are trusted to hold equal values (compared only when the
+        # save asks, check_replicas=True); whichever one balances the bytes is written.
         holders = candidates[(key, region.box)]
         if len(holders) == 1 and len(groups[holders[0][0]].ranks) == 1:  # one rank can write it
             rank, shard, reg = firsts[holders[0][0]], holders[0][1], holders[0][2]

@@ -702,6 +702,50 @@ def state_dict_save_job(rank: int, *, path: str, dump: str, saver: str | None = 
     background.wait()
 
 
+def replica_drift_job(rank: int, *, path: str, saver: str | None) -> dict[str, Any]:
+    """2 ranks whose copies drifted apart: a DCP state dict with a row-sharded DTensor,
+    a replicated one and a plain buffer (as a BatchNorm's running mean, never all-reduced)
+    that rank 1 holds one ulp off; and save_checkpoint at DP=2, its data-parallel
+    replica of one bias off. Each saved with ``check_replicas=True`` (with ``saver``,
+    an AsyncSaver of that mode): what each save raised."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    mean = torch.full((4,), 0.5)
+    if rank == 1:
+        mean[2] = torch.nextafter(mean[2], torch.tensor(1.0))
+    state = {"model": {"w": distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)]),
+                       "norm": distribute_tensor(torch.ones(2), mesh, [Replicate()]), "running_mean": mean}}
+    background = gs.AsyncSaver(saver) if saver else None
+    outcome: dict[str, Any] = {}
+    for name, save in (
+            ("state_dict", lambda: gt.save(state, os.path.join(path, "sd"), check_replicas=True, saver=background)),
+            ("checkpoint", lambda: gt.save_checkpoint(
+                os.path.join(path, "ckpt"), model=_drifted_linear(rank), layout=gt.ParallelLayout(
+                    dp_rank=rank, dp_size=2), rules=gt.ShardingRules([(".*", gt.Replicated())]),
+                check_replicas=True, saver=background))):
+        try:
+            save()
+            if background is not None:
+                background.wait()
+            outcome[name] = None
+        except gs.MismatchError as e:
+            outcome[name] = str(e)
+        where = {"state_dict": "sd", "checkpoint": "ckpt"}[name]
+        outcome[name + "_committed"] = os.path.exists(os.path.join(path, where, "metadata.json"))
+    return outcome
+
+
+def _drifted_linear(rank: int) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    if rank == 1:
+        with torch.no_grad():
+            model.bias[0] += 1e-3
+    return model
+
+
 def load_during_async_save_job(rank: int, *, path: str, mode: str) -> dict[str, Any]:
     """2 ranks: a checkpoint saved, then the next one saved by an AsyncSaver
     (``mode``) and the first loaded while it is in flight, without waiting for

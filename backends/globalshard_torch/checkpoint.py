@@ -137,6 +137,7 @@ def save_checkpoint(
     base: Any = None,
     frozen: Sequence[str] = (),
     digests: bool | None = None,
+    check_replicas: bool = False,
 ) -> None:
     """Save this rank's part of the model, optimizer, scheduler and trainer state.
 
@@ -159,6 +160,9 @@ def save_checkpoint(
     ``frozen`` and ``digests``: as for :func:`globalshard.save` (regions equal
     to a base checkpoint's stored as references to it; ``frozen`` names
     checkpoint keys, such as a LoRA fine-tune's pretrained weights).
+    ``check_replicas``: as for :func:`globalshard.save` (data-parallel
+    replicas, and TP ranks' copies of replicated tensors, compared bit for
+    bit before anything is written).
     """
     comm = resolve_comm(comm)
     user = dict(trainer_state or {})
@@ -236,10 +240,11 @@ def save_checkpoint(
         state["rank_state"] = [g["rank_state"] for g in gathered]
     if isinstance(path, TierStep):
         path.save(shards, state, stats, saver, staging, pack_below=pack_below, base=base, frozen=frozen,
-                  digests=digests)
+                  digests=digests, check_replicas=check_replicas)
     else:
         staging.save(shards, path, saver, trainer_state=state, comm=comm, overwrite=overwrite, kvstore=kvstore,
-                     stats=stats, pack_below=pack_below, base=base, frozen=frozen, digests=digests)
+                     stats=stats, pack_below=pack_below, base=base, frozen=frozen, digests=digests,
+                     check_replicas=check_replicas)
 
 
 def load_checkpoint(
@@ -763,7 +768,8 @@ class TierStep:
     def save(self, shards: Mapping[str, gs.ShardedTensor], trainer_state: dict[str, Any],
              stats: gs.IOStats | None, saver: gs.AsyncSaver | None, staging: HostStaging, **options: Any) -> None:
         """Save the staged ``shards`` as this step (with ``saver``: in the
-        background); ``options``: ``pack_below``, ``base``, ``frozen``, ``digests``, ``unchanged``."""
+        background); ``options``: ``pack_below``, ``base``, ``frozen``, ``digests``, ``unchanged``,
+        ``check_replicas``."""
         self.manager.save_state(self.step, shards, trainer_state=trainer_state, stats=stats, saver=saver,
                                 staged=staging.staged(shards) if saver is not None else None, **options)
 

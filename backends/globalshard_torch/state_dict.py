@@ -283,11 +283,15 @@ def replica_keys(rank: int, digests: Sequence[str], holders: Sequence[Mapping[st
 def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, overwrite: bool = False,
          kvstore: Any = None, stats: gs.IOStats | None = None, pack_below: int = 0, base: Any = None,
          frozen: Sequence[str] = (), digests: bool | None = None, saver: gs.AsyncSaver | None = None,
-         unchanged: Mapping[str, Mapping[tuple[int, ...], str]] | None = None) -> None:
+         unchanged: Mapping[str, Mapping[tuple[int, ...], str]] | None = None,
+         check_replicas: bool = False) -> None:
     """Save a nested state dict (see the module docstring). Call on every rank.
     ``pack_below``, ``base``, ``frozen``, ``digests``, ``unchanged``: as for :func:`globalshard.save`
     (small regions stored in a few packs; regions equal to a base checkpoint's
-    stored as references to it). ``saver`` (a :class:`globalshard.AsyncSaver`),
+    stored as references to it). ``check_replicas``: as for
+    :func:`globalshard.save`: the copies of a key that several ranks hold
+    (plain tensors, replicated DTensors, data-parallel replicas) are compared
+    bit for bit before anything is written, rather than taken as equal. ``saver`` (a :class:`globalshard.AsyncSaver`),
     as DCP's ``async_save``: the call returns once this rank's tensors are
     copied to host memory (CUDA tensors into the saver's page-locked pool, on
     a side stream), and the writing goes on in the background; training may
@@ -379,7 +383,8 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
     # Which rank (plain tensors) or mesh (DTensors on part of the world) holds the main copy of
     # each such key: the lowest that holds it (DCP too stores one of the copies; any holder of
     # a copy may write it). JSON values: the lowest rank's.
-    # TODO(limitation): copies of a key on several ranks are assumed equal, not compared.
+    # TODO(limitation): copies of a key on several ranks are assumed equal unless the save
+    # compares them (check_replicas=True); JSON values are the lowest rank's, never compared.
     copies = replica_keys(comm.rank, kept, [d["holders"] for d in described],
                           {digest: part["shared"] for digest, part in parts.items()})
     for name, shard in shards.items():
@@ -409,11 +414,11 @@ def save(state_dict: dict[str, Any], path: Any, *, comm: Comm | None = None, ove
         recorded[_ARRAYS] = all_arrays
     if isinstance(path, TierStep):
         path.save(shards, recorded, stats, saver, staging, pack_below=pack_below, base=base, frozen=frozen,
-                  digests=digests, unchanged=unchanged)
+                  digests=digests, unchanged=unchanged, check_replicas=check_replicas)
     else:
         staging.save(shards, path, saver, trainer_state=recorded, comm=comm,
                      overwrite=overwrite, kvstore=kvstore, stats=stats, pack_below=pack_below, base=base,
-                     frozen=frozen, digests=digests, unchanged=unchanged)
+                     frozen=frozen, digests=digests, unchanged=unchanged, check_replicas=check_replicas)
 
 
 def _tuple_paths(value: Any, path: tuple[Any, ...] = ()) -> list[list[Any]]:

@@ -150,7 +150,8 @@ class AsyncSaver:
              comm: Comm | None = None, overwrite: bool = False, kvstore: Any = None,
              stats: IOStats | None = None, staged: Mapping[str, Callable[[], None]] | None = None,
              pack_below: int = 0, base: Any = None, frozen: Iterable[str] = (),
-             digests: bool | None = None, io: str | None = None, unchanged: Digests | None = None) -> None:
+             digests: bool | None = None, io: str | None = None, unchanged: Digests | None = None,
+             check_replicas: bool = False) -> None:
         """As :func:`~globalshard.save`, returning after the host snapshot (see the class).
 
         Args:
@@ -169,6 +170,8 @@ class AsyncSaver:
             unchanged: as for :func:`~globalshard.save`: hashed from the
                 snapshot in the background, before anything is written.
             io: as for :func:`~globalshard.save` (the writer process opens that engine).
+            check_replicas: as for :func:`~globalshard.save`: compared before
+                this call returns (staged copies waited for).
             staged: names of ``state`` whose ``data`` is already a private
                 host copy that is still being filled (a device-to-host copy in
                 flight), each with a function that blocks until it is done.
@@ -188,7 +191,7 @@ class AsyncSaver:
         try:
             planned = plan_save(store, comm, entries, trainer_state, overwrite, held, staged,
                                 pack_below=pack_below, base=base, frozen=frozen, digests=digests, kvstore=kvstore,
-                                io=io, unchanged=unchanged)
+                                io=io, unchanged=unchanged, check_replicas=check_replicas)
         except BaseException:
             held.close()
             raise

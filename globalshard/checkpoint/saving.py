@@ -24,6 +24,7 @@ from globalshard.checkpoint.bases import (
 from globalshard.checkpoint.commit import what_is_there
 from globalshard.checkpoint.finishing import finish_save
 from globalshard.checkpoint.plan_cache import PLANS, PlanCache
+from globalshard.checkpoint.replicas import differing_replicas, region_checksums
 from globalshard.comm import Comm, SingleProcessComm, distinct_values, json_digest, run_collectively
 from globalshard.errors import LayoutError, StorageError
 from globalshard.format.metadata import Metadata, gc_paused
@@ -76,6 +77,7 @@ def save(
     digests: bool | None = None,
     io: str | None = None,
     unchanged: Digests | None = None,
+    check_replicas: bool = False,
 ) -> None:
     """Save this rank's shards as (part of) one checkpoint.
 
@@ -139,10 +141,18 @@ def save(
         io: the array engine for a local directory, ``"localio"`` (the
             default) or ``"tensorstore"``; None: ``GLOBALSHARD_IO``, read now.
             Object stores always use TensorStore.
+        check_replicas: compare every copy of a region with the others before
+            anything is written (a crc32c of each, exchanged with the plan;
+            see :mod:`globalshard.checkpoint.replicas`): copies of one box of
+            one key (data-parallel replicas, a tensor every rank holds) that
+            differ bit for bit raise :class:`MismatchError` on every rank,
+            rather than the save keeping one of them. Reads every
+            byte once more; copies of another cut of the key are not compared.
+            Every rank must pass the same.
 
     Raises:
-        LayoutError, MetadataError, CheckpointExistsError (ConcurrentSaveError),
-        StorageError, CommError.
+        LayoutError, MismatchError (``check_replicas``), MetadataError,
+        CheckpointExistsError (ConcurrentSaveError), StorageError, CommError.
 
     >>> import numpy as np, tempfile
     >>> from globalshard import Box, read_array
@@ -158,7 +168,7 @@ def save(
     with gc_paused():
         _save(state, path, trainer_state, comm, overwrite, kvstore, stats, pack_below,
               {"base": base, "frozen": frozen, "digests": digests, "kvstore": kvstore, "io": io,
-               "unchanged": unchanged})
+               "unchanged": unchanged, "check_replicas": check_replicas})
 
 
 def _save(state: Mapping[str, ShardedTensor], path: Any, trainer_state: dict[str, Any] | None, comm: Comm | None,
@@ -222,10 +232,12 @@ def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]]
                trainer_state: dict[str, Any] | None, overwrite: bool, held: contextlib.ExitStack,
                staged: Mapping[str, Callable[[], None]] | None = None, *, pack_below: int = 0,
                base: Any = None, frozen: Iterable[str] = (), digests: bool | None = None,
-               kvstore: Any = None, io: str | None = None, unchanged: Digests | None = None) -> PlannedSave:
+               kvstore: Any = None, io: str | None = None, unchanged: Digests | None = None,
+               check_replicas: bool = False) -> PlannedSave:
     """Describe, validate and plan collectively; rank 0 takes the lock into
-    ``held`` and finds what the save replaces; every rank reads ``base``.
-    Nothing on storage changes."""
+    ``held`` and finds what the save replaces; every rank reads ``base``;
+    with ``check_replicas``, copies of a region are compared. Nothing on
+    storage changes."""
     check_pack_below(pack_below)
     io = engine_name(io)  # a bad name fails before anything is planned
     frozen = [frozen] if isinstance(frozen, str) else list(frozen)
@@ -246,7 +258,8 @@ def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]]
     def describe() -> dict[str, Any]:
         # Everything checkable is checked before anything on storage changes.
         out: dict[str, Any] = {"digest": digest, "replicas": replicas, "pack_below": pack_below,
-                               "plans": list(held_plans), "unchanged": unchanged_digest}
+                               "plans": list(held_plans), "unchanged": unchanged_digest,
+                               "checksums": region_checksums(entries, staged) if check_replicas else None}
         if base is not None:  # on every rank: each decides for the regions it writes
             bases.append(open_base(store, base, kvstore))
         if comm.rank == 0:
@@ -278,6 +291,10 @@ def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]]
     if len({g["unchanged"] for g in gathered}) > 1:  # every rank takes part in hashing them, or none
         raise LayoutError("ranks passed different unchanged= digests; pass the same (gathered from every rank) "
                           "on every rank")
+    if len({g["checksums"] is None for g in gathered}) > 1:
+        raise LayoutError("ranks passed different check_replicas values; pass the same on every rank")
+    if check_replicas:
+        differing_replicas([g["checksums"] for g in gathered])
     rank_digests = [g["digest"] for g in gathered]
     mine: Sequence[WriteItem] | None = None
     if comm.world_size > 1:

@@ -95,14 +95,16 @@ class TieredManager(CheckpointManager):
         the keys still as a load from the base gave them (in the base's cut)
         referenced in that step, not written to the tiers at all; a recovery reads them from
         the nodes' tier copies of the base's step (kept while a kept copy
-        references it), else from the persistent tier."""
+        references it), else from the persistent tier. ``check_replicas``: as
+        for :func:`~globalshard.save`."""
         trainer_state, stats = kwargs.pop("trainer_state", None), kwargs.pop("stats", None)
         saver, staged = kwargs.pop("saver", None), kwargs.pop("staged", None)
         pack_below, base, frozen = kwargs.pop("pack_below", 0), kwargs.pop("base", None), kwargs.pop("frozen", ())
         digests, unchanged = kwargs.pop("digests", None), kwargs.pop("unchanged", None)
+        check_replicas = kwargs.pop("check_replicas", False)
         if kwargs:
             raise TypeError(f"TieredManager.save takes trainer_state, stats, saver, staged, pack_below, base, "
-                            f"frozen, digests and unchanged, not {sorted(kwargs)}")
+                            f"frozen, digests, unchanged and check_replicas, not {sorted(kwargs)}")
         if step < 0:
             raise ValueError(f"step must be non-negative, got {step}")
         if staged and saver is None:
@@ -120,7 +122,7 @@ class TieredManager(CheckpointManager):
                             lambda s: open_root(self.path(s)), trainer_state=trainer, stats=stats,
                             on_persisted=self._on_persisted, saver=saver, staged=staged, on_drain=drained,
                             pack_below=pack_below, base=base, frozen=frozen, digests=digests,
-                            unchanged=unchanged)
+                            unchanged=unchanged, check_replicas=check_replicas)
         if saver is None:
             self._drain = drain
         else:  # the background hands over the drain, before the saver's wait() returns

@@ -161,7 +161,7 @@ def save_tiered(state: Mapping[str, ShardedTensor], step: int, comm: Comm, tier:
                 saver: AsyncSaver | None = None, staged: Mapping[str, Callable[[], None]] | None = None,
                 on_drain: Callable[[Drain], None] = lambda drain: None, pack_below: int = 0,
                 base: Any = None, frozen: Iterable[str] = (), digests: bool | None = None,
-                unchanged: Digests | None = None, kvstore: Any = None) -> Drain | None:
+                unchanged: Digests | None = None, kvstore: Any = None, check_replicas: bool = False) -> Drain | None:
     """Save ``state`` as step ``step``: into this node's directory (and the next
     nodes'), committed there on every node; then, in the background, copied
     to ``step_store(step)`` in the persistent tier and committed there, when
@@ -180,6 +180,7 @@ def save_tiered(state: Mapping[str, ShardedTensor], step: int, comm: Comm, tier:
     those hashed equal to the base's, and the unchanged keys' (in the base's
     cut) are referenced there, neither written nor copied nor drained
     (``kvstore``: as for :func:`~globalshard.save`'s, for ``base``).
+    ``check_replicas``: as for :func:`~globalshard.save`.
 
     Raises:
         LayoutError, StorageError, CommError: as :func:`~globalshard.save`; the
@@ -196,7 +197,7 @@ def save_tiered(state: Mapping[str, ShardedTensor], step: int, comm: Comm, tier:
     try:
         planned = plan_save(target, comm, entries_of(state), trainer_state, False, held, staged,
                             pack_below=pack_below, base=base, frozen=frozen, digests=digests, kvstore=kvstore,
-                            unchanged=unchanged)
+                            unchanged=unchanged, check_replicas=check_replicas)
     except BaseException:
         held.close()
         raise

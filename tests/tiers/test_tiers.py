@@ -441,3 +441,27 @@ def test_a_persisted_steps_own_commit_wins_over_its_tier_copies_metadata(tmp_pat
     out = run_ranks(8, lambda comm: manager(tmp_path, comm).load_latest(
         rows_state({"c": np.zeros((ROWS, COLS), np.float32)}, comm.rank, 8)))
     assert all(isinstance(e, gs.MissingKeyError) and "'c'" in str(e) for e in out), out
+
+
+def test_a_tiered_save_compares_replicas_when_asked_and_keeps_the_previous_step(tmp_path):
+    # Every rank also holds "norm" whole (rank 0's the main copy); rank 3's drifted. Asked to compare copies,
+    # the step is refused on every rank before any node writes it, and step 10 stays the newest everywhere.
+    def job(comm, drift):
+        m = manager(tmp_path, comm)
+        norm = np.full(4, 0.5 + (1e-3 if comm.rank == drift else 0), np.float32)
+        state = rows_state(values(10), comm.rank, 4) | {"norm": gs.ShardedTensor.from_offset(
+            "norm", norm, global_shape=(4,), global_offset=(0,), replica_id=int(comm.rank > 0))}
+        try:
+            m.save(10 if drift is None else 20, state, check_replicas=True)
+            m.wait()
+        except gs.MismatchError as e:
+            return str(e)
+        return None
+
+    assert run_ranks(4, lambda comm: job(comm, None)) == [None] * 4
+    refused = run_ranks(4, lambda comm: job(comm, 3))
+    assert all(r is not None and "'norm' [0:4]: copies differ, 2 values held by: rank 0 (main), rank 1, rank 2; "
+               "rank 3" in r for r in refused), refused
+    assert not (tmp_path / "persistent" / "iter_0000020" / "metadata.json").exists()  # its lock file at most
+    assert json.loads((tmp_path / "persistent" / "latest").read_text())["step"] == 10
+    assert all(sorted(os.listdir(tmp_path / "local" / f"node{n}")) == ["iter_0000010"] for n in range(2))

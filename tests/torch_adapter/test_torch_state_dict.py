@@ -707,3 +707,16 @@ def test_any_state_dict_loads_as_dcp_loads_it(tmp_path_factory, state):
     dcp.load(theirs, checkpoint_id=str(root / "dcp"), no_dist=True)
     assert _plain_view(ours) == expected
     assert _plain_view(theirs) == expected
+
+
+@pytest.mark.parametrize("saver", [None, "process"])
+def test_copies_that_drifted_apart_are_refused_with_check_replicas(tmp_path, saver):
+    # A plain tensor is taken as equal on every rank that holds it, a replicated DTensor and data-parallel
+    # replicas too: unchecked, a save keeps one copy. check_replicas=True compares them before anything is
+    # written, on both ranks, sync and async alike (the async save raises before it returns).
+    for got in values_of(run(2, "replica_drift_job", str(tmp_path / "r"), path=str(tmp_path), saver=saver)):
+        assert "'model.running_mean' [0:4]: copies differ, 2 values held by: rank 0 (main); rank 1" in \
+            got["state_dict"], got
+        assert "'model.w'" not in got["state_dict"] and "'model.norm'" not in got["state_dict"]
+        assert "'bias' [0:2]: copies differ" in got["checkpoint"] and "'weight'" not in got["checkpoint"], got
+        assert not got["state_dict_committed"] and not got["checkpoint_committed"]
