@@ -151,12 +151,17 @@ class SaveStrategy(AsyncSaveShardedStrategy):
             (one of the strategy's own when None); synchronous saves do not use it.
         comm: the communicator (default: one over the whole world).
         pack_below: as for :func:`globalshard.save`.
+        check_replicas: as for :func:`globalshard.save`: the copies of each
+            box (a layernorm every TP rank holds, data-parallel replicas) are
+            compared bit for bit before anything is written, and copies that
+            drifted apart raise, naming the key, box and ranks.
     """
 
     def __init__(self, backend: str = BACKEND, version: int = VERSION, *, saver: gs.AsyncSaver | None = None,
-                 comm: Comm | None = None, pack_below: int = 0) -> None:
+                 comm: Comm | None = None, pack_below: int = 0, check_replicas: bool = False) -> None:
         super().__init__(backend, version)
         self.saver, self.comm, self.pack_below = saver, comm, pack_below
+        self.check_replicas = check_replicas
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -182,7 +187,7 @@ class SaveStrategy(AsyncSaveShardedStrategy):
         comm = resolve_comm(self.comm)
         # dist_checkpointing.save writes over what a directory holds (an earlier, failed save's
         # leftovers); the globalshard checkpoint there stays loadable until this one commits.
-        return dict(comm=comm, overwrite=True, pack_below=self.pack_below)
+        return dict(comm=comm, overwrite=True, pack_below=self.pack_below, check_replicas=self.check_replicas)
 
     def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
         """Store the ShardedTensors; returns once the checkpoint is committed."""

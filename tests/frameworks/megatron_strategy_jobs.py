@@ -143,7 +143,7 @@ def scenario(rank: int, *, path: str, name: str, save: dict[str, int], load: dic
     changed = False
     if background:
         queue = AsyncCallsQueue()
-        strategy = gm.SaveStrategy(saver=gs.AsyncSaver())
+        strategy = gm.SaveStrategy(saver=gs.AsyncSaver(), check_replicas=True)
         if parallel:
             strategy = FullyParallelSaveStrategyWrapper(strategy, _dp_group())
         request = dist_checkpointing.save(_state(a, a_opt, sharding, False), ours, sharded_strategy=strategy,
@@ -154,7 +154,8 @@ def scenario(rank: int, *, path: str, name: str, save: dict[str, int], load: dic
         queue.maybe_finalize_async_calls(blocking=True)
         queue.close()
     else:
-        strategy = gm.SaveStrategy()
+        # Megatron's replicas (layernorms on every TP rank, DP copies) compared before writing: all equal.
+        strategy = gm.SaveStrategy(check_replicas=True)
         if parallel:
             strategy = FullyParallelSaveStrategyWrapper(strategy, _dp_group())
         dist_checkpointing.save(_state(a, a_opt, sharding, False), ours, sharded_strategy=strategy)
@@ -510,4 +511,17 @@ def conventions(rank: int, *, path: str) -> dict[str, Any]:
     out["removed"] = {"keys": sorted(dist_checkpointing.load_tensors_metadata(removing)),
                       "warned": [str(w.message) for w in caught], "files": sorted(os.listdir(arrays)),
                       "kept": outcome({"a": ShardedTensor.from_rank_offsets("keyA", torch.zeros(2, 4))}, removing)}
+    # Two copies of one box that drifted apart (a replica one ulp off): refused with check_replicas, naming it.
+    drifted = os.path.join(path, "drifted")
+    os.makedirs(drifted)
+    copy = torch.full((2, 3), 0.5)
+    copy[1, 1] = torch.nextafter(copy[1, 1], torch.tensor(1.0))
+    try:
+        dist_checkpointing.save({"main": ShardedTensor.from_rank_offsets("keyD", torch.full((2, 3), 0.5)),
+                                 "copy": ShardedTensor.from_rank_offsets("keyD", copy, replica_id=1)}, drifted,
+                                sharded_strategy=gm.SaveStrategy(check_replicas=True))
+        out["drifted"] = None
+    except CheckpointingException as e:
+        out["drifted"] = f"CheckpointingException: {e}"
+    out["drifted_committed"] = os.path.exists(os.path.join(gm.arrays_path(drifted), "metadata.json"))
     return out

@@ -213,6 +213,9 @@ def test_megatrons_own_serialization_tests_pass_with_the_globalshard_strategy(tm
     assert removed["keys"] == ["keyA"] and removed["files"] == ["keyA"], removed
     assert removed["kept"] == {"a": [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]}
     assert len(removed["warned"]) == 1 and 'whose keys begin with "prefix". Skipping removal' in removed["warned"][0]
+    # SaveStrategy(check_replicas=True): two copies of keyD's box one ulp apart, refused, nothing committed.
+    assert out["drifted"].startswith("CheckpointingException: MismatchError"), out["drifted"]
+    assert "'keyD' [0:2, 0:3]: copies differ" in out["drifted"] and not out["drifted_committed"]
 
 
 def test_any_two_cuts_of_a_global_array_round_trip_through_dist_checkpointing(tmp_path):
