@@ -294,6 +294,8 @@ def plan_save(store: Store, comm: Comm, entries: list[tuple[str, ShardedTensor]]
     if len({g["checksums"] is None for g in gathered}) > 1:
         raise LayoutError("ranks passed different check_replicas values; pass the same on every rank")
     if check_replicas:
+        # TODO(limitation): every rank's checksums travel to every rank (about 60 bytes a region),
+        # though only the holders of a box's copies need them.
         differing_replicas([g["checksums"] for g in gathered])
     rank_digests = [g["digest"] for g in gathered]
     mine: Sequence[WriteItem] | None = None
