@@ -103,7 +103,8 @@ def train(rank: int, *, work: str, dp_shard: int, tp: int, ep: int = 1, pp: int 
         for p in _parameters(parts):
             p.grad = torch.sin(p.detach() * 3.0) * 0.1
         optimizers.step()
-    gt.save(state(parts, optimizers), os.path.join(work, "ours"))
+    # Every copy that ranks hold (replicated DTensors, plain buffers such as the MoE expert bias) compared first.
+    gt.save(state(parts, optimizers), os.path.join(work, "ours"), check_replicas=True)
     dcp.save(state(parts, optimizers), checkpoint_id=os.path.join(work, "dcp"))
     return {"tensors": len(ModelWrapper(parts).state_dict()), "parts": len(parts)}
 

@@ -54,7 +54,7 @@ def train(rank: int, *, hf: str, kind: str, sizes: dict[str, int], path: str, du
     model, optimizer = build(hf, kind, sizes)
     step(model, optimizer)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    gt.save({"model": model_sd, "optim": optim_sd}, path)
+    gt.save({"model": model_sd, "optim": optim_sd}, path, check_replicas=True)  # its copies compared first
     np.savez(f"{dump}.{rank}.npz", **_whole(model_sd, optim_sd))
     return {"placements": {k: str(getattr(v, "placements", "")) for k, v in model_sd.items()}}
 
