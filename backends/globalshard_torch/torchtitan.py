@@ -156,9 +156,17 @@ class CheckpointManager(DcpCheckpointManager):
         local_keep: int = 2
         """Steps each node keeps in ``local_folder`` (and the bases they reference)."""
 
+        check_replicas: bool = False
+        """Compare the copies ranks hold (replicated DTensors over the data-parallel
+        sub-meshes, plain buffers every rank holds) bit for bit before each save
+        writes anything, and fail the save naming the key, box and ranks whose
+        copies drifted apart (:func:`globalshard.save`'s ``check_replicas``).
+        False: one copy is written, the others taken as equal, as DCP does."""
+
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         self.reference_unchanged = config.reference_unchanged
+        self.check_replicas = config.check_replicas
         #: The roots each committed step folder references, read once (its metadata.json is parsed whole).
         self._bases_of: dict[str, list[str]] = {}
         self._loaded: _Loaded | None = None
@@ -223,7 +231,7 @@ class CheckpointManager(DcpCheckpointManager):
         self._bases_of.pop(name, None)  # saved anew: read again
         self._saving = (name, None if base is None else os.path.basename(os.path.normpath(base)))
         _state_dict.save(state_dict, target, overwrite=target is checkpoint_id, saver=saver, base=base,
-                         digests=digests, unchanged=unchanged)
+                         digests=digests, unchanged=unchanged, check_replicas=self.check_replicas)
         if saver is None:
             return None
         saving = _Saving(saver)

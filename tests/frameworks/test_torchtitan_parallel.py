@@ -443,6 +443,15 @@ def test_multi_token_prediction_layers_export_after_the_layers_as_torchtitans_ad
     assert (config["num_hidden_layers"], config["num_nextn_predict_layers"]) == (3, 1)
 
 
+def test_our_checkpointer_with_check_replicas_refuses_a_step_whose_copies_drifted(tmp_path):
+    # CheckpointManager.Config(check_replicas=True): the train state every rank holds, compared before each step
+    # is written; rank 1 counting other tokens fails the step on both ranks, the step before stays the newest.
+    for r in run(2, "torchtitan_checkpointer_jobs:drifted", str(tmp_path / "r"), work=str(tmp_path)):
+        assert r["committed"] == ["step-1"], r
+        assert "'train_state.ntokens_seen' []: copies differ, 2 values held by: rank 0 (main); rank 1" in r["error"]
+        assert "'train_state.step'" not in r["error"]
+
+
 @pytest.mark.parametrize("async_mode,pp", [("disabled", 1), ("async", 1), ("async_with_pinned_mem", 1),
                                            ("disabled", 2)])
 def test_torchtitans_trainer_loop_checkpoints_with_our_manager_as_with_its_own(tmp_path, async_mode, pp):

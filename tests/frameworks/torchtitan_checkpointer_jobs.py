@@ -85,6 +85,27 @@ def train(rank: int, *, work: str, who: str, async_mode: str, pp: int = 1, model
     return {"fresh_start": not fresh, "saved": saved, "steps": sorted(os.listdir(folder))}
 
 
+def drifted(rank: int, *, work: str) -> dict[str, Any]:
+    """Our checkpointer with ``check_replicas=True`` at dp_shard=2: a step whose copies
+    agree saves; then rank 1's train state drifts (the tokens it counted), and the next
+    save fails on both ranks, naming it. Returns the error and the steps committed."""
+    import globalshard as gs
+
+    t = _trainer("ours", work, 2, 1, 0, "disabled", folder="drift", check_replicas=True)
+    t["train_state"].step, t["train_state"].ntokens_seen = 1, 100
+    t["manager"].save(1)
+    t["train_state"].step, t["train_state"].ntokens_seen = 2, 200 + rank
+    try:
+        t["manager"].save(2)
+        error = None
+    except gs.MismatchError as e:
+        error = str(e)
+    t["manager"].close()
+    folder = os.path.join(work, "ours", "drift")
+    committed = [n for n in os.listdir(folder) if os.path.exists(os.path.join(folder, n, "metadata.json"))]
+    return {"error": error, "committed": sorted(committed)}
+
+
 def resume(rank: int, *, work: str, model: str = "llama3") -> dict[str, Any]:
     """At TP=2, into models of other values, by each checkpointer from its own folder:
     the latest step each finds, then step 4 loaded (the last holds the model only),
