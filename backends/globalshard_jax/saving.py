@@ -38,7 +38,7 @@ def _shards(key: str, leaf: Any, axes: tuple[int, ...] | None, rank: int) -> lis
 def save(path: Any, pytree: Any, *, trainer_state: dict[str, Any] | None = None, comm: Comm | None = None,
          keys: KeyMap = None, overwrite: bool = False, kvstore: Any = None,
          stats: gs.IOStats | None = None, pack_below: int = 0, base: Any = None, frozen: Any = (),
-         digests: bool | None = None, saver: gs.AsyncSaver | None = None) -> None:
+         digests: bool | None = None, saver: gs.AsyncSaver | None = None, check_replicas: bool = False) -> None:
     """Save a pytree of arrays (``jax.Array``, numpy, Python scalars) as one checkpoint.
 
     Every process calls it with its own view of the same pytree. ``keys``
@@ -47,7 +47,10 @@ def save(path: Any, pytree: Any, *, trainer_state: dict[str, Any] | None = None,
     ``pack_below``, ``base``, ``frozen``, ``digests``: as for :func:`globalshard.save`
     (small regions stored in a few packs; regions equal to a base checkpoint's
     stored as references to it, ``frozen`` naming checkpoint keys).
-    ``saver`` (a :class:`globalshard.AsyncSaver`): the call returns once the
+    ``check_replicas``: as for :func:`globalshard.save`: the copies of each box
+    (a replicated array's shards on several devices, a numpy or Python leaf
+    every process holds) are compared bit for bit before anything is written,
+    rather than process 0's taken. ``saver`` (a :class:`globalshard.AsyncSaver`): the call returns once the
     shards are copied into the saver's staging pool, and the writing goes on
     in its writer process; the arrays may then be donated or deleted. Call
     ``saver.wait()`` to learn its outcome, and before exiting (a load or save
@@ -60,7 +63,7 @@ def save(path: Any, pytree: Any, *, trainer_state: dict[str, Any] | None = None,
     comm = comm if comm is not None else default_comm()
     state, described = prepared(pytree, trainer_state, keys, comm)
     options = dict(trainer_state=described, comm=comm, overwrite=overwrite, kvstore=kvstore, stats=stats,
-                   pack_below=pack_below, base=base, frozen=frozen, digests=digests)
+                   pack_below=pack_below, base=base, frozen=frozen, digests=digests, check_replicas=check_replicas)
     if saver is not None:
         saver.save(state, path, **options)
     else:

@@ -357,6 +357,40 @@ def test_two_processes_through_jax_distributed(tmp_path):
     assert gs.read_metadata(tmp_path / "ckpt").tensors["w"].global_shape == (16, 6)
 
 
+DRIFTED = textwrap.dedent("""
+    import os, sys
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    import jax
+    jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import globalshard as gs
+    import globalshard_jax as gj
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    w = jax.make_array_from_callback((8, 6), NamedSharding(mesh, P("a")),  # replicated over the 4 devices of "b"
+                                     lambda i: np.arange(48, dtype=np.float32).reshape(8, 6)[i])
+    seen = np.array([100 + jax.process_index()], np.int64)  # a host value each process counted for itself
+    gj.save(sys.argv[3] + "/agree", {"w": w, "seen": np.array([100], np.int64)}, check_replicas=True)
+    try:
+        gj.save(sys.argv[3] + "/drift", {"w": w, "seen": seen}, check_replicas=True)
+        error = "none"
+    except gs.MismatchError as e:
+        error = "named" if "'seen' [0:1]: copies differ, 2 values held by: rank 0 (main); rank 1" in str(e) else str(e)
+    committed = os.path.exists(sys.argv[3] + "/drift/metadata.json")
+    print("ok", jax.process_index(), error, committed)
+""")
+
+
+def test_copies_that_processes_hold_are_compared_with_check_replicas(tmp_path):
+    # An array's shards replicated over devices and processes compare equal; a numpy leaf each process filled
+    # itself (taken from process 0 unchecked) is refused on both, naming it, and nothing is committed.
+    outs = two_processes(tmp_path, DRIFTED, tmp_path)
+    assert [o.split()[2:] for o in outs] == [["named", "False"]] * 2, outs
+    assert gs.read_metadata(tmp_path / "agree").tensors["w"].global_shape == (8, 6)
+
+
 SLOW_CLEANUP = textwrap.dedent("""
     import os, sys, time
     os.environ["JAX_PLATFORMS"] = "cpu"
