@@ -64,6 +64,12 @@ def hf_config(mapping: NameMapping, pieces: Sequence[HfTensor], out_dtype: Mappi
             raise ExportError(f"{where}: {at}: {what}{n} does not divide by {d}")
         return n // d
 
+    def whole(n: Any, at: str, needs: str) -> int:
+        """``n`` when it is a whole number (a count), else an error at ``at`` saying what ``needs`` one."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ExportError(f"{where}: {at}: {needs}, got {n!r}")
+        return n
+
     def value(v: Any, at: str) -> Any:
         if isinstance(v, list):
             return [value(x, f"{at}[{i}]") for i, x in enumerate(v)]
@@ -85,14 +91,9 @@ def hf_config(mapping: NameMapping, pieces: Sequence[HfTensor], out_dtype: Mappi
                 raise ExportError(f"{where}: {at}: $equal compares a list of two values, got {arg!r}")
             return chosen(v, value(arg[0], f"{at}[0]") == value(arg[1], f"{at}[1]"), kind, at)
         if kind == "$range":
-            n = value(arg, f"{at}.$range")
-            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                raise ExportError(f"{where}: {at}: $range counts up to a whole number, got {n!r}")
-            return list(range(n))
+            return list(range(whole(value(arg, f"{at}.$range"), at, "$range counts up to a whole number")))
         if kind == "$cycle":
-            n = value(v.get("count"), f"{at}.count")
-            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                raise ExportError(f"{where}: {at}: $cycle needs a whole number as its count, got {n!r}")
+            n = whole(value(v.get("count"), f"{at}.count"), at, "$cycle needs a whole number as its count")
             if not isinstance(arg, list) or not arg:
                 raise ExportError(f"{where}: {at}: $cycle repeats a list of values, got {arg!r}")
             values = value(arg, f"{at}.$cycle")
